@@ -1,0 +1,8 @@
+"""shardopt: a data-parallel sharded AdamW (ZeRO-1/2) with exact, reshardable checkpoints."""
+
+from . import checkpoint
+from .config import OptimizerConfig
+from .optimizer import DistributedOptimizer
+
+__all__ = ["DistributedOptimizer", "OptimizerConfig", "checkpoint"]
+__version__ = "0.1.0"

@@ -1,0 +1,71 @@
+"""Contiguous param and grad buffers, one of each per model dtype.
+
+After construction every trainable param is a view into its dtype's param
+buffer (``param.data`` is rebound; values, dtype, device and the Parameter
+object itself are kept), so a bucket of params is one slice of one tensor and
+can be communicated in one collective without packing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .layout import Bucket, Layout, ParamShard
+
+
+class FlatBuffers:
+    """Param and grad buffers laid out by ``layout``; owns no optimizer state."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, torch.nn.Parameter]],
+        layout: Layout,
+        device: torch.device,
+        grad_accum_fp32: bool,
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self.param_buffers: list[torch.Tensor] = []
+        self.grad_buffers: list[torch.Tensor] = []
+        for buf in layout.buffers:
+            grad_dtype = torch.float32 if grad_accum_fp32 else buf.dtype
+            self.param_buffers.append(torch.zeros(buf.numel, dtype=buf.dtype, device=device))
+            self.grad_buffers.append(torch.zeros(buf.numel, dtype=grad_dtype, device=device))
+
+        params = dict(named_params)
+        self.param_views: dict[str, torch.Tensor] = {}
+        self.grad_views: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for fqn, slot in layout.slots.items():
+                p = params[fqn]
+                flat = self.param_buffers[slot.buffer_index][slot.range_global.as_slice()]
+                flat.copy_(p.detach().reshape(-1))
+                p.data = flat.view(slot.shape)
+                self.param_views[fqn] = flat
+                self.grad_views[fqn] = self.grad_buffers[slot.buffer_index][
+                    slot.range_global.as_slice()
+                ].view(slot.shape)
+
+    def bucket_params(self, bucket: Bucket) -> torch.Tensor:
+        return self.param_buffers[bucket.buffer_index][bucket.range_global.as_slice()]
+
+    def bucket_grads(self, bucket: Bucket) -> torch.Tensor:
+        return self.grad_buffers[bucket.buffer_index][bucket.range_global.as_slice()]
+
+    def shard_params(self, shard: ParamShard) -> torch.Tensor:
+        return self.param_buffers[shard.buffer_index][shard.range_global.as_slice()]
+
+    def shard_grads(self, shard: ParamShard) -> torch.Tensor:
+        return self.grad_buffers[shard.buffer_index][shard.range_global.as_slice()]
+
+    def zero_grads(self) -> None:
+        for g in self.grad_buffers:
+            g.zero_()
+
+    def num_bytes(self) -> dict[str, int]:
+        return {
+            "params": sum(t.numel() * t.element_size() for t in self.param_buffers),
+            "grads": sum(t.numel() * t.element_size() for t in self.grad_buffers),
+        }

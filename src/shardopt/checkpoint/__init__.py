@@ -1,0 +1,1 @@
+"""Checkpoints: name-keyed, reshardable, pickle-free save and resume."""

@@ -1,0 +1,90 @@
+"""Thin collectives over the data-parallel group.
+
+Every function here is collective over ``group`` unless it says otherwise.
+With one rank (or no initialised process group) they are no-ops, so the
+optimizer runs the same code at any world size.
+
+CPU tensors (gloo, used for tests and the demo) take portable paths:
+reduce-scatter is an all-reduce followed by keeping the own shard, and the
+all-gather goes through a list of views. CUDA tensors (NCCL) use the real
+``reduce_scatter_tensor`` / ``all_gather_into_tensor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DPGroup:
+    """The data-parallel group as the optimizer sees it (not a global)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    @staticmethod
+    def resolve(process_group: dist.ProcessGroup | None) -> DPGroup:
+        """Coordinator-free: reads rank and size of ``process_group`` (default group if None)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            if process_group is not None:
+                raise ValueError("a process_group was given but torch.distributed is not initialized")
+            return DPGroup(None, 0, 1)
+        return DPGroup(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
+
+
+class _Done:
+    """Handle for work that already finished (world size 1, or a synchronous fallback)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
+def reduce_scatter_(bucket: torch.Tensor, dp: DPGroup, async_op: bool) -> object:
+    """Collective. Sum ``bucket`` over ranks; rank r's shard of ``bucket`` ends up holding the sum.
+
+    ``bucket`` must be 1-D with ``numel % dp.size == 0``. The rest of ``bucket``
+    is left in an unspecified state (partial sums on CUDA, full sums on CPU).
+    """
+    if dp.size == 1:
+        return DONE
+    shard_numel = bucket.numel() // dp.size
+    if bucket.is_cuda:
+        out = bucket.narrow(0, dp.rank * shard_numel, shard_numel)
+        return dist.reduce_scatter_tensor(out, bucket, group=dp.group, async_op=async_op) or DONE
+    return dist.all_reduce(bucket, group=dp.group, async_op=async_op) or DONE
+
+
+def all_gather_(bucket: torch.Tensor, dp: DPGroup, async_op: bool) -> object:
+    """Collective. Fill every shard of ``bucket`` from the rank that owns it (in place)."""
+    if dp.size == 1:
+        return DONE
+    shard_numel = bucket.numel() // dp.size
+    own = bucket.narrow(0, dp.rank * shard_numel, shard_numel)
+    if bucket.is_cuda:
+        return dist.all_gather_into_tensor(bucket, own, group=dp.group, async_op=async_op) or DONE
+    # gloo may not accept aliasing input/output; gather from a private copy.
+    return dist.all_gather(list(bucket.chunk(dp.size)), own.clone(), group=dp.group,
+                           async_op=async_op) or DONE
+
+
+def all_reduce_sum_(tensor: torch.Tensor, dp: DPGroup) -> torch.Tensor:
+    """Collective. In-place sum over ranks (synchronous)."""
+    if dp.size > 1:
+        dist.all_reduce(tensor, group=dp.group)
+    return tensor
+
+
+def all_true(flag: bool, dp: DPGroup, device: torch.device) -> bool:
+    """Collective. True only if ``flag`` is true on every rank."""
+    if dp.size == 1:
+        return flag
+    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(t, group=dp.group)
+    return int(t.item()) == 0

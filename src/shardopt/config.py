@@ -1,0 +1,66 @@
+"""Optimizer configuration: one validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Hyperparameters and behaviour of :class:`shardopt.DistributedOptimizer`."""
+
+    lr: float = 1e-3
+    """Learning rate (a scheduler may change ``param_groups[i]["lr"]`` later)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW coefficients for the running averages of the gradient and its square."""
+    eps: float = 1e-8
+    """Added to the denominator for numerical stability."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient L2 norm to this value; ``None`` or ``0`` disables clipping."""
+    bucket_numel: int = 40_000_000
+    """Elements per communication bucket (a param never spans two buckets)."""
+    align_numel: int = 64
+    """Each rank's shard of a bucket is a multiple of this many elements."""
+    overlap_grad_reduce: bool = True
+    """Start each bucket's reduce-scatter from backward hooks as soon as it is complete."""
+    grad_accum_fp32: bool = True
+    """Accumulate and reduce gradients of bf16/fp16 params in fp32 (else in the model dtype)."""
+    low_memory_resume: bool = False
+    """Default for ``checkpoint.load``: keep loaded Adam moments on the host until the first step."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"lr must be a finite number >= 0, got {self.lr!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm must be >= 0 or None, got {self.max_grad_norm!r}")
+        if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1):
+            raise ValueError(f"bucket_numel must be an int >= 1, got {self.bucket_numel!r}")
+        if not (isinstance(self.align_numel, int) and self.align_numel >= 1):
+            raise ValueError(f"align_numel must be an int >= 1, got {self.align_numel!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the checkpoint manifest stores it)."""
+        out = dataclasses.asdict(self)
+        out["betas"] = list(self.betas)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OptimizerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# Hyperparameters a param group may override through ``param_group_fn``.
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")

@@ -1,0 +1,245 @@
+"""Flat-buffer layout: which element of which buffer belongs to which param and which rank.
+
+Pure arithmetic over named, frozen records. Nothing here touches storage or
+``torch.distributed``; the optimizer, the checkpoint layer and export all read
+the same :class:`Layout`, so they cannot disagree about where a param lives.
+
+Shape of the layout:
+
+* Params are grouped by model dtype into one flat buffer per dtype
+  (a bf16 buffer, an fp32 buffer, ...), in reverse registration order, which
+  is roughly the order backward produces their gradients.
+* Each buffer is cut into buckets at param boundaries (a param never spans two
+  buckets). Each bucket is padded so it splits into ``dp_size`` equal shards,
+  each a multiple of ``align_numel`` elements.
+* Rank ``r`` owns ``[r * S, (r + 1) * S)`` of every bucket (``S`` = the
+  bucket's shard size). Shards ignore param boundaries, so a param can be
+  split across ranks; each (param, rank) intersection is one contiguous range.
+* A rank's optimizer state for a buffer is one flat "local" tensor: its shard
+  of bucket 0, then of bucket 1, and so on.
+
+Range names carry their coordinate system: ``*_global`` is a position in the
+whole buffer, ``*_local`` in the rank's local tensor of that buffer,
+``*_param`` in the flattened param.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True)
+class Range:
+    """Half-open ``[start, end)`` interval of elements."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"invalid range [{self.start}, {self.end})")
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def intersect(self, other: Range) -> Range | None:
+        start, end = max(self.start, other.start), min(self.end, other.end)
+        return Range(start, end) if start < end else None
+
+    def shift(self, offset: int) -> Range:
+        return Range(self.start + offset, self.end + offset)
+
+    def as_slice(self) -> slice:
+        return slice(self.start, self.end)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the layout needs to know about one trainable param."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where a whole param sits in its buffer."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    buffer_index: int
+    bucket_index: int
+    range_global: Range
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A padded, evenly divisible run of a buffer; the unit of communication."""
+
+    buffer_index: int
+    index: int
+    range_global: Range  # padded extent in the buffer
+    numel_unpadded: int
+    shard_numel: int
+    param_fqns: tuple[str, ...]
+
+    def shard_range_global(self, dp_rank: int) -> Range:
+        start = self.range_global.start + dp_rank * self.shard_numel
+        return Range(start, start + self.shard_numel)
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """The part of one param that one rank owns (its slice of a shard)."""
+
+    fqn: str
+    dp_rank: int
+    buffer_index: int
+    bucket_index: int
+    range_global: Range
+    range_local: Range
+    range_param: Range
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """One flat buffer of params of one model dtype."""
+
+    index: int
+    dtype: torch.dtype
+    numel: int  # padded total
+    buckets: tuple[Bucket, ...]
+    params: tuple[ParamSlot, ...]
+
+    @property
+    def local_numel(self) -> int:
+        """Elements each rank owns in this buffer (the same on every rank)."""
+        return sum(b.shard_numel for b in self.buckets)
+
+    def local_offset(self, bucket_index: int) -> int:
+        return sum(b.shard_numel for b in self.buckets[:bucket_index])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """All buffers of one model for one data-parallel size."""
+
+    dp_size: int
+    buffers: tuple[BufferLayout, ...]
+
+    @cached_property
+    def slots(self) -> dict[str, ParamSlot]:
+        return {p.fqn: p for buf in self.buffers for p in buf.params}
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(self.slots)
+
+    def shards(self, dp_rank: int) -> tuple[ParamShard, ...]:
+        """Every (param, ``dp_rank``) intersection, in buffer then position order."""
+        if not 0 <= dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {self.dp_size}")
+        out: list[ParamShard] = []
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                own = bucket.shard_range_global(dp_rank)
+                local_base = buf.local_offset(bucket.index) - own.start
+                for fqn in bucket.param_fqns:
+                    slot = self.slots[fqn]
+                    hit = slot.range_global.intersect(own)
+                    if hit is None:
+                        continue
+                    out.append(
+                        ParamShard(
+                            fqn=fqn,
+                            dp_rank=dp_rank,
+                            buffer_index=buf.index,
+                            bucket_index=bucket.index,
+                            range_global=hit,
+                            range_local=hit.shift(local_base),
+                            range_param=hit.shift(-slot.range_global.start),
+                        )
+                    )
+        return tuple(out)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def build_layout(
+    params: Sequence[ParamSpec],
+    dp_size: int,
+    bucket_numel: int,
+    align_numel: int = 64,
+) -> Layout:
+    """Lay ``params`` (in registration order) out for ``dp_size`` ranks.
+
+    Buffers are ordered by first appearance of their dtype in reversed
+    registration order; within a buffer params are placed in reverse
+    registration order so the first bucket fills first during backward.
+    """
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    if align_numel < 1:
+        raise ValueError(f"align_numel must be >= 1, got {align_numel}")
+    seen: set[str] = set()
+    for p in params:
+        if p.fqn in seen:
+            raise ValueError(f"duplicate param name {p.fqn!r}")
+        seen.add(p.fqn)
+
+    by_dtype: dict[torch.dtype, list[ParamSpec]] = {}
+    for p in reversed(params):
+        by_dtype.setdefault(p.dtype, []).append(p)
+
+    buffers: list[BufferLayout] = []
+    for buffer_index, (dtype, group) in enumerate(by_dtype.items()):
+        buckets: list[Bucket] = []
+        slots: list[ParamSlot] = []
+        cursor = 0
+        pending: list[ParamSpec] = []
+
+        def close_bucket() -> None:
+            nonlocal cursor
+            start = cursor
+            offset = start
+            for spec in pending:
+                slots.append(
+                    ParamSlot(spec.fqn, spec.shape, buffer_index, len(buckets),
+                              Range(offset, offset + spec.numel))
+                )
+                offset += spec.numel
+            used = offset - start
+            padded = _round_up(max(used, 1), dp_size * align_numel)
+            buckets.append(
+                Bucket(buffer_index, len(buckets), Range(start, start + padded), used,
+                       padded // dp_size, tuple(s.fqn for s in pending))
+            )
+            cursor = start + padded
+            pending.clear()
+
+        pending_numel = 0
+        for spec in group:
+            if pending and pending_numel + spec.numel > bucket_numel:
+                close_bucket()
+                pending_numel = 0
+            pending.append(spec)
+            pending_numel += spec.numel
+        if pending:
+            close_bucket()
+        buffers.append(BufferLayout(buffer_index, dtype, cursor, tuple(buckets), tuple(slots)))
+    return Layout(dp_size, tuple(buffers))

@@ -1,0 +1,375 @@
+"""DistributedOptimizer: AdamW whose state is sharded over the data-parallel ranks.
+
+Communication schedule of one iteration (``dp_size`` ranks, buckets ``B_0..B_n``
+in launch order, which every rank shares):
+
+* Phase 1, during backward: each param's gradient is added into the fp32
+  grad buffer by a post-accumulate-grad hook and ``param.grad`` is freed.
+  When every param of the next bucket in launch order has reported, that
+  bucket is divided by ``dp_size`` and its reduce-scatter starts
+  asynchronously. Buckets are launched strictly in order, so ranks whose
+  hooks fire in different orders (unused params, MoE experts without
+  tokens) still issue identical collectives.
+* Phase 2, ``step()``: launch whatever was not launched (params that got no
+  gradient count as zero), wait for all reductions, all-reduce the squared
+  norm of the local grad shard for clipping, run fused AdamW on the local
+  shard (fp32 main params, lazily allocated moments) and copy the result
+  into the rank's shard of the model-dtype param buffer.
+* Phase 3, still in ``step()``: all-gather every param bucket, so each rank
+  again holds the full updated params.
+
+With ``dp_size == 1`` every collective is skipped and the same code runs.
+The optimizer holds state and returns it on request; it never does file I/O
+(that is :mod:`shardopt.checkpoint`'s job).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from . import comm
+from .buffers import FlatBuffers
+from .config import GROUP_KEYS, OptimizerConfig
+from .layout import Bucket, Layout, ParamShard, ParamSpec, build_layout
+
+STATE_NAMES = ("master_param", "exp_avg", "exp_avg_sq")
+ParamGroupFn = Callable[[str, torch.nn.Parameter], dict[str, Any]]
+
+
+class GradientOrderError(RuntimeError):
+    """A gradient arrived for a bucket whose reduction had already started."""
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1/2 AdamW over the DP group ``process_group`` (default group if None).
+
+    Construction is collective only in that every rank must build the same
+    model; it does not communicate. ``param_group_fn(fqn, param)`` returns
+    per-param overrides of ``lr``, ``betas``, ``eps`` and ``weight_decay``;
+    params with equal overrides share one entry of ``param_groups``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: OptimizerConfig | None = None,
+        process_group: Any = None,
+        param_group_fn: ParamGroupFn | None = None,
+    ) -> None:
+        self.config = config if config is not None else OptimizerConfig()
+        self.dp = comm.DPGroup.resolve(process_group)
+        named = [(fqn, p) for fqn, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("model has no parameters that require grad")
+        self.device = named[0][1].device
+        for fqn, p in named:
+            if p.device != self.device:
+                raise ValueError(
+                    f"param {fqn!r} is on {p.device} but {named[0][0]!r} is on {self.device}; "
+                    "all trainable params must be on one device"
+                )
+            if not p.dtype.is_floating_point:
+                raise ValueError(f"param {fqn!r} has non-floating dtype {p.dtype}")
+        self.aliases = _tied_aliases(model)
+        self.layout: Layout = build_layout(
+            [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named],
+            self.dp.size,
+            self.config.bucket_numel,
+            self.config.align_numel,
+        )
+        self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_accum_fp32)
+        self.fqn_of = {p: fqn for fqn, p in named}
+
+        defaults = {
+            "lr": self.config.lr,
+            "betas": self.config.betas,
+            "eps": self.config.eps,
+            "weight_decay": self.config.weight_decay,
+        }
+        super().__init__(_param_groups(named, defaults, param_group_fn), defaults)
+        self.group_of = {
+            self.fqn_of[p]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]
+        }
+
+        self.shards: tuple[ParamShard, ...] = self.layout.shards(self.dp.rank)
+        self._main: list[torch.Tensor | None] = []
+        for buf in self.layout.buffers:
+            if buf.dtype == torch.float32:
+                self._main.append(None)  # the param buffer shard is the main param
+                continue
+            main = torch.zeros(buf.local_numel, dtype=torch.float32, device=self.device)
+            for bucket in buf.buckets:
+                self._local_bucket(main, bucket).copy_(
+                    self.buffers.bucket_params(bucket).narrow(
+                        0, self.dp.rank * bucket.shard_numel, bucket.shard_numel
+                    )
+                )
+            self._main.append(main)
+        self._exp_avg: list[torch.Tensor] | None = None
+        self._exp_avg_sq: list[torch.Tensor] | None = None
+        # low_memory_resume parks loaded moments here (host) until the first step.
+        self._staged_moments: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.step_counts = [0] * len(self.param_groups)
+        self.last_grad_norm: float | None = None
+        self._group_shards = [
+            [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
+            for gi in range(len(self.param_groups))
+        ]
+
+        self._launch_order = _launch_order(self.layout, named)
+        self._bucket_pending = {}
+        self._next_launch = 0
+        self._handles: list[object] = []
+        self._sync_enabled = True
+        self._reset_readiness()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
+        ]
+
+    # ------------------------------------------------------------------ grads
+    def _reset_readiness(self) -> None:
+        self._bucket_pending = {b: len(b.param_fqns) for b in self._launch_order}
+        self._launched: set[Bucket] = set()
+        self._next_launch = 0
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        fqn = self.fqn_of[param]
+        slot = self.layout.slots[fqn]
+        bucket = self.layout.buffers[slot.buffer_index].buckets[slot.bucket_index]
+        if bucket in self._launched:
+            raise GradientOrderError(
+                f"[dp rank {self.dp.rank}] gradient for {fqn!r} arrived after its bucket's "
+                "reduction started; run accumulation micro-batches under optimizer.no_sync() "
+                "and call step() or zero_grad() between iterations"
+            )
+        with torch.no_grad():
+            self.buffers.grad_views[fqn].add_(param.grad)
+        param.grad = None
+        if not (self._sync_enabled and self.config.overlap_grad_reduce):
+            return
+        self._bucket_pending[bucket] -= 1
+        while (
+            self._next_launch < len(self._launch_order)
+            and self._bucket_pending[self._launch_order[self._next_launch]] <= 0
+        ):
+            self._launch(self._launch_order[self._next_launch])
+
+    def _launch(self, bucket: Bucket) -> None:
+        grads = self.buffers.bucket_grads(bucket)
+        if self.dp.size > 1:
+            grads.div_(self.dp.size)
+        self._handles.append(comm.reduce_scatter_(grads, self.dp, async_op=True))
+        self._launched.add(bucket)
+        self._next_launch += 1
+
+    def finish_grad_sync(self) -> None:
+        """Collective. Reduce every bucket not yet launched (missing grads count as zero) and wait."""
+        while self._next_launch < len(self._launch_order):
+            self._launch(self._launch_order[self._next_launch])
+        for h in self._handles:
+            h.wait()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) for micro-batches inside the block."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+            self._reset_readiness()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for h in self._handles:
+            h.wait()
+        self._handles.clear()
+        self.buffers.zero_grads()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        self._reset_readiness()
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Collective. Reduce grads, clip, update the local shard, all-gather params."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.finish_grad_sync()
+        grads = self._grad_shards()
+        self.last_grad_norm = self._clip(grads)
+        self._ensure_moments()
+
+        for gi, group in enumerate(self.param_groups):
+            idx = self._group_shards[gi]
+            shards = [self.shards[i] for i in idx]
+            self.step_counts[gi] += 1
+            if not shards:
+                continue
+            beta1, beta2 = group["betas"]
+            step = torch.tensor(float(self.step_counts[gi]), device=self.device)
+            torch._fused_adamw_(
+                [self.state_view("master_param", s) for s in shards],
+                [grads[i] for i in idx],
+                [self.state_view("exp_avg", s) for s in shards],
+                [self.state_view("exp_avg_sq", s) for s in shards],
+                [],
+                [step] * len(shards),
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                amsgrad=False,
+                maximize=False,
+            )
+        self._publish_params()
+        self._reset_readiness()
+        return loss
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        grads = [self.buffers.shard_grads(s) for s in self.shards]
+        if any(g.dtype != torch.float32 for g in grads):
+            grads = [g.float() for g in grads]
+        return grads
+
+    def _clip(self, grads: list[torch.Tensor]) -> float:
+        """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model); clip in place."""
+        if grads:
+            sq = torch.stack(torch._foreach_norm(grads)).square().sum()
+        else:
+            sq = torch.zeros((), device=self.device)
+        total = comm.all_reduce_sum_(sq.reshape(1), self.dp).sqrt()[0]
+        max_norm = self.config.max_grad_norm
+        if max_norm:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            if grads:
+                torch._foreach_mul_(grads, coef)
+        return float(total)
+
+    def _publish_params(self) -> None:
+        """Collective. Copy main shards into the model-dtype buffer, then all-gather every bucket."""
+        handles = []
+        for buf, main in zip(self.layout.buffers, self._main):
+            for bucket in buf.buckets:
+                full = self.buffers.bucket_params(bucket)
+                if main is not None:
+                    own = full.narrow(0, self.dp.rank * bucket.shard_numel, bucket.shard_numel)
+                    own.copy_(self._local_bucket(main, bucket))
+                handles.append(comm.all_gather_(full, self.dp, async_op=True))
+        for h in handles:
+            h.wait()
+
+    # ------------------------------------------------------------------ state
+    def _local_bucket(self, local: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        offset = self.layout.buffers[bucket.buffer_index].local_offset(bucket.index)
+        return local.narrow(0, offset, bucket.shard_numel)
+
+    def _ensure_moments(self) -> None:
+        staged = self._staged_moments
+        if staged is not None:
+            # low_memory_resume: moments waited on the host until now, after backward.
+            self._exp_avg = [t.to(self.device, non_blocking=True) for t in staged[0]]
+            self._exp_avg_sq = [t.to(self.device, non_blocking=True) for t in staged[1]]
+            self._staged_moments = None
+            return
+        if self._exp_avg is None:
+            self._exp_avg = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
+            self._exp_avg_sq = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
+
+    def _zeros_local(self, numel: int, device: torch.device | None = None,
+                     pin: bool = False) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.float32, device=device or self.device,
+                           pin_memory=pin)
+
+    @property
+    def has_moments(self) -> bool:
+        return self._exp_avg is not None or self._staged_moments is not None
+
+    def state_view(self, name: str, shard: ParamShard) -> torch.Tensor:
+        """1-D fp32 view of state ``name`` for ``shard`` (a record of this rank's)."""
+        if name == "master_param":
+            main = self._main[shard.buffer_index]
+            if main is None:
+                return self.buffers.shard_params(shard)
+            return main[shard.range_local.as_slice()]
+        staged = self._staged_moments
+        if staged is not None:
+            moments = staged[0] if name == "exp_avg" else staged[1]
+        else:
+            moments = self._exp_avg if name == "exp_avg" else self._exp_avg_sq
+        if moments is None:
+            raise RuntimeError(f"optimizer state {name!r} is not allocated before the first step")
+        return moments[shard.buffer_index][shard.range_local.as_slice()]
+
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102
+        raise TypeError(
+            "DistributedOptimizer state is sharded and keyed by param name; "
+            "save it with shardopt.checkpoint.save(root, model, optimizer, step=...)"
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102
+        raise TypeError("load DistributedOptimizer state with shardopt.checkpoint.load(...)")
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind (optimizer state counts only what is allocated)."""
+        out = self.buffers.num_bytes()
+        state = sum(t.numel() * 4 for t in self._main if t is not None)
+        if self._exp_avg is not None:
+            state += 2 * sum(t.numel() * 4 for t in self._exp_avg)
+        out["optimizer_state"] = state
+        return out
+
+
+def _param_groups(
+    named: list[tuple[str, torch.nn.Parameter]],
+    defaults: dict[str, Any],
+    param_group_fn: ParamGroupFn | None,
+) -> list[dict[str, Any]]:
+    groups: dict[tuple, dict[str, Any]] = {}
+    for fqn, p in named:
+        overrides = dict(param_group_fn(fqn, p) or {}) if param_group_fn else {}
+        unknown = set(overrides) - set(GROUP_KEYS)
+        if unknown:
+            raise ValueError(
+                f"param_group_fn returned unknown keys {sorted(unknown)} for param {fqn!r}; "
+                f"allowed: {list(GROUP_KEYS)}"
+            )
+        if "betas" in overrides:
+            overrides["betas"] = tuple(float(b) for b in overrides["betas"])
+        for key, value in overrides.items():
+            if key != "betas" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"param_group_fn gave {key}={value!r} for param {fqn!r}")
+        key = tuple(sorted(overrides.items()))
+        group = groups.setdefault(key, {"params": [], **overrides})
+        group["params"].append(p)
+    return list(groups.values())
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Map every alias FQN of a shared param to the FQN ``named_parameters`` reports."""
+    canonical = {p: fqn for fqn, p in model.named_parameters()}
+    return {
+        fqn: canonical[p]
+        for fqn, p in model.named_parameters(remove_duplicate=False)
+        if canonical[p] != fqn
+    }
+
+
+def _launch_order(layout: Layout, named: list[tuple[str, torch.nn.Parameter]]) -> list[Bucket]:
+    """Buckets in the order backward completes them: by the earliest-registered param, last first."""
+    position = {fqn: i for i, (fqn, _) in enumerate(named)}
+    buckets = [b for buf in layout.buffers for b in buf.buckets]
+    return sorted(
+        buckets,
+        key=lambda b: (-min(position[f] for f in b.param_fqns), b.buffer_index, b.index),
+    )
