@@ -88,3 +88,28 @@ def all_true(flag: bool, dp: DPGroup, device: torch.device) -> bool:
     t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=device)
     dist.all_reduce(t, group=dp.group)
     return int(t.item()) == 0
+
+
+def all_gather_objects(obj: object, dp: DPGroup) -> list[object]:
+    """Collective. Every rank's ``obj`` (small, JSON-like values only), in rank order."""
+    if dp.size == 1:
+        return [obj]
+    out: list[object] = [None] * dp.size
+    dist.all_gather_object(out, obj, group=dp.group)
+    return out
+
+
+def broadcast_object(obj: object, dp: DPGroup, src_rank: int = 0) -> object:
+    """Collective. ``obj`` from DP rank ``src_rank`` (small, JSON-like values only)."""
+    if dp.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(dp.group, src_rank)
+                               if dp.group is not None else src_rank, group=dp.group)
+    return box[0]
+
+
+def barrier(dp: DPGroup) -> None:
+    """Collective. Wait for every rank of the group."""
+    if dp.size > 1:
+        dist.barrier(group=dp.group)

@@ -311,6 +311,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"optimizer state {name!r} is not allocated before the first step")
         return moments[shard.buffer_index][shard.range_local.as_slice()]
 
+    def _adopt_loaded_state(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]],
+                            on_host: bool, step_counts: list[int]) -> None:
+        """Collective. Take loaded moments and step counts; rebuild params from the loaded
+        master shards and all-gather them. Called by ``checkpoint.load`` only."""
+        if on_host:
+            self._staged_moments, self._exp_avg, self._exp_avg_sq = moments, None, None
+        else:
+            (self._exp_avg, self._exp_avg_sq), self._staged_moments = moments, None
+        self.step_counts = list(step_counts)
+        self._publish_params()
+
     def state_dict(self) -> dict[str, Any]:  # noqa: D102
         raise TypeError(
             "DistributedOptimizer state is sharded and keyed by param name; "

@@ -1,1 +1,10 @@
-"""Checkpoints: name-keyed, reshardable, pickle-free save and resume."""
+"""Checkpoints: name-keyed, reshardable, pickle-free save and resume.
+
+``save`` and ``load`` are collective over the optimizer's DP group; ``latest``,
+``export``, ``inspect`` and ``verify`` run in a single process.
+"""
+
+from .format import FormatError
+from .io import CheckpointError, LoadInfo, latest, load, save
+
+__all__ = ["CheckpointError", "FormatError", "LoadInfo", "latest", "load", "save"]

@@ -1,0 +1,172 @@
+"""The on-disk pieces of a checkpoint: safetensors headers, block hashes, names.
+
+Data files are plain safetensors. Each holds 1-D chunks; a chunk's position in
+its full tensor is in the header's ``__metadata__`` under ``DCP_SHARDING_INFO``
+(``{"key": {"saved_offsets": [offset]}}``), the convention of
+``torch.distributed.checkpoint``'s Hugging Face storage, so its reader can
+load these files too. Every file is also hashed in fixed-size blocks (xxh3-64)
+so a reader that needs only part of a file can verify just the blocks it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+FORMAT_NAME = "shardopt"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+DATA_FILE = re.compile(r"^(model|optim|rng)-(\d{5})\.safetensors$")
+SHARDING_KEY = "DCP_SHARDING_INFO"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+TORCH_DTYPE_NAMES = {str(v).removeprefix("torch."): v for v in DTYPES.values()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """One 1-D chunk of a full tensor, as stored in one file."""
+
+    key: str
+    file: str
+    offset: int  # element offset in the flattened full tensor
+    numel: int
+    dtype: torch.dtype
+    data_start: int  # byte offset of the chunk's first element in the file
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    header_bytes: int  # 8 + JSON length: where data begins
+    chunks: tuple[StoredChunk, ...]
+
+
+def build_header(entries: list[tuple[str, torch.dtype, int, int]]) -> tuple[bytes, list[int]]:
+    """Header for ``(key, dtype, numel, offset)`` entries in order; returns bytes and data starts."""
+    header: dict[str, object] = {}
+    sharding: dict[str, object] = {}
+    pos = 0
+    sizes = []
+    for key, dtype, numel, offset in entries:
+        nbytes = numel * dtype.itemsize
+        header[key] = {"dtype": DTYPE_CODES[dtype], "shape": [numel],
+                       "data_offsets": [pos, pos + nbytes]}
+        sharding[key] = {"saved_offsets": [offset]}
+        sizes.append(pos)
+        pos += nbytes
+    header["__metadata__"] = {SHARDING_KEY: json.dumps(sharding), "format": "pt",
+                              "DCP_VERSION": "1.0"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # data 8-byte aligned, as safetensors does
+    start = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, [start + s for s in sizes]
+
+
+class FormatError(ValueError):
+    """A file is not a well-formed checkpoint file (the message names it)."""
+
+
+def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int) -> FileHeader:
+    """Parse a safetensors header; ``read_json(n)`` returns the next ``n`` bytes."""
+    if len(raw_len) != 8:
+        raise FormatError(f"{file}: truncated safetensors header")
+    (n,) = struct.unpack("<Q", raw_len)
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise FormatError(f"{file}: header length {n} is too large for a file of {file_size} bytes")
+    try:
+        header = json.loads(read_json(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{file}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{file}: header is not a JSON object")
+    meta = header.pop("__metadata__", {}) or {}
+    try:
+        sharding = json.loads(meta.get(SHARDING_KEY, "{}"))
+    except (TypeError, json.JSONDecodeError):
+        raise FormatError(f"{file}: malformed {SHARDING_KEY} metadata") from None
+    chunks = []
+    data_bytes = file_size - 8 - n
+    for key, info in header.items():
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = [int(s) for s in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+            offset = int(sharding.get(key, {"saved_offsets": [0]})["saved_offsets"][0])
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise FormatError(f"{file}: malformed header entry for {key!r}") from None
+        numel = 1
+        for s in shape:
+            numel *= s
+        if len(shape) != 1 or min(shape + [begin, offset]) < 0 or \
+                end - begin != numel * dtype.itemsize or end > data_bytes:
+            raise FormatError(f"{file}: header entry {key!r} is inconsistent with the file")
+        chunks.append(StoredChunk(key, file, offset, numel, dtype, 8 + n + begin))
+    return FileHeader(8 + n, tuple(chunks))
+
+
+class BlockHasher:
+    """xxh3-64 of consecutive fixed-size blocks of a byte stream."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.digests: list[str] = []
+        self._h = xxhash.xxh3_64()
+        self._filled = 0
+        self.total = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        mv = memoryview(data).cast("B")
+        self.total += len(mv)
+        while len(mv):
+            take = min(len(mv), self.block_bytes - self._filled)
+            self._h.update(mv[:take])
+            self._filled += take
+            mv = mv[take:]
+            if self._filled == self.block_bytes:
+                self.digests.append(self._h.hexdigest())
+                self._h = xxhash.xxh3_64()
+                self._filled = 0
+
+    def finish(self) -> list[str]:
+        if self._filled:
+            self.digests.append(self._h.hexdigest())
+            self._filled = 0
+        return self.digests
+
+
+def hash_block(data: memoryview | bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)

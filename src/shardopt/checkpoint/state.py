@@ -1,0 +1,135 @@
+"""Model-space view of one rank's state: what it saves and where what it loads goes.
+
+Everything is keyed by the param's fully qualified name (FQN): model weights
+as ``"{fqn}"`` in the model dtype, optimizer state as ``"{fqn}.exp_avg"``,
+``"{fqn}.exp_avg_sq"`` and ``"{fqn}.master_param"`` in fp32, all flat 1-D.
+A rank's chunks are exactly its :class:`~shardopt.layout.ParamShard` records,
+so no rank ever holds more than its own shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import Range
+from ..optimizer import STATE_NAMES, DistributedOptimizer
+from .format import dtype_name
+from .storage import WriteEntry
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Elements ``want`` of stored tensor ``key`` go into a 1-D tensor.
+
+    That tensor is ``tensor`` (written in place) or, for Adam moments, which
+    are allocated only once every check has passed, the slice ``range_local``
+    of moment tensor ``moment`` (0: exp_avg, 1: exp_avg_sq) of buffer
+    ``buffer_index``.
+    """
+
+    key: str
+    want: Range
+    tensor: torch.Tensor | None = None
+    moment: int | None = None
+    buffer_index: int = 0
+    range_local: Range | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.tensor is None else self.tensor.dtype
+
+    def resolve(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:
+        if self.tensor is not None:
+            return self.tensor
+        return moments[self.moment][self.buffer_index][self.range_local.as_slice()]
+
+
+def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
+    """State-dict tensors the optimizer does not own (frozen params, persistent buffers)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for fqn, t in model.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor) or fqn in opt.layout.slots or fqn in opt.aliases:
+            continue
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[fqn] = t
+    return out
+
+
+def describe(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, dict]:
+    """Manifest ``params`` table: shape, dtype, trainable, step and hyperparameters per FQN."""
+    table: dict[str, dict] = {}
+    for fqn, slot in opt.layout.slots.items():
+        gi = opt.group_of[fqn]
+        group = opt.param_groups[gi]
+        table[fqn] = {
+            "shape": list(slot.shape),
+            "dtype": dtype_name(opt.layout.buffers[slot.buffer_index].dtype),
+            "trainable": True,
+            "step": opt.step_counts[gi],
+            "group": {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
+                      if k in ("lr", "betas", "eps", "weight_decay")},
+        }
+    for fqn, t in frozen_tensors(model, opt).items():
+        table[fqn] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "trainable": False}
+    return table
+
+
+def stored_numels(params: dict[str, dict]) -> dict[str, int]:
+    """Every stored key and its element count, from a manifest ``params`` table."""
+    out: dict[str, int] = {}
+    for fqn, info in params.items():
+        numel = 1
+        for s in info["shape"]:
+            numel *= int(s)
+        out[fqn] = numel
+        if info["trainable"]:
+            for name in STATE_NAMES:
+                out[f"{fqn}.{name}"] = numel
+    return out
+
+
+def model_entries(model: torch.nn.Module, opt: DistributedOptimizer) -> list[WriteEntry]:
+    """Model weights this rank writes: its shards of trainable params, and (rank 0) the rest."""
+    out = [
+        WriteEntry(s.fqn, opt.layout.buffers[s.buffer_index].dtype, s.range_param.size,
+                   s.range_param.start, opt.buffers.shard_params(s))
+        for s in opt.shards
+    ]
+    if opt.dp.rank == 0:
+        for fqn, t in frozen_tensors(model, opt).items():
+            out.append(WriteEntry(fqn, t.dtype, t.numel(), 0, t.detach().reshape(-1)))
+    return out
+
+
+def optim_entries(opt: DistributedOptimizer) -> list[WriteEntry]:
+    """Optimizer state this rank writes; moments are zeros before the first step."""
+    out = []
+    for s in opt.shards:
+        for name in STATE_NAMES:
+            src = opt.state_view(name, s) if (name == "master_param" or opt.has_moments) else None
+            out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, s.range_param.size,
+                                  s.range_param.start, src))
+    return out
+
+
+def destinations(model: torch.nn.Module, opt: DistributedOptimizer) -> list[Destination]:
+    """Where this rank's loaded data goes: master params and frozen tensors in
+    place, moments into tensors allocated later. Trainable model weights are not
+    read: they are rebuilt from the master params and all-gathered."""
+    out = []
+    for s in opt.shards:
+        out.append(Destination(f"{s.fqn}.master_param", s.range_param,
+                               tensor=opt.state_view("master_param", s)))
+        for which, name in enumerate(("exp_avg", "exp_avg_sq")):
+            out.append(Destination(f"{s.fqn}.{name}", s.range_param, moment=which,
+                                   buffer_index=s.buffer_index, range_local=s.range_local))
+    for fqn, t in frozen_tensors(model, opt).items():
+        if not t.is_contiguous():
+            raise ValueError(f"tensor {fqn!r} is not contiguous and cannot be loaded in place")
+        out.append(Destination(fqn, Range(0, t.numel()), tensor=t.detach().view(-1)))
+    return out

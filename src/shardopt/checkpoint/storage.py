@@ -1,0 +1,202 @@
+"""Streaming file I/O for checkpoint data: bounded host staging, block hashes.
+
+Writes stream each tensor into its file piece by piece (device tensors go
+through a pair of pinned host buffers so the copy of piece ``i+1`` overlaps the
+write of piece ``i``); nothing is serialised whole in memory. Reads go
+straight into the destination tensor when it is on the host and of the stored
+dtype, otherwise through the same bounded staging.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .format import BlockHasher, FileHeader, FormatError, build_header, hash_block, parse_header
+from .planner import ReadRequest
+
+
+@dataclass(frozen=True)
+class WriteEntry:
+    """A 1-D chunk to store: ``source`` (any device) or zeros when ``source`` is None."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+    offset: int
+    source: torch.Tensor | None
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+class _Staging:
+    """Two pinned (when CUDA) host buffers used alternately for device <-> host copies."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        half = max(1 << 16, nbytes // 2)
+        self.buffers = [torch.empty(half, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.nbytes = half
+
+
+def _write_all(fd: int, data: memoryview, hasher: BlockHasher) -> None:
+    hasher.update(data)
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
+               staging_bytes: int) -> dict:
+    """Write ``entries`` as one safetensors file at ``path`` and fsync it.
+
+    Returns ``{"size", "block_bytes", "hashes"}`` for the manifest.
+    """
+    header, _ = build_header([(e.key, e.dtype, e.numel, e.offset) for e in entries])
+    hasher = BlockHasher(block_bytes)
+    uses_cuda = any(e.source is not None and e.source.is_cuda for e in entries)
+    staging = _Staging(staging_bytes, pin=uses_cuda)
+    zeros = torch.zeros(staging.nbytes, dtype=torch.uint8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(header), hasher)
+        for e in entries:
+            if e.source is None:
+                left = e.numel * e.dtype.itemsize
+                while left:
+                    take = min(left, zeros.numel())
+                    _write_all(fd, _host_bytes(zeros[:take]), hasher)
+                    left -= take
+            elif not e.source.is_cuda:
+                src = e.source.detach().to(e.dtype).contiguous()
+                _write_all(fd, _host_bytes(src), hasher)
+            else:
+                _write_device(fd, e.source.detach().to(e.dtype), staging, hasher)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": hasher.total, "block_bytes": block_bytes, "hashes": hasher.finish()}
+
+
+def _write_device(fd: int, src: torch.Tensor, staging: _Staging, hasher: BlockHasher) -> None:
+    """Device -> pinned host -> file, copying piece i+1 while writing piece i."""
+    flat = src.contiguous().view(torch.uint8)
+    step = staging.nbytes
+    pieces = [(i, min(step, flat.numel() - i)) for i in range(0, flat.numel(), step)]
+    stream = torch.cuda.current_stream(src.device)
+
+    def launch(k: int) -> None:
+        start, n = pieces[k]
+        buf = staging.buffers[k % 2]
+        buf[:n].copy_(flat[start:start + n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        staging.events[k % 2] = ev
+
+    if pieces:
+        launch(0)
+    for k, (_, n) in enumerate(pieces):
+        staging.events[k % 2].synchronize()
+        if k + 1 < len(pieces):
+            launch(k + 1)
+        _write_all(fd, _host_bytes(staging.buffers[k % 2][:n]), hasher)
+
+
+class FileReader:
+    """One checkpoint data file, opened for reading and checked against its manifest entry."""
+
+    def __init__(self, path: str, name: str, record: dict) -> None:
+        self.path = path
+        self.name = name
+        self.record = record
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise FormatError(f"missing data file {path}") from None
+        size = os.fstat(self.fd).st_size
+        if size != record["size"]:
+            os.close(self.fd)
+            raise FormatError(f"{path}: size is {size} bytes, the manifest says {record['size']}")
+        self.size = size
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def header(self) -> FileHeader:
+        raw_len = os.pread(self.fd, 8, 0)
+        return parse_header(raw_len, lambda n: os.pread(self.fd, n, 8), self.path, self.size)
+
+    def verify(self, spans: Iterable[tuple[int, int]] | None = None) -> None:
+        """Check the hashes of every block that byte spans ``[start, end)`` touch (all if None)."""
+        bb = self.record["block_bytes"]
+        hashes = self.record["hashes"]
+        if len(hashes) != -(-self.size // bb):
+            raise FormatError(f"{self.path}: manifest lists {len(hashes)} block hashes, "
+                              f"the file has {-(-self.size // bb)} blocks")
+        if spans is None:
+            blocks: Iterable[int] = range(len(hashes))
+        else:
+            wanted: set[int] = set()
+            for start, end in spans:
+                if end > start:
+                    wanted.update(range(start // bb, (end - 1) // bb + 1))
+            blocks = sorted(wanted)
+        for b in blocks:
+            data = os.pread(self.fd, bb, b * bb)
+            if hash_block(data) != hashes[b]:
+                raise FormatError(
+                    f"{self.path}: content hash mismatch in bytes [{b * bb}, {b * bb + len(data)}) "
+                    "(the file is damaged)"
+                )
+
+    def read_into(self, req: ReadRequest, dest: torch.Tensor, dtype: torch.dtype,
+                  staging: _Staging | None) -> None:
+        """Fill ``dest[req.dest_start : +req.numel]`` (1-D) from the stored ``dtype`` bytes."""
+        out = dest.narrow(0, req.dest_start, req.numel)
+        if not out.is_cuda and out.dtype == dtype and out.is_contiguous():
+            self._pread_exact(_host_bytes(out), req.file_start)
+            return
+        if staging is None:
+            raise AssertionError("staging buffer required for device or casting reads")
+        per = max(1, staging.nbytes // dtype.itemsize)
+        done = 0
+        k = 0
+        while done < req.numel:
+            n = min(per, req.numel - done)
+            slot = k % 2
+            if staging.events[slot] is not None:
+                staging.events[slot].synchronize()
+            buf = staging.buffers[slot][: n * dtype.itemsize]
+            self._pread_exact(_host_bytes(buf), req.file_start + done * dtype.itemsize)
+            out.narrow(0, done, n).copy_(buf.view(dtype), non_blocking=out.is_cuda)
+            if out.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(out.device))
+                staging.events[slot] = ev
+            done += n
+            k += 1
+
+    def _pread_exact(self, view: memoryview, offset: int) -> None:
+        got = 0
+        while got < len(view):
+            n = os.preadv(self.fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise FormatError(f"{self.path}: unexpected end of file at byte {offset + got}")
+            got += n
+
+
+def make_staging(nbytes: int, cuda: bool) -> _Staging:
+    return _Staging(nbytes, pin=cuda)
+
+
+def sync_staging(staging: _Staging | None) -> None:
+    if staging is None:
+        return
+    for ev in staging.events:
+        if ev is not None:
+            ev.synchronize()
