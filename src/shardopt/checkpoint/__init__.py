@@ -4,7 +4,9 @@
 ``export``, ``inspect`` and ``verify`` run in a single process.
 """
 
+from .export import export, inspect, verify
 from .format import FormatError
 from .io import CheckpointError, LoadInfo, latest, load, save
 
-__all__ = ["CheckpointError", "FormatError", "LoadInfo", "latest", "load", "save"]
+__all__ = ["CheckpointError", "FormatError", "LoadInfo", "export", "inspect", "latest", "load",
+           "save", "verify"]
