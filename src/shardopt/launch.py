@@ -1,0 +1,94 @@
+"""Start the ranks of a training job: reuse a torchrun environment, or spawn with PyTorch's launcher.
+
+Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set) this process is one rank of a job
+that already exists, possibly across nodes, so it runs the job directly. Otherwise it starts ``nproc``
+local ranks with ``torch.distributed.launcher.api.elastic_launch`` (the launcher behind ``torchrun
+--standalone``: c10d rendezvous on a free local port, no restarts); with ``nproc == 1`` the
+single rank runs in this process without a process group.
+
+A rank that fails on a user error (a ``ValueError`` such as a checkpoint that does not fit the model)
+writes its message to a per-launch directory and exits; the launcher turns the first message into a
+:class:`LaunchError` so the CLI can print one line instead of a traceback per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import traceback
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
+
+
+class LaunchError(ValueError):
+    """A rank stopped on a user error; the message is that rank's."""
+
+
+class WorkerFailed(RuntimeError):
+    """A rank crashed (its traceback is printed above by the rank itself)."""
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def launch(fn: Callable[..., Any], *args: Any, nproc: int) -> Any:
+    """Run ``fn(*args)`` on every rank; returns rank 0's result (raises on any rank's failure)."""
+    if under_torchrun() or nproc == 1:
+        try:
+            return fn(*args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id=f"shardopt-{uuid.uuid4().hex[:8]}",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method="spawn",
+    )
+    # The agent and torch.multiprocessing log worker starts, stops and failures (with a second copy of
+    # the traceback); ranks report their own failures instead, see _worker.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="shardopt-launch-") as error_dir:
+        try:
+            results = elastic_launch(config, _worker)(fn, error_dir, *args)
+        except ChildFailedError as exc:
+            messages = sorted(Path(error_dir).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+            if messages:
+                raise LaunchError(messages[0].read_text().strip()) from None
+            rank, failure = exc.get_first_failure()
+            raise WorkerFailed(f"rank {rank} failed with exit code {failure.exitcode}") from None
+    return results[0]
+
+
+def _worker(fn: Callable[..., Any], error_dir: str, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except USER_ERRORS as exc:
+        rank = os.environ.get("RANK", "0")
+        Path(error_dir, f"rank{rank}.txt").write_text(str(exc))
+        sys.exit(2)
+    except Exception:
+        print(f"[rank {os.environ.get('RANK', '0')}] ", end="", file=sys.stderr)
+        traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
