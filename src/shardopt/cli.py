@@ -1,0 +1,273 @@
+"""The ``shardopt`` command: builds configs, calls the library, prints results.
+
+User mistakes (bad flags, missing paths, files that are not checkpoints, checkpoints that do not fit
+the model) end with one ``shardopt: error: ...`` line on stderr and a non-zero exit status; anything
+else is a bug and keeps its traceback.
+
+Exit status: 0 success, 1 a checkpoint failed ``verify`` or training failed, 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, NoReturn
+
+from shardopt.launch import WorkerFailed
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A mistake in the command line; printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from shardopt.model import PRESETS
+
+    parser = _Parser(prog="shardopt", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"shardopt {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train the reference GPT with checkpointing (spawns its own ranks)",
+                       description="Train the reference GPT on a synthetic task. Spawns --nproc ranks "
+                       "(gloo on CPU, NCCL with --device cuda); under torchrun it joins the given job.")
+    t.add_argument("--nproc", type=_positive_int, default=None,
+                   help="ranks to spawn (default: 2 on CPU, every visible GPU with --device cuda); "
+                   "ignored under torchrun")
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    t.add_argument("--preset", choices=tuple(PRESETS), default="tiny", help="model size (default: tiny)")
+    t.add_argument("--steps", type=_positive_int, default=100, help="total optimizer steps (default: 100)")
+    t.add_argument("--stop-at", type=_positive_int, default=None, metavar="STEP",
+                   help="stop after STEP as if interrupted; the LR schedule still spans --steps")
+    t.add_argument("--batch-size", type=_positive_int, default=12,
+                   help="global batch in sequences per step, split over ranks (default: 12)")
+    t.add_argument("--micro-batch-size", type=_positive_int, default=None,
+                   help="sequences per forward/backward on one rank (default: the rank's whole batch)")
+    t.add_argument("--lr", type=_float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    t.add_argument("--warmup-steps", type=_int, default=None, help="default: 10%% of --steps")
+    t.add_argument("--seed", type=_int, default=0, help="seeds the weights and the data (default: 0)")
+    t.add_argument("--ckpt-dir", default=None, help="checkpoint root directory")
+    t.add_argument("--save-every", type=_int, default=0, metavar="N",
+                   help="save every N steps and at the end (default: only at the end, if --ckpt-dir)")
+    t.add_argument("--keep-last", type=_positive_int, default=None, metavar="K",
+                   help="keep only the K newest checkpoints")
+    t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
+                   help="resume from the latest checkpoint in --ckpt-dir (fresh start if there is none), "
+                   "or from PATH (a checkpoint or a root)")
+    t.add_argument("--low-memory-resume", action="store_true",
+                   help="keep loaded Adam moments on the host until the first step")
+    t.add_argument("--log-file", default=None, help="per-step metrics as JSON lines (rank 0)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    i = sub.add_parser("inspect", help="show a checkpoint's step, DP size and per-param state")
+    i.add_argument("path", help="checkpoint directory, or a root (its latest checkpoint)")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+
+    v = sub.add_parser("verify", help="check a checkpoint's completeness and every content hash")
+    v.add_argument("path", help="checkpoint directory, or a root (its latest checkpoint)")
+
+    e = sub.add_parser("export", help="write consolidated model/optimizer safetensors")
+    e.add_argument("path", help="checkpoint directory, or a root (its latest checkpoint)")
+    e.add_argument("out", help="output directory")
+
+    d = sub.add_parser("demo", help="interrupt, resume on a different DP size, compare with a clean run")
+    d.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
+    return parser
+
+
+def _version() -> str:
+    from shardopt import __version__
+
+    return __version__
+
+
+def _existing(path: str) -> str:
+    if not os.path.exists(path):
+        raise UsageError(f"no such file or directory: {path}")
+    return path
+
+
+# ----------------------------------------------------------------------------- train
+def cmd_train(args: argparse.Namespace) -> int:
+    from shardopt.launch import launch, under_torchrun
+    from shardopt.train import TrainConfig, run
+
+    if isinstance(args.resume, str):
+        _existing(args.resume)
+    if args.low_memory_resume and not args.resume:
+        raise UsageError("--low-memory-resume needs --resume")
+    cfg = TrainConfig(
+        preset=args.preset, steps=args.steps, stop_at=args.stop_at, batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+        seed=args.seed, device=args.device, ckpt_dir=args.ckpt_dir, save_every=args.save_every,
+        keep_last=args.keep_last, resume=args.resume, low_memory_resume=args.low_memory_resume,
+        log_file=args.log_file, progress=not args.no_progress,
+    )
+    nproc = args.nproc or _default_nproc(args.device)
+    if not under_torchrun() and cfg.batch_size % nproc:
+        raise UsageError(f"--batch-size {cfg.batch_size} does not split evenly over --nproc {nproc}")
+    launch(run, cfg, nproc=nproc)
+    return 0
+
+
+def _default_nproc(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda was given but CUDA is not available")
+        return torch.cuda.device_count()
+    return 2
+
+
+# -------------------------------------------------------------- inspect/verify/export
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from shardopt import checkpoint
+
+    info = checkpoint.inspect(_existing(args.path))
+    if args.json:
+        json.dump(info, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print_inspect(info)
+    return 0
+
+
+def print_inspect(info: dict[str, Any]) -> None:
+    params = info["params"]
+    weight_bytes = sum(p["weight_bytes"] for p in params)
+    state_bytes = sum(p["state_bytes"] for p in params)
+    print(f"checkpoint  {info['path']}")
+    print(f"step        {info['step']}")
+    print(f"dp size     {info['dp_size']} (at save; loads into any DP size)")
+    print(f"format      v{info['format_version']}, created {info.get('created') or '?'}")
+    print(f"params      {info['num_params']} tensors, {info['numel']:,} elements "
+          f"({info['numel_trainable']:,} trainable)")
+    print(f"weights     {_human(weight_bytes)}")
+    print(f"optimizer   {_human(state_bytes)} (fp32 master, exp_avg, exp_avg_sq)")
+    print(f"on disk     {_human(info['bytes_on_disk'])} in {info['num_files']} files")
+    header = ("param", "shape", "dtype", "weights", "state")
+    rows = [
+        (p["fqn"], "x".join(map(str, p["shape"])) or "()", str(p["dtype"]),
+         _human(p["weight_bytes"]), _human(p["state_bytes"]))
+        for p in sorted(params, key=lambda p: _natural_key(p["fqn"]))
+    ]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    print()
+    for r in [header, *rows]:
+        print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  "
+              f"{r[3]:>{widths[3]}}  {r[4]:>{widths[4]}}")
+
+
+def _natural_key(fqn: str) -> list[Any]:
+    """Sort ``blocks.2`` before ``blocks.10``."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in fqn.split(".")]
+
+
+def _human(num_bytes: int) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from shardopt import checkpoint
+
+    summary = checkpoint.verify(_existing(args.path))
+    print(f"OK {summary['path']}: step {summary['step']}, {summary['files']} files, "
+          f"{_human(summary['bytes'])}, every content hash matches")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardopt import checkpoint
+
+    written = checkpoint.export(_existing(args.path), args.out)
+    print(f"exported {args.path} to {args.out}:")
+    for path in written:
+        print(f"  {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shardopt.demo import main as demo_main
+
+    return demo_main(out_dir=args.out)
+
+
+COMMANDS = {"train": cmd_train, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export,
+            "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command is None:
+            raise UsageError("a command is required: train, inspect, verify, export or demo "
+                             "(see `shardopt --help`)")
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except WorkerFailed as exc:
+        _error(f"training failed: {exc} (its traceback is above)")
+        return EXIT_FAILED
+    except BrokenPipeError:
+        # Output piped into `head` and the like: stop quietly, as the docs of `signal` advise.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
+    except (ValueError, OSError) as exc:
+        # Library errors for user input subclass ValueError and name the file, FQN or rank.
+        _error(str(exc))
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+def _error(message: str) -> None:
+    line = " ".join(message.split())  # one line, even for multi-line library messages
+    print(f"shardopt: error: {line}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
