@@ -1,0 +1,193 @@
+"""Training-iteration throughput and peak memory: shardopt against the systems users pick instead.
+
+Each system (shardopt, DDP + fused AdamW, FSDP2, ZeroRedundancyOptimizer, megatron-core's distributed
+optimizer) runs in fresh processes, one per GPU, on the same model (``shardopt.model`` ``1b`` preset:
+1.3B params, bf16 with fp32 norms and MoE routers), the same weights and the same micro-batches
+(``--micro-batch`` sequences of the preset's length per GPU, no accumulation). After ``--warmup``
+iterations, ``--iters`` timed iterations each end in a device synchronisation; tokens/s is computed
+from the median iteration time. Peak memory allocated/reserved is the allocator's peak over the
+timed iterations (steady state) and over the whole run (including the first step, which allocates
+the optimizer state). A peer that fails is recorded with its error and the rest still run.
+
+GPU::
+
+    PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --out $OUT
+
+CPU smoke (gloo)::
+
+    PYTHONPATH=src python benchmarks/train_iter.py --device cpu --preset tiny --iters 2 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+import _peers  # noqa: E402
+
+
+def _worker(rank: int, world: int, system: str, a: dict) -> dict:
+    device = _peers.rank_device(rank, a["device"])
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, a["cpu_threads"]))
+    batches = _peers.make_batches(a["preset"], rank, world, a["micro_batch"],
+                                  a["warmup"] + a["iters"], device)
+    timeline = _common.MemoryTimeline(device)
+    t0 = time.perf_counter()
+    model = _peers.build_gpt(a["preset"], device, seed=0)
+    kwargs = {}
+    if system == "megatron":
+        kwargs["overlap_param_gather"] = a["megatron_overlap_param_gather"]
+    sys_ = _peers.SETUP[system](model, _peers.Hyper(), device, **kwargs)
+    timeline.mark("setup")
+    setup_s = time.perf_counter() - t0
+
+    losses = []
+    for i in range(a["warmup"]):
+        losses.append(sys_.step(*batches[i]))
+        timeline.mark("warmup")
+    times = []
+    for i in range(a["warmup"], a["warmup"] + a["iters"]):
+        start = time.perf_counter()
+        losses.append(sys_.step(*batches[i]))
+        _peers.sync(device)
+        times.append(time.perf_counter() - start)
+        timeline.mark("iter")
+    losses = [float(v) for v in losses]
+    if not all(map(lambda v: v == v and abs(v) != float("inf"), losses)):
+        raise RuntimeError(f"non-finite loss: {losses}")
+    peaks = timeline.phase_peaks()
+    steady = peaks.get("iter", {"peak_allocated": 0, "peak_reserved": 0})
+    return {
+        "iter_s": times,
+        "losses": losses,
+        "setup_s": setup_s,
+        "peak_allocated_steady": steady["peak_allocated"],
+        "peak_reserved_steady": steady["peak_reserved"],
+        "peak_allocated_all": max(p["peak_allocated"] for p in peaks.values()),
+        "peak_reserved_all": max(p["peak_reserved"] for p in peaks.values()),
+        "allocated_end": steady.get("end_allocated", 0),
+        "notes": sys_.notes,
+    }
+
+
+def run_system(system: str, args: argparse.Namespace) -> dict:
+    a = {k: getattr(args, k) for k in ("device", "preset", "micro_batch", "warmup", "iters",
+                                       "cpu_threads", "megatron_overlap_param_gather")}
+    t0 = time.perf_counter()
+    try:
+        ranks = _peers.spawn(_worker, args.nproc, system, a, device=args.device,
+                             timeout_s=args.timeout)
+    except Exception as e:  # noqa: BLE001 - a failing peer is a result, not the end of the run
+        msg = str(e) if isinstance(e, _peers.RankFailed) else traceback.format_exc()
+        print(f"[{system}] FAILED after {time.perf_counter() - t0:.0f} s:\n{msg}", flush=True)
+        return {"system": system, "ok": False, "error": msg[-6000:]}
+    r0 = ranks[0]
+    tokens = args.micro_batch * _seq_len(args.preset) * args.nproc
+    st = _common.stats(r0["iter_s"])
+    out = {
+        "system": system,
+        "ok": True,
+        "iter_s": st,
+        "iter_s_all": r0["iter_s"],
+        "tokens_per_iter": tokens,
+        "tokens_per_s": tokens / st["median"],
+        "losses": r0["losses"],
+        "setup_s": r0["setup_s"],
+        "wall_s": time.perf_counter() - t0,
+        "notes": r0["notes"],
+    }
+    for key in ("peak_allocated_steady", "peak_reserved_steady", "peak_allocated_all",
+                "peak_reserved_all", "allocated_end"):
+        out[key] = max(r[key] for r in ranks)
+        out[key + "_per_rank"] = [r[key] for r in ranks]
+    print(f"[{system}] {st['median'] * 1e3:.1f} ms/iter, {out['tokens_per_s']:.0f} tok/s, "
+          f"peak alloc {out['peak_allocated_steady'] / _common.GIB:.2f} GiB, "
+          f"loss {r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f}", flush=True)
+    return out
+
+
+def _seq_len(preset: str) -> int:
+    from shardopt.model import model_config
+
+    return model_config(preset).seq_len
+
+
+def summary(results: list[dict], nproc: int) -> str:
+    by = {r["system"]: r for r in results if r["ok"]}
+    ddp = by.get("ddp")
+    ours = by.get("shardopt")
+    rows = []
+    for r in results:
+        if not r["ok"]:
+            rows.append([r["system"], "FAILED", None, None, None, None, None, None])
+            continue
+        ms = r["iter_s"]["median"] * 1e3
+        rows.append([
+            r["system"], ms, r["iter_s"]["min"] * 1e3, r["iter_s"]["max"] * 1e3,
+            r["tokens_per_s"],
+            f"{ms / (ddp['iter_s']['median'] * 1e3):.3f}x" if ddp else None,
+            r["peak_allocated_steady"] / _common.GIB, r["peak_reserved_steady"] / _common.GIB,
+        ])
+    lines = [f"train_iter: {nproc} rank(s)",
+             _common.format_table(rows, ["system", "ms/iter med", "min", "max", "tokens/s",
+                                         "time vs ddp", "peak alloc GiB", "peak resv GiB"])]
+    if ours and ddp:
+        ratio = ours["iter_s"]["median"] / ddp["iter_s"]["median"]
+        lines.append(f"shardopt/ddp iteration time: {ratio:.3f} (target <= 1.03): "
+                     f"{'MET' if ratio <= 1.03 else 'MISSED'}")
+    if ours and "megatron" in by:
+        ratio = ours["iter_s"]["median"] / by["megatron"]["iter_s"]["median"]
+        lines.append(f"shardopt/megatron iteration time: {ratio:.3f} (target < 1): "
+                     f"{'MET' if ratio < 1 else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=1, help="ranks (one per GPU)")
+    p.add_argument("--systems", default=",".join(_peers.SYSTEMS),
+                   help=f"comma-separated subset of {','.join(_peers.SYSTEMS)}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per iteration")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per system")
+    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank on CPU")
+    p.add_argument("--megatron-overlap-param-gather", action="store_true",
+                   help="let megatron overlap its param all-gather with the next forward")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="", help="suffix of the result file name")
+    args = p.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(_peers.SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available; use --device cpu for a smoke run")
+
+    results = [run_system(s, args) for s in systems]
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "tag")}
+    doc = {**_common.run_header(device, config), "benchmark": "train_iter", "results": results}
+    name = f"train_iter_{args.nproc}gpu{args.tag}.json" if args.device == "cuda" else \
+        f"train_iter_cpu_{args.nproc}rank{args.tag}.json"
+    _common.write_json(Path(args.out) / name, doc)
+    print(summary(results, args.nproc))
+    failed = [r["system"] for r in results if not r["ok"]]
+    if failed:
+        print(f"FAILED systems: {', '.join(failed)} (errors in {name})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
