@@ -122,8 +122,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ]
 
         self._launch_order = _launch_order(self.layout, named)
-        self._bucket_pending = {}
+        position = {(b.buffer_index, b.index): i for i, b in enumerate(self._launch_order)}
+        self._launch_pos = {
+            fqn: position[(slot.buffer_index, slot.bucket_index)]
+            for fqn, slot in self.layout.slots.items()
+        }
+        self._bucket_pending: list[int] = []
         self._next_launch = 0
+        self._views: list[list[list[torch.Tensor]]] | None = None  # reset when moments move
         self._handles: list[object] = []
         self._sync_enabled = True
         self._reset_readiness()
@@ -133,15 +139,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ grads
     def _reset_readiness(self) -> None:
-        self._bucket_pending = {b: len(b.param_fqns) for b in self._launch_order}
-        self._launched: set[Bucket] = set()
+        self._bucket_pending = [len(b.param_fqns) for b in self._launch_order]
         self._next_launch = 0
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         fqn = self.fqn_of[param]
-        slot = self.layout.slots[fqn]
-        bucket = self.layout.buffers[slot.buffer_index].buckets[slot.bucket_index]
-        if bucket in self._launched:
+        pos = self._launch_pos[fqn]
+        if pos < self._next_launch:
             raise GradientOrderError(
                 f"[dp rank {self.dp.rank}] gradient for {fqn!r} arrived after its bucket's "
                 "reduction started; run accumulation micro-batches under optimizer.no_sync() "
@@ -152,25 +156,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         param.grad = None
         if not (self._sync_enabled and self.config.overlap_grad_reduce):
             return
-        self._bucket_pending[bucket] -= 1
+        self._bucket_pending[pos] -= 1
         while (
             self._next_launch < len(self._launch_order)
-            and self._bucket_pending[self._launch_order[self._next_launch]] <= 0
+            and self._bucket_pending[self._next_launch] <= 0
         ):
-            self._launch(self._launch_order[self._next_launch])
+            self._launch_next()
 
-    def _launch(self, bucket: Bucket) -> None:
-        grads = self.buffers.bucket_grads(bucket)
+    def _launch_next(self) -> None:
+        grads = self.buffers.bucket_grads(self._launch_order[self._next_launch])
         if self.dp.size > 1:
             grads.div_(self.dp.size)
         self._handles.append(comm.reduce_scatter_(grads, self.dp, async_op=True))
-        self._launched.add(bucket)
         self._next_launch += 1
 
     def finish_grad_sync(self) -> None:
         """Collective. Reduce every bucket not yet launched (missing grads count as zero) and wait."""
         while self._next_launch < len(self._launch_order):
-            self._launch(self._launch_order[self._next_launch])
+            self._launch_next()
         for h in self._handles:
             h.wait()
         self._handles.clear()
@@ -209,21 +212,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = self._clip(grads)
         self._ensure_moments()
 
+        views = self._state_views()
         for gi, group in enumerate(self.param_groups):
             idx = self._group_shards[gi]
-            shards = [self.shards[i] for i in idx]
             self.step_counts[gi] += 1
-            if not shards:
+            if not idx:
                 continue
             beta1, beta2 = group["betas"]
             step = torch.tensor(float(self.step_counts[gi]), device=self.device)
+            main, exp_avg, exp_avg_sq = views[gi]
             torch._fused_adamw_(
-                [self.state_view("master_param", s) for s in shards],
+                main,
                 [grads[i] for i in idx],
-                [self.state_view("exp_avg", s) for s in shards],
-                [self.state_view("exp_avg_sq", s) for s in shards],
+                exp_avg,
+                exp_avg_sq,
                 [],
-                [step] * len(shards),
+                [step] * len(idx),
                 lr=float(group["lr"]),
                 beta1=beta1,
                 beta2=beta2,
@@ -235,6 +239,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._publish_params()
         self._reset_readiness()
         return loss
+
+    def _state_views(self) -> list[list[list[torch.Tensor]]]:
+        """Per param group: views of main params, exp_avg, exp_avg_sq (cached until moments move)."""
+        if self._views is None:
+            self._views = [
+                [[self.state_view(name, self.shards[i]) for i in idx] for name in STATE_NAMES]
+                for idx in self._group_shards
+            ]
+        return self._views
 
     def _grad_shards(self) -> list[torch.Tensor]:
         grads = [self.buffers.shard_grads(s) for s in self.shards]
@@ -278,11 +291,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         staged = self._staged_moments
         if staged is not None:
             # low_memory_resume: moments waited on the host until now, after backward.
+            self._views = None
             self._exp_avg = [t.to(self.device, non_blocking=True) for t in staged[0]]
             self._exp_avg_sq = [t.to(self.device, non_blocking=True) for t in staged[1]]
             self._staged_moments = None
             return
         if self._exp_avg is None:
+            self._views = None
             self._exp_avg = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
             self._exp_avg_sq = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
 
@@ -320,6 +335,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             (self._exp_avg, self._exp_avg_sq), self._staged_moments = moments, None
         self.step_counts = list(step_counts)
+        self._views = None
         self._publish_params()
 
     def state_dict(self) -> dict[str, Any]:  # noqa: D102
