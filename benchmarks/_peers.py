@@ -360,6 +360,10 @@ def megatron_model_sharded_state_dict(module: torch.nn.Module, dp_rank: int) -> 
 
 def setup_megatron(model, hp: Hyper, device: torch.device, overlap_param_gather: bool = False
                    ) -> System:
+    if device.type == "cpu":
+        import _cpu_shim  # smoke runs only: megatron-core allocates on CUDA unconditionally
+
+        _cpu_shim.install()
     info = import_megatron()
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
