@@ -1,0 +1,30 @@
+# Developer entry points. `make test` is what CI runs (.ci/run).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# Pin the exact release: a looser spec lets pip pick a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+PYTEST_FLAGS ?= -q -ra --durations=10
+
+.PHONY: venv test demo clean
+
+venv: $(STAMP)
+
+# Rebuilt only when the project's dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e '.[test,plot]'
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest $(PYTEST_FLAGS)
+
+demo: venv
+	$(PY) -m shardopt.cli demo
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
