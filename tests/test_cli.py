@@ -1,0 +1,147 @@
+"""The ``shardopt`` command, run as a user runs it: in a subprocess.
+
+One flow trains on 2 spawned ranks, resumes under ``torchrun`` on 3, then inspects, verifies and
+exports the result and catches a corrupted file. User mistakes must end in one clear stderr line and a
+non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+import shardopt
+from shardopt import cli
+
+SRC = str(Path(shardopt.__file__).resolve().parents[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, *filter(None, [env.get("PYTHONPATH")])])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # never inherit a launcher's environment
+    return env
+
+
+def shardopt_cmd(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardopt", *args], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def _one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardopt: error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def test_train_resume_inspect_verify_export(tmp_path, capsys):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    common = ["--steps", "6", "--batch-size", "6", "--ckpt-dir", str(ckpt), "--save-every", "2",
+              "--log-file", str(log), "--no-progress"]
+
+    first = _ok(shardopt_cmd("train", "--nproc", "2", "--stop-at", "3", *common, cwd=tmp_path))
+    assert first.stderr.count("preset tiny") == 1, first.stderr  # logs from rank 0 only
+    assert "2 rank(s)" in first.stderr and "saved step 2" in first.stderr
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002"]
+
+    # Under torchrun the command joins the given job (3 ranks here) instead of spawning its own.
+    resumed = _ok(subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         "-m", "shardopt", "train", *common, "--resume", "--low-memory-resume", "--keep-last", "2"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240))
+    assert "3 rank(s)" in resumed.stderr and "resumed from" in resumed.stderr
+    assert "step_00000002" in resumed.stderr
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # step 3 of the killed run was dropped and redone
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000006"]
+
+    table = _ok(shardopt_cmd("inspect", str(ckpt), cwd=tmp_path)).stdout
+    assert "step_00000006" in table and "dp size     3" in table
+    router = next(line for line in table.splitlines() if line.startswith("blocks.1.mlp.router.weight"))
+    assert router.split()[1:3] == ["2x64", "float32"]
+
+    # The rest runs in this process: the subprocess boundary is covered above and below.
+    capsys.readouterr()
+    assert cli.main(["inspect", str(ckpt / "step_00000004"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["step"] == 4 and info["dp_size"] == 3
+    dtypes = {p["fqn"]: p["dtype"] for p in info["params"]}
+    assert dtypes["blocks.0.norm1.weight"] == "float32" and dtypes["tok_emb.weight"] == "bfloat16"
+
+    out = tmp_path / "export"
+    _ok(shardopt_cmd("export", str(ckpt), str(out), cwd=tmp_path))
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        emb = f.get_tensor("tok_emb.weight")
+        assert str(emb.dtype) == "torch.bfloat16" and tuple(emb.shape) == (64, 64)
+    with safe_open(str(out / "optimizer.safetensors"), "pt") as f:
+        moment = f.get_tensor("blocks.1.mlp.router.weight.exp_avg_sq")
+        assert str(moment.dtype) == "torch.float32" and tuple(moment.shape) == (2, 64)
+
+    assert _ok(shardopt_cmd("verify", str(ckpt), cwd=tmp_path)).stdout.startswith("OK ")
+    # A flipped byte in a data file: verify names the file and fails.
+    victim = sorted((ckpt / "step_00000006").glob("optim-*.safetensors"))[-1]
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert cli.main(["verify", str(ckpt)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardopt: error: ") and victim.name in err[0], err
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["inspect", "{tmp}/missing"], "no such file or directory"),
+        (["train", "--steps", "two"], "--steps"),
+    ],
+)
+def test_user_mistakes_are_one_line(tmp_path, args, fragment):
+    proc = shardopt_cmd(*[a.format(tmp=tmp_path) for a in args], cwd=tmp_path, timeout=120)
+    assert "Traceback" not in proc.stderr
+    _one_error_line(proc, fragment)
+
+
+# In-process checks of the same error paths: cheap, so they cover more cases.
+@pytest.mark.parametrize(
+    "argv, code, fragment",
+    [
+        (["verify", "{tmp}"], 1, "no committed checkpoint"),
+        (["export", "{tmp}/missing", "{tmp}/out"], 2, "missing"),
+        (["train", "--resume", "{tmp}/missing"], 2, "missing"),
+        ([], 2, "a command is required"),
+        (["train", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["train", "--preset", "huge"], 2, "invalid choice"),
+        (["train", "--nproc", "0"], 2, "--nproc"),
+        (["train", "--low-memory-resume"], 2, "needs --resume"),
+        (["train", "--nproc", "5"], 2, "does not split evenly"),
+        (["train", "--steps", "4", "--stop-at", "9"], 1, "--stop-at"),
+        (["train", "--resume"], 1, "needs --ckpt-dir"),
+        (["export", "x"], 2, "required: out"),
+    ],
+)
+def test_usage_errors(tmp_path, capsys, argv, code, fragment):
+    assert cli.main([a.format(tmp=tmp_path) for a in argv]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardopt: error: ") and fragment in err[0], err
+
+
+def test_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert cli.main(["inspect", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest.json" in err[0], err
