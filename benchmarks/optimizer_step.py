@@ -1,0 +1,350 @@
+"""Optimizer step: shardopt's ``step()`` against fused AdamW and against the memory-bandwidth limit.
+
+One rank, so the whole model is the rank's shard. The "model" is a flat stack of transformer-shaped
+bf16 matrices (``d x 3d``, ``d x d``, ``d x 4d``, ``4d x d`` per layer) plus fp32 vectors (norm
+weights and biases), ``--numel`` parameters in all. Gradients are written straight into the grad
+buffers (no forward/backward), then ``step()`` is timed repeatedly with CUDA events.
+
+What is compared (all on the same parameter shapes, in the same process):
+
+* ``shardopt``            : DistributedOptimizer.step(), fp32 main params + bf16 model params,
+                            with and without grad-norm clipping (``max_grad_norm``).
+* ``adamw_fused_fp32``    : torch.optim.AdamW(fused=True) on fp32 params (no bf16 copy to keep),
+                            alone and after ``clip_grad_norm_(foreach=True)``.
+* ``adamw_fused_master``  : the same by hand on bf16 params with an fp32 master copy: fused AdamW
+                            on the masters, then ``_foreach_copy_`` into the bf16 params.
+* ``limit``               : bytes the step must move / device-to-device copy bandwidth measured
+                            here. Per bf16 param element the step must read the grad for the norm
+                            (4 B, when clipping) and for Adam (4), read and write the fp32 main
+                            param (8), exp_avg (8) and exp_avg_sq (8), and write the bf16 param
+                            (2): 34 B with clipping, 30 B without; an fp32 param has no separate
+                            main copy: 32 / 28 B.
+
+The parts of shardopt's step (grad norm and clipping, the Adam kernel, the main -> bf16 copy, and the
+time the GPU sits idle: Python, launches, host syncs) come from a torch.profiler trace of a few
+steps; its kernel table is saved as ``optimizer_step_profile.txt``.
+
+    PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results        # GPU
+    PYTHONPATH=src python3 benchmarks/optimizer_step.py --device cpu --numel 2e6 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+from shardopt import DistributedOptimizer, OptimizerConfig  # noqa: E402
+
+HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+# ----------------------------------------------------------------------------- the tensors
+def layer_shapes(numel: int, d_model: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Param shapes of ``numel`` elements in transformer-like layers (bf16 matrices, fp32 vectors)."""
+    d = d_model
+    per_layer = 12 * d * d + 4 * d
+    num_layers = max(1, round(numel / per_layer))
+    shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+    for _ in range(num_layers):
+        shapes += [((d,), torch.float32), ((d,), torch.float32),
+                   ((3 * d, d), torch.bfloat16), ((d, d), torch.bfloat16),
+                   ((d,), torch.float32), ((d,), torch.float32),
+                   ((4 * d, d), torch.bfloat16), ((d, 4 * d), torch.bfloat16)]
+    return shapes
+
+
+class FlatModel(nn.Module):
+    def __init__(self, shapes, device: torch.device) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(
+            nn.Parameter(torch.empty(s, dtype=dt, device=device).normal_(0, 0.02)) for s, dt in shapes
+        )
+
+
+def count(shapes, dtype: torch.dtype) -> int:
+    return sum(torch.Size(s).numel() for s, dt in shapes if dt == dtype)
+
+
+def must_bytes(shapes, clip: bool, bf16_copy: bool = True) -> int:
+    """Bytes a step must move (see the module docstring)."""
+    n16, n32 = count(shapes, torch.bfloat16), count(shapes, torch.float32)
+    norm = 4 if clip else 0
+    adam = 4 + 8 + 8 + 8
+    return n16 * (norm + adam + (2 if bf16_copy else 0)) + n32 * (norm + adam)
+
+
+# ----------------------------------------------------------------------------- timing
+class Timer:
+    """Per-call time of ``fn``: CUDA events on GPU, perf_counter on CPU; also host time per call."""
+
+    def __init__(self, device: torch.device, warmup: int, repeats: int) -> None:
+        self.device, self.warmup, self.repeats = device, warmup, repeats
+
+    def __call__(self, fn: Callable[[], object]) -> dict[str, object]:
+        for _ in range(self.warmup):
+            fn()
+        _common.cuda_sync(self.device)
+        times, host = [], []
+        for _ in range(self.repeats):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                h0 = time.perf_counter()
+                fn()
+                host.append((time.perf_counter() - h0) * 1e3)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                h0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - h0) * 1e3)
+                host.append(times[-1])
+        return {"ms": _common.stats(times), "host_ms": _common.stats(host)}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, timer: Timer) -> dict[str, object]:
+    """Device-to-device copy: (read + write) bytes / time."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    r = timer(lambda: dst.copy_(src))
+    moved = 2 * src.numel() * 4
+    med = r["ms"]["median"]
+    best = r["ms"]["min"]
+    del src, dst
+    return {"bytes_moved": moved, **r, "gbps_median": moved / med / 1e6, "gbps_best": moved / best / 1e6}
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- systems
+def bench_shardopt(shapes, device, timer: Timer, clip: bool) -> tuple[dict, DistributedOptimizer, nn.Module]:
+    model = FlatModel(shapes, device)
+    cfg = OptimizerConfig(**HYPER, max_grad_norm=1.0 if clip else None)
+    opt = DistributedOptimizer(model, cfg)
+    for g in opt.buffers.grad_buffers:
+        g.normal_(0, 1e-3)
+    result = timer(opt.step)
+    return result, opt, model
+
+
+def bench_adamw_fp32(shapes, device, timer: Timer, clip: bool) -> dict:
+    params = [torch.empty(s, dtype=torch.float32, device=device).normal_(0, 0.02).requires_grad_()
+              for s, _ in shapes]
+    for p in params:
+        p.grad = torch.empty_like(p).normal_(0, 1e-3)
+    opt = torch.optim.AdamW(params, **HYPER, fused=True)
+
+    def step() -> None:
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+
+    result = timer(step)
+    del opt, params
+    return result
+
+
+def bench_adamw_master(shapes, device, timer: Timer, clip: bool) -> dict:
+    model = [torch.empty(s, dtype=dt, device=device).normal_(0, 0.02) for s, dt in shapes]
+    masters = [p.float().requires_grad_() for p in model]
+    for m in masters:
+        m.grad = torch.empty_like(m).normal_(0, 1e-3)
+    opt = torch.optim.AdamW(masters, **HYPER, fused=True)
+    low = [(p, m) for p, m in zip(model, masters) if p.dtype != torch.float32]
+    low_params, low_masters = [p for p, _ in low], [m.detach() for _, m in low]
+
+    def step() -> None:
+        if clip:
+            torch.nn.utils.clip_grad_norm_(masters, 1.0, foreach=True)
+        opt.step()
+        torch._foreach_copy_(low_params, low_masters)
+
+    result = timer(step)
+    del opt, masters, model
+    return result
+
+
+# ----------------------------------------------------------------------------- profile
+CATEGORIES = (  # (category, lower-case substrings of kernel / op names); first match wins
+    ("host<->device copies", ("memcpy", "memset")),
+    ("adam kernel", ("adam",)),
+    ("grad norm + clip", ("norm", "multiplies", "mul", "clamp", "sqrt", "pow", "reduce_kernel",
+                          "sum", "cat", "stack", "reciprocal", "div")),
+    ("main -> bf16 copy", ("copy", "cast")),
+)
+
+
+def _self_time_us(evt, cuda: bool) -> float:
+    """Self time of a profiler entry on the device that does the work (kernels on GPU, ops on CPU)."""
+    if cuda:
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            v = getattr(evt, name, None)
+            if v:
+                return float(v)
+        return 0.0
+    if not evt.key.startswith("aten::"):
+        return 0.0
+    return float(getattr(evt, "self_cpu_time_total", 0.0) or 0.0)
+
+
+def profile_step(opt: DistributedOptimizer, device: torch.device, steps: int, out_dir: Path,
+                 step_ms: float) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    opt.step()
+    _common.cuda_sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            opt.step()
+        _common.cuda_sync(device)
+    averages = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = averages.table(sort_by=sort, row_limit=25)
+    kernels: dict[str, float] = {}
+    uncategorised: dict[str, float] = {}
+    for evt in averages:
+        us = _self_time_us(evt, device.type == "cuda")
+        if not us:
+            continue
+        for cat, keys in CATEGORIES:
+            if any(k in evt.key.lower() for k in keys):
+                kernels[cat] = kernels.get(cat, 0.0) + us / steps / 1e3
+                break
+        else:
+            uncategorised[evt.key] = us / steps / 1e3
+    gpu_ms = sum(kernels.values()) + sum(uncategorised.values())
+    parts = {**{k: round(v, 4) for k, v in kernels.items()},
+             "other kernels": round(sum(uncategorised.values()), 4),
+             "GPU idle (python, launches, host syncs)": round(max(0.0, step_ms - gpu_ms), 4)}
+    text = (f"shardopt step profile: {steps} steps, device {device}\n"
+            f"step time (median, events): {step_ms:.3f} ms; GPU kernel time per step: {gpu_ms:.3f} ms\n\n"
+            "parts per step (ms):\n" + "\n".join(f"  {k:42s} {v:9.3f}" for k, v in parts.items())
+            + "\n\nother kernels (ms/step):\n"
+            + "\n".join(f"  {k[:90]:90s} {v:8.3f}" for k, v in sorted(uncategorised.items(), key=lambda kv: -kv[1]))
+            + "\n\n" + table + "\n")
+    (out_dir / "optimizer_step_profile.txt").write_text(text)
+    return {"gpu_kernel_ms_per_step": gpu_ms, "parts_ms": parts,
+            "uncategorised_ms": {k: round(v, 4) for k, v in uncategorised.items()}}
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results", help="directory for the result files")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--numel", type=float, default=1e9, help="parameters in the shard (0.25e9-1e9)")
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--copy-bytes", type=float, default=4 * 2**30, help="size of the copy test")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = layer_shapes(int(args.numel), args.d_model)
+    n16, n32 = count(shapes, torch.bfloat16), count(shapes, torch.float32)
+    timer = Timer(device, args.warmup, args.repeats)
+    config = {"numel": n16 + n32, "numel_bf16": n16, "numel_fp32": n32, "num_tensors": len(shapes),
+              "d_model": args.d_model, "warmup": args.warmup, "repeats": args.repeats,
+              "hyperparameters": {**HYPER, "betas": list(HYPER["betas"])}}
+    print(f"optimizer_step: {(n16 + n32) / 1e9:.3f}B params ({n16 / 1e9:.3f}B bf16, {n32 / 1e6:.2f}M fp32) "
+          f"in {len(shapes)} tensors on {device}", flush=True)
+
+    bw = copy_bandwidth(device, int(args.copy_bytes), timer)
+    free(device)
+    print(f"  copy bandwidth: {bw['gbps_median']:.0f} GB/s (median), {bw['gbps_best']:.0f} GB/s (best)",
+          flush=True)
+
+    results: dict[str, dict] = {}
+    profile_info: dict = {}
+    for clip in (True, False):
+        tag = "clip" if clip else "noclip"
+        r, opt, model = bench_shardopt(shapes, device, timer, clip)
+        results[f"shardopt_{tag}"] = r
+        print(f"  shardopt ({tag}): {r['ms']['median']:.3f} ms", flush=True)
+        if clip:
+            profile_info = profile_step(opt, device, args.profile_steps, out, r["ms"]["median"])
+        del opt, model
+        free(device)
+        results[f"adamw_fused_fp32_{tag}"] = bench_adamw_fp32(shapes, device, timer, clip)
+        free(device)
+        results[f"adamw_fused_master_{tag}"] = bench_adamw_master(shapes, device, timer, clip)
+        free(device)
+        print(f"  adamw fused fp32 ({tag}): {results[f'adamw_fused_fp32_{tag}']['ms']['median']:.3f} ms, "
+              f"bf16+master ({tag}): {results[f'adamw_fused_master_{tag}']['ms']['median']:.3f} ms",
+              flush=True)
+
+    gbps = bw["gbps_median"]
+    rows, figures = [], {}
+    for name, r in results.items():
+        clip = name.endswith("_clip")
+        bf16_copy = not name.startswith("adamw_fused_fp32")
+        moved = must_bytes(shapes, clip, bf16_copy)
+        limit_ms = moved / gbps / 1e6
+        med = r["ms"]["median"]
+        figures[name] = {"bytes_must_move": moved, "limit_ms": limit_ms,
+                         "fraction_of_limit": limit_ms / med, "effective_gbps": moved / med / 1e6}
+        rows.append([name, med, r["ms"]["min"], r["ms"]["max"], r["host_ms"]["median"], limit_ms,
+                     f"{100 * limit_ms / med:.1f}%"])
+
+    targets = {}
+    for tag in ("clip", "noclip"):
+        s = results[f"shardopt_{tag}"]["ms"]["median"]
+        peer = results[f"adamw_fused_fp32_{tag}"]["ms"]["median"]
+        master = results[f"adamw_fused_master_{tag}"]["ms"]["median"]
+        frac = figures[f"shardopt_{tag}"]["fraction_of_limit"]
+        targets[tag] = {
+            "fraction_of_limit": frac,
+            "vs_adamw_fused_fp32": s / peer,
+            "vs_adamw_fused_master": s / master,
+            "pass_85pct_of_limit": frac >= 0.85,
+            "pass_no_slower_than_fused_adamw": _common.within(s, peer),
+        }
+
+    doc = _common.run_header(device, config)
+    doc.update({"copy_bandwidth": bw, "results": results, "figures": figures, "targets": targets,
+                "profile": profile_info,
+                "notes": ["limit = bytes the step must move / measured copy bandwidth (median)",
+                          "ratios vs_* are shardopt time / peer time (below 1 = shardopt faster)"]})
+    _common.write_json(out / "optimizer_step.json", doc)
+
+    print()
+    print(_common.format_table(rows, ["system", "median ms", "min ms", "max ms", "host ms",
+                                      "limit ms", "of limit"]))
+    print()
+    for tag, t in targets.items():
+        print(f"[{tag:6s}] shardopt at {100 * t['fraction_of_limit']:.1f}% of the bandwidth limit "
+              f"(target 85%): {'PASS' if t['pass_85pct_of_limit'] else 'FAIL'}; "
+              f"{t['vs_adamw_fused_fp32']:.3f}x fused AdamW fp32 time (target <= 1): "
+              f"{'PASS' if t['pass_no_slower_than_fused_adamw'] else 'FAIL'}; "
+              f"{t['vs_adamw_fused_master']:.3f}x bf16+master by hand")
+    parts = profile_info.get("parts_ms", {})
+    if parts:
+        print("shardopt step parts (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+    print(f"wrote {out / 'optimizer_step.json'} and {out / 'optimizer_step_profile.txt'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
