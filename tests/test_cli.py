@@ -129,8 +129,9 @@ def test_user_mistakes_are_one_line(tmp_path, args, fragment):
         (["train", "--nproc", "0"], 2, "--nproc"),
         (["train", "--low-memory-resume"], 2, "needs --resume"),
         (["train", "--nproc", "5"], 2, "does not split evenly"),
-        (["train", "--steps", "4", "--stop-at", "9"], 1, "--stop-at"),
-        (["train", "--resume"], 1, "needs --ckpt-dir"),
+        (["train", "--steps", "4", "--stop-at", "9"], 2, "--stop-at"),
+        (["train", "--resume"], 2, "needs --ckpt-dir"),
+        (["train", "--keep-last", "2"], 2, "need --ckpt-dir"),
         (["export", "x"], 2, "required: out"),
     ],
 )

@@ -92,6 +92,8 @@ class TrainConfig:
             raise ValueError(f"--keep-last must be >= 1, got {self.keep_last}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if (self.save_every or self.keep_last) and self.ckpt_dir is None:
+            raise ValueError("--save-every and --keep-last need --ckpt-dir")
         if self.resume is True and self.ckpt_dir is None:
             raise ValueError("--resume without a path needs --ckpt-dir")
         if not (self.lr > 0 and math.isfinite(self.lr)):
