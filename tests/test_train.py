@@ -202,3 +202,11 @@ def test_resume_on_a_different_dp_size_follows_the_same_curve(tmp_path):
         # Reductions over 3 ranks instead of 2: equal up to bf16 rounding, not bitwise.
         assert resumed[step] == pytest.approx(reference[step], rel=1e-2), step
     assert resumed[6] < resumed[1] - 0.2  # and it learns
+
+
+def test_gradient_accumulation_matches_the_full_batch(tmp_path):
+    run(_cfg(tmp_path, "full.jsonl", steps=4, ckpt_dir=None))
+    run(_cfg(tmp_path, "micro.jsonl", steps=4, ckpt_dir=None, micro_batch_size=3))  # 4 micro-batches
+    full, micro = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "micro.jsonl")
+    assert full[1] == pytest.approx(micro[1], abs=1e-5)
+    assert micro == pytest.approx(full, rel=1e-3)
