@@ -215,7 +215,7 @@ def profile_step(opt: DistributedOptimizer, device: torch.device, steps: int, ou
             opt.step()
         _common.cuda_sync(device)
     averages = prof.key_averages()
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = averages.table(sort_by=sort, row_limit=25)
     kernels: dict[str, float] = {}
     uncategorised: dict[str, float] = {}
