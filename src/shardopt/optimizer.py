@@ -115,7 +115,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # low_memory_resume parks loaded moments here (host) until the first step.
         self._staged_moments: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.step_counts = [0] * len(self.param_groups)
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None
         self._group_shards = [
             [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
             for gi in range(len(self.param_groups))
@@ -209,7 +209,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.finish_grad_sync()
         grads = self._grad_shards()
-        self.last_grad_norm = self._clip(grads)
+        self._grad_norm, grad_scale = self._global_norm(grads)
         self._ensure_moments()
 
         views = self._state_views()
@@ -235,6 +235,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 eps=group["eps"],
                 amsgrad=False,
                 maximize=False,
+                grad_scale=grad_scale,
             )
         self._publish_params()
         self._reset_readiness()
@@ -255,19 +256,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grads = [g.float() for g in grads]
         return grads
 
-    def _clip(self, grads: list[torch.Tensor]) -> float:
-        """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model); clip in place."""
+    def _global_norm(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model) and,
+        when clipping, the divisor the fused kernel applies to the grads in the same pass."""
         if grads:
             sq = torch.stack(torch._foreach_norm(grads)).square().sum()
         else:
             sq = torch.zeros((), device=self.device)
         total = comm.all_reduce_sum_(sq.reshape(1), self.dp).sqrt()[0]
         max_norm = self.config.max_grad_norm
-        if max_norm:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            if grads:
-                torch._foreach_mul_(grads, coef)
-        return float(total)
+        if not max_norm:
+            return total, None
+        # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its
+        # reciprocal inside the kernel saves a pass over the grads (no host sync either).
+        return total, torch.clamp((total + 1e-6) / max_norm, min=1.0)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm before clipping of the last ``step()`` (syncs when read)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def _publish_params(self) -> None:
         """Collective. Copy main shards into the model-dtype buffer, then all-gather every bucket."""
