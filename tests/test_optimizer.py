@@ -35,7 +35,8 @@ CUDA_TOL = dict(rtol=1e-4, atol=1e-5)
 # --------------------------------------------------------------------- model
 
 class ToyLM(nn.Module):
-    """A tiny language model with odd-sized params, an optional branch and an unused layer."""
+    """A tiny language model with odd-sized params (a 0-d and a zero-size one among them),
+    an optional branch and an unused layer."""
 
     def __init__(self, tied: bool) -> None:
         super().__init__()
@@ -46,6 +47,8 @@ class ToyLM(nn.Module):
         self.branch = nn.Linear(DIM, DIM)  # used on some (rank, micro-batch, step) only
         self.unused = nn.Linear(3, 7)  # never used: its grad never exists
         self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.empty = nn.Parameter(torch.zeros(0, DIM))
         if tied:
             self.head.weight = self.emb.weight
 
@@ -54,7 +57,7 @@ class ToyLM(nn.Module):
         z = self.down(self.norm(torch.tanh(self.up(h))))
         if use_branch:
             z = z + self.branch(z)
-        logits = self.head(h + z)
+        logits = self.head(h + self.scale * z + self.empty.sum(0))
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
@@ -298,11 +301,11 @@ def test_world_size_one_without_process_group():
     assert_matches_reference(sc, [result], FP32_TOL)
 
 
-def test_world_size_one_with_process_group(tmp_path):
+def test_world_size_one_with_process_group(backend, tmp_path):
     sc = Scenario(world_size=1, steps=3, tied=True, branch=True, overlap_grad_reduce=False)
-    results = run_distributed(train_rank, 1, sc, "gloo", tmp_path=tmp_path)
+    results = run_distributed(train_rank, 1, sc, backend, backend=backend, tmp_path=tmp_path)
     assert results[0]["dist_initialized"]
-    assert_matches_reference(sc, results, FP32_TOL)
+    assert_matches_reference(sc, results, tol_for(backend))
 
 
 # ------------------------------------------------- communication behaviour
@@ -416,8 +419,8 @@ def train_mixed_rank(rank: int, world_size: int, backend: str | None,
     return {"losses": losses, "history": history, "dtypes_ok": dtypes_ok, "dtypes": dtypes}
 
 
-@pytest.mark.parametrize("world_size,grad_accum_fp32", [(2, True), (3, True), (2, False)],
-                         ids=["2-fp32_grads", "3-fp32_grads", "2-model_dtype_grads"])
+@pytest.mark.parametrize("world_size,grad_accum_fp32", [(1, True), (2, True), (3, True), (2, False)],
+                         ids=["1-fp32_grads", "2-fp32_grads", "3-fp32_grads", "2-model_dtype_grads"])
 def test_mixed_precision_trains_and_ranks_agree(backend, world_size, grad_accum_fp32, tmp_path):
     require_world_size(backend, world_size)
     results = run_distributed(train_mixed_rank, world_size, backend,
