@@ -24,10 +24,12 @@ Precision of each system (what it keeps per parameter besides activations):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -61,6 +63,7 @@ def _free_port() -> int:
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, backend: str,
            run_dir: str, timeout_s: float, args: tuple) -> None:
     run = Path(run_dir)
+    os.setsid()  # own process group: the parent can end helpers this rank starts (writer workers)
     try:
         kw: dict[str, Any] = {}
         if backend == "nccl":
@@ -113,6 +116,9 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, device: str, timeout_s
             p.kill()  # only the processes started here, by their handles
         for p in procs:
             p.join(10)
+        for p in procs:  # helpers left behind by a rank (e.g. checkpoint writer processes)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
         run = Path(run_dir)
         errors = []
         for r in range(nproc):
@@ -358,8 +364,30 @@ def megatron_model_sharded_state_dict(module: torch.nn.Module, dp_rank: int) -> 
             for name, t in module.state_dict(keep_vars=True).items()}
 
 
-def setup_megatron(model, hp: Hyper, device: torch.device, overlap_param_gather: bool = False
-                   ) -> System:
+def _megatron_overrides(opt_config) -> dict:
+    """megatron-core's standard overrides plus one that puts fp32 params in their own groups.
+
+    megatron-core 0.19.2 maps a model param to its optimizer state by its position in the param
+    group (``model_param_group_index_map``), counted over the group's params in buffer order, while
+    the inner optimizer's group lists fp32 params first and then the main copies of bf16 params. In a
+    group holding both dtypes (here: the decayed group has the bf16 matrices and the fp32 MoE router
+    weights) positions disagree, and ``sharded_state_dict`` attaches one param's state to another
+    (``dp_reshardable`` save fails an assertion on the shapes). One dtype per group keeps positions
+    consistent. The override changes only ``min_lr``, which nothing reads without megatron's LR
+    scheduler, and makes the groups' identifiers distinct for ``load_state_dict``.
+    """
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+
+    overrides = dict(get_standard_config_overrides(opt_config))
+    fp32 = ParamKey(predicate=ParamPredicate(name="fp32_param",
+                                             fn=lambda p: p.dtype == torch.float32))
+    overrides[fp32] = {"min_lr": 0.0}
+    return overrides
+
+
+def setup_megatron(model, hp: Hyper, device: torch.device, overlap_param_gather: bool = False,
+                   split_dtype_groups: bool = True) -> System:
     if device.type == "cpu":
         import _cpu_shim  # smoke runs only: megatron-core allocates on CUDA unconditionally
 
@@ -385,7 +413,8 @@ def setup_megatron(model, hp: Hyper, device: torch.device, overlap_param_gather:
         adam_beta1=hp.betas[0], adam_beta2=hp.betas[1], adam_eps=hp.eps,
         bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
         overlap_param_gather=overlap_param_gather, clip_grad=hp.max_grad_norm)
-    opt = get_megatron_optimizer(opt_config, [ddp])
+    overrides = _megatron_overrides(opt_config) if split_dtype_groups else None
+    opt = get_megatron_optimizer(opt_config, [ddp], config_overrides=overrides)
 
     def step(x, y):
         ddp.zero_grad_buffer()
@@ -401,6 +430,7 @@ def setup_megatron(model, hp: Hyper, device: torch.device, overlap_param_gather:
     info.update({"grad_reduce_in_fp32": True, "overlap_grad_reduce": True,
                  "overlap_param_gather": overlap_param_gather,
                  "bucket_size": ddp_config.bucket_size,
+                 "param_groups_split_by_dtype": split_dtype_groups,
                  "inner_optimizer": [type(o.optimizer).__name__ for o in megatron_inner(opt)]})
     return System("megatron", step, model, opt, ddp, notes=info)
 

@@ -1,0 +1,550 @@
+"""Checkpoint save/load throughput: shardopt against the checkpoint paths of the systems users pick.
+
+Checkpoint systems (each saves the full training state of the ``1b`` preset after one step):
+
+* ``shardopt``: ``shardopt.checkpoint.save`` / ``load`` (bf16 weights + fp32 main/exp_avg/exp_avg_sq,
+  each rank its own chunks; load verifies block hashes and all-gathers the params).
+* ``torch_save``: the same tensors, one ``torch.save`` file per rank (+ ``fsync``, as every other
+  writer here makes its files durable), ``torch.load(map_location=<gpu>)`` + ``copy_`` back.
+* ``dcp_plain``: the same tensors as a plain state dict (rank-unique keys) through
+  ``torch.distributed.checkpoint``'s default ``FileSystemWriter`` / ``FileSystemReader``.
+* ``dcp_fsdp2``: an FSDP2 model (fp32 sharded params) + AdamW, its ``get_state_dict`` state through
+  the same default DCP writer; load with ``dcp.load`` + ``set_state_dict`` (torchtitan's recipe).
+* ``megatron``: megatron-core's DDP + distributed optimizer, ``dist_checkpointing.save/load`` of the
+  model's sharded state dict + ``optimizer.sharded_state_dict`` (``dp_reshardable``, Megatron-LM's
+  default, with its fully-parallel save wrapper).
+
+Targets: ``shm`` (/dev/shm) and ``disk`` (a directory on local disk). Before any checkpoint, the raw
+bandwidth of each target is measured with the same number of writer processes (one per rank): see
+``_io_probes.raw_bandwidth``. Before every load on ``disk`` the checkpoint's pages are evicted from
+the page cache (``posix_fadvise``) and the cached fraction is recorded. Every load is checked: the
+state is zeroed before the load and must come back bit for bit (``restored``).
+
+shardopt's save and load are split into phases by timing wrappers around its internals
+(``_io_probes.hook_shardopt``). Peers are skipped, and said so, when the ``--budget`` would be
+exceeded.
+
+GPU::
+
+    PYTHONPATH=src python3 benchmarks/checkpoint_io.py --nproc 1 --out $OUT
+
+CPU smoke::
+
+    PYTHONPATH=src python benchmarks/checkpoint_io.py --device cpu --preset tiny --raw-mib 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+import _io_probes  # noqa: E402
+import _peers  # noqa: E402
+
+CKPT_SYSTEMS = ("shardopt", "torch_save", "dcp_plain", "dcp_fsdp2", "megatron")
+# training stack -> checkpoint systems that use it (one process group each, in this order)
+GROUPS = {"shardopt": ("shardopt", "torch_save", "dcp_plain"), "fsdp2": ("dcp_fsdp2",),
+          "megatron": ("megatron",)}
+GROUP_WEIGHT = {"shardopt": 0.4, "fsdp2": 0.3, "megatron": 0.3}
+
+
+# ----------------------------------------------------------------------------- checkpointers
+class ShardoptCkpt:
+    def __init__(self, s: _peers.System, rank: int, device: torch.device) -> None:
+        self.model, self.opt = s.model, s.optimizer
+        self.path: str | None = None
+
+    def save(self, root: Path) -> None:
+        from shardopt import checkpoint
+
+        self.path = checkpoint.save(root, self.model, self.opt, step=1)
+
+    def load(self, root: Path) -> None:
+        from shardopt import checkpoint
+
+        checkpoint.load(self.path, self.model, self.opt)
+
+    def tensors(self) -> list[torch.Tensor]:
+        from shardopt.optimizer import STATE_NAMES
+
+        return [p.detach() for p in self.model.parameters()] + [
+            self.opt.state_view(n, s) for s in self.opt.shards for n in STATE_NAMES]
+
+
+class _ShardoptTensors:
+    """shardopt's per-rank state as a plain FQN-keyed dict of live views (what it saves)."""
+
+    def __init__(self, s: _peers.System, rank: int, device: torch.device) -> None:
+        self.opt, self.rank, self.device = s.optimizer, rank, device
+
+    def live(self) -> dict[str, torch.Tensor]:
+        from shardopt.optimizer import STATE_NAMES
+
+        out = {s.fqn: self.opt.buffers.shard_params(s) for s in self.opt.shards}
+        for s in self.opt.shards:
+            for n in STATE_NAMES:
+                out[f"{s.fqn}.{n}"] = self.opt.state_view(n, s)
+        return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.live().values())
+
+
+class TorchSaveCkpt(_ShardoptTensors):
+    def _file(self, root: Path) -> Path:
+        return root / f"rank{self.rank:05d}.pt"
+
+    def save(self, root: Path) -> None:
+        # Model shards are views into the full param buffer; torch.save would write the whole
+        # storage, so they are cloned first (a GPU copy of a few GB: milliseconds).
+        params = {s.fqn for s in self.opt.shards}
+        state = {k: (v.clone() if k in params else v) for k, v in self.live().items()}
+        with open(self._file(root), "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self, root: Path) -> None:
+        loaded = torch.load(self._file(root), map_location=self.device, weights_only=True)
+        live = self.live()
+        with torch.no_grad():
+            for k, v in loaded.items():
+                live[k].copy_(v)
+
+
+class DcpPlainCkpt(_ShardoptTensors):
+    def _state(self) -> dict[str, torch.Tensor]:
+        return {f"rank{self.rank:05d}/{k}": v for k, v in self.live().items()}
+
+    def save(self, root: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=str(root))
+
+    def load(self, root: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self._state(), checkpoint_id=str(root))
+
+
+class DcpFsdp2Ckpt:
+    def __init__(self, s: _peers.System, rank: int, device: torch.device) -> None:
+        self.model, self.opt = s.model, s.optimizer
+
+    def save(self, root: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(root))
+
+    def load(self, root: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(root))
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for p in self.model.parameters():
+            out.append(p.to_local() if hasattr(p, "to_local") else p.detach())
+            st = self.opt.state.get(p, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    t = st[k]
+                    out.append(t.to_local() if hasattr(t, "to_local") else t)
+        return out
+
+
+class MegatronCkpt:
+    METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+    def __init__(self, s: _peers.System, rank: int, device: torch.device) -> None:
+        self.ddp, self.opt, self.rank = s.wrapped, s.optimizer, rank
+
+    def _sharded(self, is_loading: bool) -> dict:
+        model_sd = _peers.megatron_model_sharded_state_dict(self.ddp.module, self.rank)
+        return {"model": model_sd,
+                "optimizer": self.opt.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                         metadata=dict(self.METADATA))}
+
+    def save(self, root: Path) -> None:
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy)
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper)
+
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy(),
+            parallel_state.get_data_parallel_group(with_context_parallel=True))
+        dist_checkpointing.save(self._sharded(False), str(root), sharded_strategy=strategy)
+
+    def load(self, root: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        loaded = dist_checkpointing.load(self._sharded(True), str(root))
+        self.ddp.module.load_state_dict(loaded["model"])
+        # no_grad: for fp32 params the main param is a view of the model param (a leaf that
+        # requires grad), and megatron-core 0.19.2 copies into it in place without no_grad.
+        with torch.no_grad():
+            self.opt.load_state_dict(loaded["optimizer"])
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [p.detach() for p in self.ddp.module.parameters()]
+        for inner in _peers.megatron_inner(self.opt):
+            torch_opt = inner.optimizer
+            for g in torch_opt.param_groups:
+                for p in g["params"]:
+                    out.append(p.detach())
+                    st = torch_opt.state.get(p, {})
+                    out.extend(st[k] for k in ("exp_avg", "exp_avg_sq") if k in st)
+        return out
+
+
+CKPT = {"shardopt": ShardoptCkpt, "torch_save": TorchSaveCkpt, "dcp_plain": DcpPlainCkpt,
+        "dcp_fsdp2": DcpFsdp2Ckpt, "megatron": MegatronCkpt}
+
+
+# ----------------------------------------------------------------------------- worker
+def _checksum(tensors: list[torch.Tensor]) -> float:
+    with torch.no_grad():
+        return float(sum(t.double().sum() for t in tensors if t.numel()))
+
+
+def _scramble(tensors: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t in tensors:
+            t.zero_()
+
+
+def _bcast(obj: Any) -> Any:
+    box = [obj]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_true(flag: bool) -> bool:
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, flag)
+    return all(flags)
+
+
+def _timed(fn, device: torch.device) -> float:
+    _peers.barrier()
+    _peers.sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _peers.sync(device)
+    _peers.barrier()
+    return time.perf_counter() - t0
+
+
+def _one(name: str, ck: Any, target: dict, rep: int, rank: int, device: torch.device,
+         probe: _io_probes.Probe | None) -> dict[str, Any]:
+    root = Path(target["dir"]) / f"{name}-{rep}"
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    _peers.barrier()
+    ref = _checksum(ck.tensors())
+    hooks = _io_probes.hook_shardopt(probe) if probe else None
+    out: dict[str, Any] = {"system": name, "target": target["name"], "rep": rep}
+    try:
+        if hooks:
+            report = hooks.__enter__()
+            out["hooks"] = report
+            probe.reset()
+        out["save_s"] = _timed(lambda: ck.save(root), device)
+        if probe:
+            out["save_phases"] = _io_probes.save_phases(probe.snapshot(), out["save_s"])
+            out["save_probe"] = probe.snapshot()
+            probe.reset()
+        if rank == 0:
+            out["bytes"] = _io_probes.dir_bytes(root)
+            out["files"] = len(_io_probes.files_under(root))
+            if target["evict"]:
+                _io_probes.evict(root)
+            out["cached_fraction_before_load"] = _io_probes.cached_fraction(root)
+        _scramble(ck.tensors())
+        _peers.sync(device)
+        with _common.HostRssSampler(interval_s=0.005) as rss:
+            out["load_s"] = _timed(lambda: ck.load(root), device)
+        out["load_rss_growth_bytes"] = rss.growth_bytes
+        if probe:
+            out["load_phases"] = _io_probes.load_phases(probe.snapshot(), out["load_s"])
+            out["load_probe"] = probe.snapshot()
+    finally:
+        if hooks:
+            hooks.__exit__(None, None, None)
+    out["restored"] = _all_true(_checksum(ck.tensors()) == ref)
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    _peers.barrier()
+    return out
+
+
+def _group_worker(rank: int, world: int, group: str, a: dict) -> dict:
+    device = _peers.rank_device(rank, a["device"])
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, a["cpu_threads"]))
+    model = _peers.build_gpt(a["preset"], device, seed=0)
+    s = _peers.SETUP[group](model, _peers.Hyper(), device)
+    (x, y), = _peers.make_batches(a["preset"], rank, world, 1, 1, device)
+    loss = float(s.step(x, y))
+    _peers.sync(device)
+    names = [n for n in GROUPS[group] if n in a["systems"]]
+    ckpts = {n: CKPT[n](s, rank, device) for n in names}
+    probe = _io_probes.Probe(device)
+    last: dict[str, float] = {}
+    results = []
+    for target in a["targets"]:
+        for name, ck in ckpts.items():
+            reps = a["repeats"] if name == "shardopt" else a["peer_repeats"]
+            for rep in range(reps):
+                estimate = 1.3 * last.get(name, a["first_estimate_s"])
+                skip = None
+                if rank == 0 and time.time() + estimate > a["deadline"]:
+                    skip = f"time budget: ~{estimate:.0f} s needed, " \
+                           f"{max(0.0, a['deadline'] - time.time()):.0f} s left"
+                skip = _bcast(skip)
+                if skip:
+                    results.append({"system": name, "target": target["name"], "rep": rep,
+                                    "skipped": skip})
+                    continue
+                t0 = time.time()
+                results.append(_one(name, ck, target, rep, rank, device,
+                                    probe if name == "shardopt" else None))
+                last[name] = time.time() - t0
+                r = results[-1]
+                if rank == 0:
+                    print(f"  [{name} {target['name']} rep {rep}] {r.get('bytes', 0) / 1e9:.2f} GB "
+                          f"save {r['save_s']:.2f} s load {r['load_s']:.2f} s "
+                          f"restored={r['restored']}", flush=True)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return {"results": results, "loss": loss, "notes": s.notes, "peak_allocated": peak,
+            "copy": _io_probes.copy_bandwidth(device) if rank == 0 else {}}
+
+
+def _raw_worker(rank: int, world: int, a: dict) -> dict:
+    out = {}
+    for target in a["targets"]:
+        out[target["name"]] = _io_probes.raw_bandwidth(
+            Path(target["dir"]), rank, a["raw_bytes"], a["device"] == "cuda", target["evict"])
+    return out
+
+
+# ----------------------------------------------------------------------------- parent
+def _mount_of(path: Path) -> dict[str, str]:
+    """Filesystem type and source of the mount holding ``path`` (longest /proc/mounts prefix)."""
+    best = {"mount": "", "fstype": "?", "source": "?"}
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            source, mount, fstype = line.split()[:3]
+            if str(path).startswith(mount) and len(mount) >= len(best["mount"]):
+                best = {"mount": mount, "fstype": fstype, "source": source}
+    except OSError:
+        pass
+    return best
+
+
+def _targets(args: argparse.Namespace) -> list[dict]:
+    out = []
+    for name in args.targets.split(","):
+        base = {"shm": args.shm_dir, "disk": args.disk_dir}[name]
+        d = Path(base) / f"shardopt-ckpt-bench-{os.getpid()}"
+        d.mkdir(parents=True, exist_ok=True)
+        out.append({"name": name, "dir": str(d), "evict": name != "shm",
+                    "free_bytes": shutil.disk_usage(d).free, **_mount_of(d.resolve())})
+    return out
+
+
+def _gbps(nbytes: int | None, s: float | None) -> float | None:
+    return nbytes / s / 1e9 if nbytes and s else None
+
+
+def summarize(raw: dict, ops: list[dict], nproc: int) -> tuple[list[dict], str]:
+    """Per (system, target): median times, GB/s and the ratios the issue asks for."""
+    rows, table = [], []
+    keyed: dict[tuple[str, str], list[dict]] = {}
+    for r in ops:
+        if "save_s" in r:
+            keyed.setdefault((r["system"], r["target"]), []).append(r)
+    for (system, target), rs in keyed.items():
+        save = _common.stats([r["save_s"] for r in rs])
+        load = _common.stats([r["load_s"] for r in rs])
+        nbytes = rs[0].get("bytes")
+        row = {"system": system, "target": target, "bytes": nbytes, "save_s": save,
+               "load_s": load, "save_GBps": _gbps(nbytes, save["median"]),
+               "load_GBps": _gbps(nbytes, load["median"]),
+               "restored": all(r["restored"] for r in rs),
+               "cached_fraction_before_load": [r.get("cached_fraction_before_load") for r in rs]}
+        rw = raw.get(target)
+        if rw:
+            row["save_vs_raw_write"] = row["save_GBps"] / _gbps(rw["bytes_total"], rw["write_s"])
+            row["load_vs_raw_read"] = row["load_GBps"] / _gbps(rw["bytes_total"], rw["read_s"])
+        rows.append(row)
+    ours = {r["target"]: r for r in rows if r["system"] == "shardopt"}
+    for row in rows:
+        o = ours.get(row["target"])
+        if o and row["system"] != "shardopt":
+            row["ours_save_speedup"] = o["save_GBps"] / row["save_GBps"]
+            row["ours_load_speedup"] = o["load_GBps"] / row["load_GBps"]
+    for target, rw in raw.items():
+        table.append([f"raw ({nproc} proc)", target, rw["bytes_total"] / 1e9, rw["write_s"],
+                      rw["read_s"], _gbps(rw["bytes_total"], rw["write_s"]),
+                      _gbps(rw["bytes_total"], rw["read_s"]), None, None, None])
+    for row in rows:
+        table.append([row["system"], row["target"], (row["bytes"] or 0) / 1e9,
+                      row["save_s"]["median"], row["load_s"]["median"], row["save_GBps"],
+                      row["load_GBps"],
+                      _pct(row.get("save_vs_raw_write")), _pct(row.get("load_vs_raw_read")),
+                      "yes" if row["restored"] else "NO"])
+    text = _common.format_table(table, ["system", "target", "GB", "save s", "load s", "save GB/s",
+                                        "load GB/s", "save/raw", "load/raw", "restored"])
+    lines = [text, ""]
+    for row in rows:
+        if "ours_save_speedup" in row:
+            lines.append(f"shardopt vs {row['system']} ({row['target']}): save "
+                         f"{row['ours_save_speedup']:.2f}x, load {row['ours_load_speedup']:.2f}x "
+                         "throughput (target >= 3x)")
+    for row in rows:
+        if row["system"] == "shardopt" and "save_vs_raw_write" in row:
+            lines.append(f"shardopt {row['target']}: save {row['save_vs_raw_write']:.0%} / load "
+                         f"{row['load_vs_raw_read']:.0%} of raw bandwidth (target >= 90%)")
+    return rows, "\n".join(lines)
+
+
+def _pct(v: float | None) -> str | None:
+    return None if v is None else f"{v:.0%}"
+
+
+def phase_table(ops: list[dict]) -> str:
+    lines = []
+    for r in ops:
+        if r.get("system") != "shardopt" or "save_phases" not in r:
+            continue
+        for kind in ("save", "load"):
+            ph = r[f"{kind}_phases"]
+            cells = "  ".join(f"{k}={v:.2f}" for k, v in ph.items() if abs(v) >= 0.005)
+            lines.append(f"shardopt {kind} {r['target']} rep {r['rep']} "
+                         f"({r[kind + '_s']:.2f} s, rank 0): {cells}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--systems", default=",".join(CKPT_SYSTEMS))
+    p.add_argument("--targets", default="shm,disk", help="comma-separated: shm, disk")
+    p.add_argument("--shm-dir", default="/dev/shm")
+    p.add_argument("--disk-dir", default="/tmp", help="a directory on local disk")
+    p.add_argument("--repeats", type=int, default=2, help="save+load repeats for shardopt")
+    p.add_argument("--peer-repeats", type=int, default=1)
+    p.add_argument("--raw-mib", type=int, default=8192, help="raw bandwidth test size per rank")
+    p.add_argument("--budget", type=float, default=330.0,
+                   help="seconds for all checkpoint groups; peers beyond it are skipped")
+    p.add_argument("--first-estimate", type=float, default=60.0,
+                   help="assumed seconds of a system's first save+load, for the budget")
+    p.add_argument("--timeout", type=float, default=420.0, help="seconds per process group")
+    p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    if set(systems) - set(CKPT_SYSTEMS):
+        p.error(f"unknown systems {sorted(set(systems) - set(CKPT_SYSTEMS))}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available; use --device cpu for a smoke run")
+    targets = _targets(args)
+    for t in targets:
+        print(f"target {t['name']}: {t['dir']} ({t['fstype']} on {t['source']}, "
+              f"{t['free_bytes'] / 1e9:.0f} GB free)", flush=True)
+    start = time.time()
+    a = {"device": args.device, "preset": args.preset, "systems": systems, "targets": targets,
+         "repeats": args.repeats, "peer_repeats": args.peer_repeats,
+         "raw_bytes": args.raw_mib << 20, "cpu_threads": args.cpu_threads,
+         "first_estimate_s": args.first_estimate}
+    errors: dict[str, str] = {}
+    raw: dict[str, dict] = {}
+    try:
+        print("raw storage bandwidth ...", flush=True)
+        per_rank = _peers.spawn(_raw_worker, args.nproc, a, device=args.device,
+                                timeout_s=args.timeout)
+        for t in targets:
+            rs = [r[t["name"]] for r in per_rank]
+            raw[t["name"]] = {"bytes_total": sum(r["bytes"] for r in rs),
+                              "write_s": max(r["write_s"] for r in rs),
+                              "read_s": max(r["read_s"] for r in rs), "per_rank": rs}
+    except Exception as e:  # noqa: BLE001
+        errors["raw"] = str(e) if isinstance(e, _peers.RankFailed) else traceback.format_exc()
+        print(f"raw bandwidth FAILED:\n{errors['raw']}", flush=True)
+
+    groups = [g for g, members in GROUPS.items() if set(members) & set(systems)]
+    ops: list[dict] = []
+    extras: dict[str, Any] = {}
+    budget_end = time.time() + args.budget
+    for i, g in enumerate(groups):
+        left = max(0.0, budget_end - time.time())
+        share = GROUP_WEIGHT[g] / sum(GROUP_WEIGHT[h] for h in groups[i:])
+        a["deadline"] = time.time() + left * share
+        print(f"{g}: {', '.join(n for n in GROUPS[g] if n in systems)} "
+              f"({left * share:.0f} s budget) ...", flush=True)
+        try:
+            res = _peers.spawn(_group_worker, args.nproc, g, a, device=args.device,
+                               timeout_s=args.timeout)
+            ops.extend(res[0]["results"])
+            extras[g] = {k: v for k, v in res[0].items() if k != "results"}
+            extras[g]["per_rank_phases"] = [
+                [{k: r.get(k) for k in ("target", "rep", "save_phases", "load_phases")}
+                 for r in rr["results"] if "save_phases" in r] for rr in res]
+        except Exception as e:  # noqa: BLE001 - record and go on with the next system
+            msg = str(e) if isinstance(e, _peers.RankFailed) else traceback.format_exc()
+            errors[g] = msg[-6000:]
+            print(f"[{g}] FAILED:\n{msg}", flush=True)
+    for t in targets:
+        shutil.rmtree(t["dir"], ignore_errors=True)
+
+    rows, text = summarize(raw, ops, args.nproc)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "tag")}
+    doc = {**_common.run_header(device, config), "benchmark": "checkpoint_io",
+           "targets": targets, "raw": raw, "summary": rows, "ops": ops, "groups": extras,
+           "errors": errors, "wall_s": time.time() - start}
+    name = f"checkpoint_io_{args.nproc}gpu{args.tag}.json" if args.device == "cuda" else \
+        f"checkpoint_io_cpu_{args.nproc}rank{args.tag}.json"
+    _common.write_json(Path(args.out) / name, doc)
+    skipped = [f"{r['system']}/{r['target']}#{r['rep']}" for r in ops if "skipped" in r]
+    print(f"\ncheckpoint_io: {args.nproc} rank(s), {args.preset}")
+    print(phase_table(ops))
+    if skipped:
+        print(f"skipped for the time budget: {', '.join(skipped)}")
+    print(text)
+    bad = [f"{r['system']}/{r['target']}" for r in rows if not r["restored"]]
+    if errors or bad:
+        print(f"FAILED: {', '.join(list(errors) + [f'{b} not restored' for b in bad])} "
+              f"(details in {name})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
