@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         _error(str(exc))
         return EXIT_USAGE
     except WorkerFailed as exc:
-        _error(f"training failed: {exc} (its traceback is above)")
+        _error(f"training failed: {exc}; see the tracebacks above")
         return EXIT_FAILED
     except BrokenPipeError:
         # Output piped into `head` and the like: stop quietly, as the docs of `signal` advise.

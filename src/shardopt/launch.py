@@ -41,13 +41,18 @@ def under_torchrun() -> bool:
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int) -> Any:
-    """Run ``fn(*args)`` on every rank; returns rank 0's result (raises on any rank's failure)."""
+    """Run ``fn(*args)`` on every rank; returns this rank's result under torchrun, else rank 0's.
+
+    Raises :class:`LaunchError` or :class:`WorkerFailed` if a spawned rank fails, and
+    ``KeyboardInterrupt`` when the launcher is stopped by SIGINT/SIGTERM (the ranks are stopped too).
+    """
     if under_torchrun() or nproc == 1:
         try:
             return fn(*args)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -64,8 +69,10 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int) -> Any:
     )
     # The agent and torch.multiprocessing log worker starts, stops and failures (with a second copy of
     # the traceback); ranks report their own failures instead, see _worker.
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # Elastic's loggers set their own levels, so each is quietened by name.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="shardopt-launch-") as error_dir:
         try:
             results = elastic_launch(config, _worker)(fn, error_dir, *args)
@@ -73,8 +80,10 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int) -> Any:
             messages = sorted(Path(error_dir).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
             if messages:
                 raise LaunchError(messages[0].read_text().strip()) from None
-            rank, failure = exc.get_first_failure()
-            raise WorkerFailed(f"rank {rank} failed with exit code {failure.exitcode}") from None
+            failed = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items()))
+            raise WorkerFailed(f"{failed} failed") from None
+        except SignalException:
+            raise KeyboardInterrupt from None
     return results[0]
 
 
