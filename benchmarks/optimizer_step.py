@@ -248,7 +248,7 @@ def profile_step(opt: DistributedOptimizer, device: torch.device, steps: int, ou
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results", help="directory for the result files")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--numel", type=float, default=1e9, help="parameters in the shard (0.25e9-1e9)")
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=5)
@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
