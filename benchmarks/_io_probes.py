@@ -242,6 +242,38 @@ class _TimedOs:
         return getattr(os, name)
 
 
+class _TimedXxhash:
+    """Stands in for the ``xxhash`` module inside one module: times every hashing call."""
+
+    def __init__(self, probe: Probe) -> None:
+        import xxhash
+
+        self._mod = xxhash
+        self._probe = probe
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._mod, name)
+        if not callable(real):
+            return real
+        if name.endswith(("digest",)):  # one-shot functions: xxh3_64_hexdigest(data)
+            return self._probe.leaf("hash", real)
+        probe = self._probe
+
+        def make(*args, **kwargs):  # hasher objects: time update(); the rest is instant
+            h = probe.leaf("hash", real)(*args, **kwargs)
+            return _TimedHasherObject(h, probe)
+        return make
+
+
+class _TimedHasherObject:
+    def __init__(self, h: Any, probe: Probe) -> None:
+        self._h = h
+        self.update = probe.leaf("hash", h.update)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._h, name)
+
+
 @contextlib.contextmanager
 def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     """Install the phase hooks for the duration of the block; yields which hooks are active."""
@@ -250,7 +282,7 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     from shardopt import optimizer as opt_mod
 
     mods = {}
-    for name in ("io", "storage", "commit"):
+    for name in ("io", "storage", "commit", "format"):
         try:
             mods[name] = importlib.import_module(f"shardopt.checkpoint.{name}")
         except ImportError:
@@ -286,14 +318,9 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     patch(io, "_agree", lambda f: probe.inclusive("agree", f), "io._agree")
     # leaves
     patch(storage, "os", lambda m: _TimedOs(probe), "storage.os")
-    patch(storage, "hash_block", lambda f: probe.leaf("hash", f), "storage.hash_block")
-    if storage is not None and hasattr(storage, "BlockHasher"):
-        base = storage.BlockHasher
-
-        class _TimedHasher(base):  # type: ignore[misc, valid-type]
-            update = probe.leaf("hash", base.update)
-
-        patch(storage, "BlockHasher", lambda _: _TimedHasher, "storage.BlockHasher")
+    # Hashing is timed where xxhash is called (BlockHasher and friends call into it).
+    patch(storage, "xxhash", lambda m: _TimedXxhash(probe), "storage.xxhash")
+    patch(mods.get("format"), "xxhash", lambda m: _TimedXxhash(probe), "format.xxhash")
     if probe.device.type == "cuda":
         event = torch.cuda.Event
 
@@ -335,13 +362,14 @@ def load_phases(t: dict[str, float], total: float) -> dict[str, float]:
     """Named load phases (seconds) from a probe snapshot of one load."""
     verify = t.get("verify", 0.0)
     read_into = t.get("read_into", 0.0)
-    read = t.get("read_into/os.preadv", 0.0)
+    read = t.get("read_into/os.preadv", 0.0) + t.get("read_into/os.pread", 0.0)
     h2d = t.get("read_into/cuda_event_wait", 0.0)
+    verify_read = t.get("verify/os.pread", 0.0) + t.get("verify/os.preadv", 0.0)
     out = {
         "header_plan": t.get("prepare", 0.0) - verify,
-        "verify_read": t.get("verify/os.pread", 0.0),
+        "verify_read": verify_read,
         "verify_hash": t.get("verify/hash", 0.0),
-        "verify_other": verify - t.get("verify/os.pread", 0.0) - t.get("verify/hash", 0.0),
+        "verify_other": verify - verify_read - t.get("verify/hash", 0.0),
         "read": read,
         "h2d_wait": h2d,
         "read_other": read_into - read - h2d,

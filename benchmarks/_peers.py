@@ -162,11 +162,11 @@ class Hyper:
     max_grad_norm: float = 1.0
 
 
-def build_gpt(preset: str, device: torch.device, seed: int = 0):
+def build_gpt(preset: str, device: torch.device, seed: int = 0, **overrides: Any):
     """``shardopt.model.build_model`` on ``device`` (drawn there: same weights for every system)."""
     from shardopt.model import build_model, model_config
 
-    return build_model(model_config(preset), seed=seed, device=device)
+    return build_model(model_config(preset, **overrides), seed=seed, device=device)
 
 
 def make_batches(preset: str, rank: int, world: int, micro_batch: int, num: int,

@@ -56,7 +56,7 @@ CKPT_SYSTEMS = ("shardopt", "torch_save", "dcp_plain", "dcp_fsdp2", "megatron")
 # training stack -> checkpoint systems that use it (one process group each, in this order)
 GROUPS = {"shardopt": ("shardopt", "torch_save", "dcp_plain"), "fsdp2": ("dcp_fsdp2",),
           "megatron": ("megatron",)}
-GROUP_WEIGHT = {"shardopt": 0.4, "fsdp2": 0.3, "megatron": 0.3}
+GROUP_WEIGHT = {"shardopt": 0.45, "fsdp2": 0.25, "megatron": 0.3}
 
 
 # ----------------------------------------------------------------------------- checkpointers
@@ -304,42 +304,62 @@ def _group_worker(rank: int, world: int, group: str, a: dict) -> dict:
     device = _peers.rank_device(rank, a["device"])
     if device.type == "cpu":
         torch.set_num_threads(max(1, a["cpu_threads"]))
-    model = _peers.build_gpt(a["preset"], device, seed=0)
+    model = _peers.build_gpt(a["preset"], device, seed=0, **a["overrides"])
     s = _peers.SETUP[group](model, _peers.Hyper(), device)
     (x, y), = _peers.make_batches(a["preset"], rank, world, 1, 1, device)
     loss = float(s.step(x, y))
     _peers.sync(device)
     names = [n for n in GROUPS[group] if n in a["systems"]]
     ckpts = {n: CKPT[n](s, rank, device) for n in names}
+    state_bytes = sum(t.numel() * t.element_size() for t in ckpts[names[0]].tensors())
     probe = _io_probes.Probe(device)
     last: dict[str, float] = {}
     results = []
-    for target in a["targets"]:
-        for name, ck in ckpts.items():
-            reps = a["repeats"] if name == "shardopt" else a["peer_repeats"]
-            for rep in range(reps):
-                estimate = 1.3 * last.get(name, a["first_estimate_s"])
-                skip = None
-                if rank == 0 and time.time() + estimate > a["deadline"]:
-                    skip = f"time budget: ~{estimate:.0f} s needed, " \
-                           f"{max(0.0, a['deadline'] - time.time()):.0f} s left"
-                skip = _bcast(skip)
-                if skip:
-                    results.append({"system": name, "target": target["name"], "rep": rep,
-                                    "skipped": skip})
-                    continue
-                t0 = time.time()
-                results.append(_one(name, ck, target, rep, rank, device,
-                                    probe if name == "shardopt" else None))
-                last[name] = time.time() - t0
-                r = results[-1]
-                if rank == 0:
-                    print(f"  [{name} {target['name']} rep {rep}] {r.get('bytes', 0) / 1e9:.2f} GB "
-                          f"save {r['save_s']:.2f} s load {r['load_s']:.2f} s "
-                          f"restored={r['restored']}", flush=True)
+    for target, name, rep in _plan(names, a):
+        # a save + load of a system not measured yet: both at --first-gbps
+        first = 2 * state_bytes * world / (a["first_gbps"] * 1e9)
+        estimate = 1.3 * last.get(name, first)
+        skip = None
+        if rank == 0 and time.time() + estimate > a["deadline"]:
+            skip = f"time budget: ~{estimate:.0f} s needed, " \
+                   f"{max(0.0, a['deadline'] - time.time()):.0f} s left"
+        skip = _bcast(skip)
+        if skip:
+            results.append({"system": name, "target": target["name"], "rep": rep, "skipped": skip})
+            continue
+        t0 = time.time()
+        results.append(_one(name, ckpts[name], target, rep, rank, device,
+                            probe if name == "shardopt" else None))
+        last[name] = time.time() - t0
+        r = results[-1]
+        if rank == 0:
+            print(f"  [{name} {target['name']} rep {rep}] {r.get('bytes', 0) / 1e9:.2f} GB "
+                  f"save {r['save_s']:.2f} s load {r['load_s']:.2f} s "
+                  f"restored={r['restored']}", flush=True)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {"results": results, "loss": loss, "notes": s.notes, "peak_allocated": peak,
             "copy": _io_probes.copy_bandwidth(device) if rank == 0 else {}}
+
+
+def _plan(names: list[str], a: dict) -> list[tuple[dict, str, int]]:
+    """(target, system, rep) in priority order: every system once on shm, shardopt once on disk,
+    shardopt's repeats on shm, the peers on disk, shardopt's repeats on disk."""
+    targets = {t["name"]: t for t in a["targets"]}
+    shm, disk = targets.get("shm"), targets.get("disk")
+    ours = [n for n in names if n == "shardopt"]
+    peers_disk = [n for n in names if n != "shardopt" and n in a["disk_systems"]]
+    plan: list[tuple[dict, str, int]] = []
+    if shm:
+        plan += [(shm, n, 0) for n in names]
+    if disk:
+        plan += [(disk, n, 0) for n in ours]
+    if shm:
+        plan += [(shm, n, r) for n in ours for r in range(1, a["repeats"])]
+        plan += [(shm, n, r) for n in names if n != "shardopt" for r in range(1, a["peer_repeats"])]
+    if disk:
+        plan += [(disk, n, r) for n in peers_disk for r in range(a["peer_repeats"])]
+        plan += [(disk, n, r) for n in ours for r in range(1, a["repeats"])]
+    return plan
 
 
 def _raw_worker(rank: int, world: int, a: dict) -> dict:
@@ -453,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--preset", default="1b")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="override the preset's depth (quick checks at a smaller size)")
     p.add_argument("--systems", default=",".join(CKPT_SYSTEMS))
     p.add_argument("--targets", default="shm,disk", help="comma-separated: shm, disk")
     p.add_argument("--shm-dir", default="/dev/shm")
@@ -462,8 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw-mib", type=int, default=8192, help="raw bandwidth test size per rank")
     p.add_argument("--budget", type=float, default=330.0,
                    help="seconds for all checkpoint groups; peers beyond it are skipped")
-    p.add_argument("--first-estimate", type=float, default=60.0,
-                   help="assumed seconds of a system's first save+load, for the budget")
+    p.add_argument("--disk-systems", default="shardopt,torch_save,dcp_fsdp2,megatron",
+                   help="systems also measured on disk (after every system on shm)")
+    p.add_argument("--first-gbps", type=float, default=0.8,
+                   help="assumed GB/s of a system's first save and load, for the budget")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per process group")
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results")
@@ -482,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     a = {"device": args.device, "preset": args.preset, "systems": systems, "targets": targets,
          "repeats": args.repeats, "peer_repeats": args.peer_repeats,
          "raw_bytes": args.raw_mib << 20, "cpu_threads": args.cpu_threads,
-         "first_estimate_s": args.first_estimate}
+         "first_gbps": args.first_gbps,
+         "disk_systems": [x for x in args.disk_systems.split(",") if x],
+         "overrides": {"num_layers": args.num_layers} if args.num_layers else {}}
     errors: dict[str, str] = {}
     raw: dict[str, dict] = {}
     try:

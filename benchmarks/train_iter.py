@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
                                   a["warmup"] + a["iters"], device)
     timeline = _common.MemoryTimeline(device)
     t0 = time.perf_counter()
-    model = _peers.build_gpt(a["preset"], device, seed=0)
+    model = _peers.build_gpt(a["preset"], device, seed=0, **a["overrides"])
     kwargs = {}
     if system == "megatron":
         kwargs["overlap_param_gather"] = a["megatron_overlap_param_gather"]
@@ -81,6 +81,7 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
 def run_system(system: str, args: argparse.Namespace) -> dict:
     a = {k: getattr(args, k) for k in ("device", "preset", "micro_batch", "warmup", "iters",
                                        "cpu_threads", "megatron_overlap_param_gather")}
+    a["overrides"] = {"num_layers": args.num_layers} if args.num_layers else {}
     t0 = time.perf_counter()
     try:
         ranks = _peers.spawn(_worker, args.nproc, system, a, device=args.device,
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated subset of {','.join(_peers.SYSTEMS)}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--preset", default="1b")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="override the preset's depth (quick checks at a smaller size)")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per iteration")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
