@@ -38,6 +38,7 @@ from .config import GROUP_KEYS, OptimizerConfig
 from .layout import Bucket, Layout, ParamShard, ParamSpec, build_layout
 
 STATE_NAMES = ("master_param", "exp_avg", "exp_avg_sq")
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ParamGroupFn = Callable[[str, torch.nn.Parameter], dict[str, Any]]
 
 
@@ -73,8 +74,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"param {fqn!r} is on {p.device} but {named[0][0]!r} is on {self.device}; "
                     "all trainable params must be on one device"
                 )
-            if not p.dtype.is_floating_point:
-                raise ValueError(f"param {fqn!r} has non-floating dtype {p.dtype}")
+            if p.dtype not in SUPPORTED_DTYPES:
+                # fp32 main params and fp32 state would silently lower float64 precision.
+                raise ValueError(
+                    f"param {fqn!r} has dtype {p.dtype}; shardopt trains bf16, fp16 and fp32 params"
+                )
         self.aliases = _tied_aliases(model)
         self.layout: Layout = build_layout(
             [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named],
