@@ -28,6 +28,9 @@ SHARDING_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024
+MAX_BLOCK_BYTES = 1 << 30  # a reader allocates one block at a time
+# What the stored optimizer state means: loading it into anything else is refused.
+OPTIMIZER_KIND = "adamw"
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -100,24 +103,35 @@ class FormatError(ValueError):
     """A file is not a well-formed checkpoint file (the message names it)."""
 
 
-def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int) -> FileHeader:
-    """Parse a safetensors header; ``read_json(n)`` returns the next ``n`` bytes."""
+def parse_json_object(raw: bytes | str, what: str) -> dict:
+    """Parse untrusted JSON that must be an object (deep nesting is an error, not a crash)."""
+    try:
+        value = json.loads(raw)
+    except (TypeError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"{what} is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(value, dict):
+        raise FormatError(f"{what} is not a JSON object")
+    return value
+
+
+def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int,
+                 max_bytes: int = MAX_HEADER_BYTES) -> FileHeader:
+    """Parse a safetensors header; ``read_json(n)`` returns the next ``n`` bytes.
+
+    The length is checked against ``max_bytes`` and the file size before
+    anything is read, so a hostile length cannot make us allocate.
+    """
     if len(raw_len) != 8:
         raise FormatError(f"{file}: truncated safetensors header")
     (n,) = struct.unpack("<Q", raw_len)
-    if n > MAX_HEADER_BYTES or 8 + n > file_size:
-        raise FormatError(f"{file}: header length {n} is too large for a file of {file_size} bytes")
-    try:
-        header = json.loads(read_json(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{file}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{file}: header is not a JSON object")
+    if n > min(max_bytes, MAX_HEADER_BYTES) or 8 + n > file_size:
+        raise FormatError(f"{file}: header length {n} is too large for a file of {file_size} "
+                          "bytes and the chunks its manifest lists (not a checkpoint data file?)")
+    header = parse_json_object(read_json(n), f"{file}: header")
     meta = header.pop("__metadata__", {}) or {}
-    try:
-        sharding = json.loads(meta.get(SHARDING_KEY, "{}"))
-    except (TypeError, json.JSONDecodeError):
-        raise FormatError(f"{file}: malformed {SHARDING_KEY} metadata") from None
+    if not isinstance(meta, dict):
+        raise FormatError(f"{file}: header __metadata__ is not a JSON object")
+    sharding = parse_json_object(meta.get(SHARDING_KEY, "{}"), f"{file}: {SHARDING_KEY} metadata")
     chunks = []
     data_bytes = file_size - 8 - n
     for key, info in header.items():
@@ -126,7 +140,7 @@ def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int)
             shape = [int(s) for s in info["shape"]]
             begin, end = (int(x) for x in info["data_offsets"])
             offset = int(sharding.get(key, {"saved_offsets": [0]})["saved_offsets"][0])
-        except (KeyError, TypeError, ValueError, IndexError):
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError):
             raise FormatError(f"{file}: malformed header entry for {key!r}") from None
         numel = 1
         for s in shape:
@@ -168,5 +182,12 @@ class BlockHasher:
         return self.digests
 
 
-def hash_block(data: memoryview | bytes) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
+def manifest_checksum(manifest: dict) -> str:
+    """xxh3-64 of the manifest's canonical JSON without its ``checksum`` field.
+
+    Catches accidental damage to the manifest (a flipped digit in a step, size
+    or hash would otherwise go unnoticed); it is not a signature.
+    """
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "xxh3-64:" + xxhash.xxh3_64_hexdigest(canonical.encode())

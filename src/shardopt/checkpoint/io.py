@@ -1,21 +1,30 @@
-"""save / load / latest: atomic commits, manifest, resharding loads.
+"""save / load / latest: collective orchestration of atomic, verified checkpoints.
 
 Save schedule (collective over the optimizer's DP group):
 
-1. DP rank 0 picks a temporary directory ``root/.tmp-step_XXXXXXXX-<id>``; all
-   ranks learn its name.
+1. Every rank checks the arguments; DP rank 0 also locks the root, cleans
+   stale temporary directories and creates ``root/.tmp-step_XXXXXXXX-<id>``
+   (:mod:`.commit`). Exchange: every rank learns the directory, or every
+   rank raises.
 2. Every rank streams its own chunks into ``model-RRRRR``, ``optim-RRRRR`` and
-   ``rng-RRRRR`` safetensors files there and fsyncs them (no gathering).
-3. Ranks exchange their file records (sizes, block hashes, chunk lists) and
-   whether they succeeded; on any failure every rank raises and the
-   temporary directory is removed.
-4. Rank 0 writes ``manifest.json``, fsyncs, renames the directory to
-   ``step_XXXXXXXX``, then points ``latest`` at it, then applies retention.
+   ``rng-RRRRR`` safetensors files there (hashing fixed-size blocks as it
+   writes), fsyncs them and the directory. Exchange: file records (sizes,
+   block hashes, chunk lists), or every rank raises and rank 0 removes the
+   temporary directory.
+3. Rank 0 writes ``manifest.json`` and commits: rename to ``step_XXXXXXXX``,
+   point ``latest`` at it, apply retention. Exchange: every rank learns
+   whether the commit happened.
 
-Load (collective): every rank reads the manifest, validates it against the
-model, plans the reads that cover its own shard, verifies the hashes of the
-blocks it will read, and only when every rank found everything in order does
-any rank write into model or optimizer tensors.
+Each phase catches any exception and reports it in its exchange, so a rank
+that fails (disk full, permission denied, a bug) never leaves the others
+waiting in a collective: all of them raise :class:`CheckpointError`.
+
+Load schedule (collective): every rank reads and validates the manifest,
+checks it against the model and optimizer, opens the files and cross-checks
+their headers, plans the reads that cover its own shard, verifies the hashes
+of every block it will read and reads its RNG state. Exchange: only when every
+rank found everything in order does any rank write into model or optimizer
+tensors; otherwise every rank raises and nothing has changed.
 """
 
 from __future__ import annotations
@@ -23,8 +32,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,11 +39,12 @@ from typing import Any
 import torch
 
 from .. import comm
-from ..optimizer import DistributedOptimizer
-from . import state
-from .format import (DATA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, STEP_DIR,
-                     TORCH_DTYPE_NAMES, FormatError, StoredChunk, step_dir_name)
-from .manifest import read_manifest, validate_manifest
+from ..optimizer import STATE_NAMES, DistributedOptimizer
+from . import commit, state
+from .format import (FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, MAX_BLOCK_BYTES,
+                     OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES, StoredChunk, manifest_checksum,
+                     step_dir_name)
+from .manifest import check_optimizer, read_manifest, validate_manifest
 from .planner import ChunkIndex
 from .storage import FileReader, WriteEntry, make_staging, sync_staging, write_file
 
@@ -55,38 +63,23 @@ class LoadInfo:
     dp_size_saved: int
 
 
-def _agree(dp: comm.DPGroup, error: str | None, what: str) -> None:
-    """Collective. Raise the same :class:`CheckpointError` on every rank if any rank failed."""
-    errors = comm.all_gather_objects(error, dp)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+def _describe(e: BaseException) -> str:
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+
+def _agree(dp: comm.DPGroup, error: BaseException | None, what: str,
+           payload: Any = None) -> list[Any]:
+    """Collective. Every rank's ``payload``; the same :class:`CheckpointError` on every
+    rank if any rank brings an error (chained to the local one where there is one)."""
+    gathered = comm.all_gather_objects((payload, None if error is None else _describe(error)), dp)
+    failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
     if failed:
         detail = "; ".join(f"[dp rank {r}] {e}" for r, e in failed)
-        raise CheckpointError(f"{what} failed: {detail}")
-
-
-def _fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+        raise CheckpointError(f"{what} failed: {detail}") from error
+    return [p for p, _ in gathered]
 
 
 # --------------------------------------------------------------------------- latest
-def _is_complete(path: Path) -> bool:
-    return STEP_DIR.match(path.name) is not None and (path / MANIFEST).is_file()
-
-
 def latest(root: str | os.PathLike) -> str | None:
     """Coordinator-free. Path of the newest committed checkpoint under ``root``, or None.
 
@@ -95,13 +88,14 @@ def latest(root: str | os.PathLike) -> str | None:
     unfinished saves are never returned.
     """
     root = Path(root)
-    marker = root / LATEST
-    if marker.is_file():
-        name = marker.read_text().strip()
-        if STEP_DIR.match(name) and _is_complete(root / name):
-            return str(root / name)
-    steps = sorted((p for p in root.glob("step_*") if _is_complete(p)),
-                   key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    try:
+        with open(root / LATEST, "rb") as f:
+            name = f.read(256).decode("ascii", "replace").strip()
+    except OSError:
+        name = ""
+    if STEP_DIR.fullmatch(name) and commit.is_complete(root / name):
+        return str(root / name)
+    steps = commit.complete_steps(root) if root.is_dir() else []
     return str(steps[-1]) if steps else None
 
 
@@ -113,6 +107,22 @@ def _rng_entries() -> list[WriteEntry]:
         t = torch.cuda.get_rng_state()
         out.append(WriteEntry("torch_cuda", torch.uint8, t.numel(), 0, t))
     return out
+
+
+def _check_save_args(step: Any, extra: Any, keep_last: Any, block_bytes: Any) -> dict[str, Any]:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+    if keep_last is not None and not (isinstance(keep_last, int) and keep_last >= 1):
+        raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+    if not (isinstance(block_bytes, int) and 1 <= block_bytes <= MAX_BLOCK_BYTES):
+        raise CheckpointError(f"block_bytes must be in [1, {MAX_BLOCK_BYTES}], got {block_bytes!r}")
+    try:
+        extra = json.loads(json.dumps(extra if extra is not None else {}))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
+    return extra
 
 
 def save(
@@ -128,101 +138,94 @@ def save(
     """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.
 
     ``extra`` must be JSON-serialisable (data position, scheduler state, ...).
-    ``keep_last`` deletes older committed checkpoints beyond the newest ``k``.
+    ``keep_last`` deletes older committed checkpoints beyond the newest ``k``
+    (never the one just saved). On any failure of any rank every rank raises
+    :class:`CheckpointError` and nothing is committed.
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
-    if keep_last is not None and keep_last < 1:
-        raise CheckpointError(f"keep_last must be >= 1 or None, got {keep_last!r}")
-    try:
-        extra_json = json.dumps(extra if extra is not None else {})
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
     dp = optimizer.dp
     root = Path(root)
-    final = root / step_dir_name(step)
-
-    tmp_name, error = None, None
-    if dp.rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            if final.exists():
-                raise FileExistsError(f"checkpoint {final} already exists")
-            tmp_name = f".tmp-{final.name}-{uuid.uuid4().hex[:12]}"
-            (root / tmp_name).mkdir()
-        except OSError as e:
-            error = str(e)
-    _agree(dp, error, f"saving {final}")
-    tmp = root / str(comm.broadcast_object(tmp_name, dp))
-
-    records, error = {}, None
+    what = f"saving step {step!r} to {root}"
+    staged: commit.Staged | None = None
     try:
-        r = f"{dp.rank:05d}"
-        for kind, entries in (("model", state.model_entries(model, optimizer)),
-                              ("optim", state.optim_entries(optimizer)),
-                              ("rng", _rng_entries())):
-            name = f"{kind}-{r}.safetensors"
-            rec = write_file(str(tmp / name), entries, block_bytes, staging_bytes)
-            if kind != "rng":
-                rec["chunks"] = _chunk_list(entries)
-            records[name] = rec
-    except (OSError, RuntimeError, ValueError) as e:
-        error = f"{type(e).__name__}: {e}"
-    all_records = comm.all_gather_objects((records, error), dp)
-    errors = [e for _, e in all_records]
-    if any(errors) and dp.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _agree(dp, errors[dp.rank], f"saving {final}")
-
-    error = None
-    if dp.rank == 0:
+        error, extra_obj = None, None
         try:
-            files: dict[str, Any] = {}
-            for recs, _ in all_records:
-                files.update(recs)
-            manifest = {
-                "format": FORMAT_NAME,
-                "version": FORMAT_VERSION,
-                "step": step,
-                "dp_size": dp.size,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "torch_version": torch.__version__,
-                "config": optimizer.config.to_dict(),
-                "params": state.describe(model, optimizer),
-                "aliases": dict(optimizer.aliases),
-                "files": files,
-                "extra": json.loads(extra_json),
-            }
-            _write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            _write_text_atomic(root / LATEST, final.name + "\n")
-            if keep_last is not None:
-                _apply_retention(root, keep_last, final)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-            shutil.rmtree(tmp, ignore_errors=True)
-    _agree(dp, error, f"committing {final}")
-    return str(final)
+            extra_obj = _check_save_args(step, extra, keep_last, block_bytes)
+            if dp.rank == 0:
+                staged = commit.begin(root, step_dir_name(step))
+        except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+            error = e
+        payloads = _agree(dp, error, what,
+                          (step if error is None else None, staged.tmp.name if staged else None))
+        if any(s != step for s, _ in payloads):
+            raise CheckpointError(f"saving to {root} failed: ranks disagree on the step "
+                                  f"({[s for s, _ in payloads]})")
+        tmp = root / payloads[0][1]
+
+        records, error = {}, None
+        try:
+            records = _write_rank_files(tmp, model, optimizer, block_bytes, staging_bytes)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        all_records = _agree(dp, error, what, records)
+
+        error = None
+        if dp.rank == 0:
+            try:
+                files = {name: rec for recs in all_records for name, rec in recs.items()}
+                text = _manifest_text(model, optimizer, step, files, extra_obj)
+                commit.commit(staged, step_dir_name(step), text, keep_last)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        _agree(dp, error, f"committing {root / step_dir_name(step)}")
+    finally:
+        if staged is not None:
+            commit.abort(staged)
+    return str(root / step_dir_name(step))
 
 
-def _chunk_list(entries: list[WriteEntry]) -> list[list[Any]]:
-    return [[e.key, e.offset, e.numel] for e in entries]
+def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimizer,
+                      block_bytes: int, staging_bytes: int) -> dict[str, dict]:
+    """Coordinator-free. Write and fsync this rank's three files; return their records."""
+    r = f"{opt.dp.rank:05d}"
+    records = {}
+    for kind, entries in (("model", state.model_entries(model, opt)),
+                          ("optim", state.optim_entries(opt)),
+                          ("rng", _rng_entries())):
+        name = f"{kind}-{r}.safetensors"
+        rec = write_file(str(tmp / name), entries, block_bytes, staging_bytes)
+        if kind != "rng":
+            rec["chunks"] = [[e.key, e.offset, e.numel] for e in entries]
+        records[name] = rec
+    commit.fsync_dir(tmp)  # the directory entries, so the rename publishes whole files
+    return records
 
 
-def _apply_retention(root: Path, keep_last: int, newest: Path) -> None:
-    steps = sorted((p for p in root.glob("step_*") if _is_complete(p)),
-                   key=lambda p: int(STEP_DIR.match(p.name).group(1)))
-    for old in steps[:-keep_last]:
-        if old != newest:
-            shutil.rmtree(old, ignore_errors=True)
+def _manifest_text(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
+                   files: dict[str, dict], extra: dict[str, Any]) -> bytes:
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "dp_size": opt.dp.size,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "torch_version": torch.__version__,
+        "optimizer": {"kind": OPTIMIZER_KIND, "state": list(STATE_NAMES)},
+        "config": opt.config.to_dict(),
+        "params": state.describe(model, opt),
+        "aliases": dict(opt.aliases),
+        "files": files,
+        "extra": extra,
+    }
+    manifest = json.loads(json.dumps(manifest))  # the checksum covers what a reader parses
+    manifest["checksum"] = manifest_checksum(manifest)
+    return json.dumps(manifest, indent=1).encode()
 
 
 # ----------------------------------------------------------------------------- load
 def resolve(root_or_path: str | os.PathLike) -> Path:
     """Coordinator-free. A checkpoint directory, given itself or a root holding some."""
     p = Path(root_or_path)
-    if (p / MANIFEST).is_file():
+    if os.path.lexists(p / MANIFEST):
         return p
     if not p.exists():
         raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
@@ -230,6 +233,29 @@ def resolve(root_or_path: str | os.PathLike) -> Path:
     if found is None:
         raise CheckpointError(f"no committed checkpoint in {p} (no {MANIFEST} found)")
     return Path(found)
+
+
+@dataclass
+class _Requests:
+    items: list[tuple[state.Destination, list[tuple[Any, torch.dtype]]]]
+    casts: bool
+
+
+@dataclass
+class _Plan:
+    """Everything a rank needs to load, gathered before any tensor is written."""
+
+    path: Path
+    manifest: dict[str, Any]
+    readers: dict[str, FileReader]
+    requests: _Requests
+    steps: list[int]
+    rng: dict[str, torch.Tensor] | None
+    moments: tuple[list[torch.Tensor], list[torch.Tensor]]
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()
 
 
 def load(
@@ -243,61 +269,78 @@ def load(
     """Collective. Restore ``model`` and ``optimizer`` from a checkpoint saved at any DP size.
 
     ``low_memory_resume`` (default: the optimizer config's) keeps the Adam moments
-    in host memory until the first ``step()``. On any error every rank raises a
-    :class:`CheckpointError` and model and optimizer are left as they were.
+    in host memory until the first ``step()``. ``verify`` checks the content hash
+    of every block read. On any error every rank raises a :class:`CheckpointError`
+    and model and optimizer are left as they were.
     """
     dp = optimizer.dp
     if low_memory_resume is None:
         low_memory_resume = optimizer.config.low_memory_resume
+    host = bool(low_memory_resume)
     plan, error = None, None
     try:
-        path = resolve(root_or_path)
-        manifest = read_manifest(path)
-        validate_manifest(manifest, path)
-        plan = _plan_load(path, manifest, model, optimizer, verify)
-        steps = _group_steps(manifest, optimizer)
-    except (ValueError, OSError) as e:
-        error = str(e)
-    _agree(dp, error, f"loading {root_or_path}")
+        plan = _prepare(root_or_path, model, optimizer, verify, host)
+    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+        error = e
+    try:
+        _agree(dp, error, f"loading {root_or_path}")
+    except BaseException:
+        if plan is not None:
+            plan.close()
+        raise
     assert plan is not None
-    readers, requests = plan
 
-    cuda = optimizer.device.type == "cuda"
-    host = bool(low_memory_resume)
-    moments = _moment_tensors(optimizer, host)
-    staging = make_staging(staging_bytes, cuda) if cuda or requests.casts else None
+    # Every check passed on every rank: from here on tensors are written.
     error = None
     try:
-        for dest, reqs in requests.items:
-            t = dest.resolve(moments)
+        cuda = optimizer.device.type == "cuda"
+        staging = make_staging(staging_bytes, cuda) if cuda or plan.requests.casts else None
+        for dest, reqs in plan.requests.items:
+            t = dest.resolve(plan.moments)
             for req, dtype in reqs:
-                readers[req.file].read_into(req, t, dtype, staging)
+                plan.readers[req.file].read_into(req, t, dtype, staging)
         sync_staging(staging)
-    except (OSError, ValueError) as e:
-        error = str(e)
+    except Exception as e:  # noqa: BLE001 - the file changed after it was verified
+        error = e
     finally:
+        plan.close()
+    _agree(dp, error, f"reading {plan.path}")
+
+    optimizer._adopt_loaded_state(plan.moments, host, plan.steps)
+    if plan.rng is not None:
+        torch.set_rng_state(plan.rng["torch_cpu"])
+        if "torch_cuda" in plan.rng:
+            torch.cuda.set_rng_state(plan.rng["torch_cuda"])
+    m = plan.manifest
+    return LoadInfo(m["step"], dict(m.get("extra") or {}), str(plan.path), m["dp_size"])
+
+
+def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
+             opt: DistributedOptimizer, verify: bool, host: bool) -> _Plan:
+    """Coordinator-free. Every check of a load, and everything it reads before writing."""
+    path = resolve(root_or_path)
+    manifest = read_manifest(path)
+    validate_manifest(manifest, path)
+    check_optimizer(manifest, OPTIMIZER_KIND, STATE_NAMES)
+    _check_compatible(manifest["params"], model, opt)
+    steps = _group_steps(manifest, opt)
+    readers, requests = _plan_reads(path, manifest, model, opt, verify)
+    try:
+        rng = None
+        if manifest["dp_size"] == opt.dp.size:
+            rng = _read_rng(path, manifest, opt.dp.rank, verify)
+        moments = _moment_tensors(opt, host)
+    except BaseException:
         for r in readers.values():
             r.close()
-    _agree(dp, error, f"reading {path}")
-
-    optimizer._adopt_loaded_state(moments, host, steps)
-    saved_dp = int(manifest["dp_size"])
-    if saved_dp == dp.size:
-        _restore_rng(path, manifest, dp.rank)
-    return LoadInfo(int(manifest["step"]), dict(manifest.get("extra") or {}), str(path), saved_dp)
+        raise
+    return _Plan(path, manifest, readers, requests, steps, rng, moments)
 
 
-@dataclass
-class _Requests:
-    items: list[tuple[state.Destination, list[tuple[Any, torch.dtype]]]]
-    casts: bool
-
-
-def _plan_load(path: Path, manifest: dict, model: torch.nn.Module,
-               opt: DistributedOptimizer, verify: bool) -> tuple[dict[str, FileReader], _Requests]:
-    """Coordinator-free. Validate compatibility, open files, plan and verify this rank's reads."""
+def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: DistributedOptimizer,
+                verify: bool) -> tuple[dict[str, FileReader], _Requests]:
+    """Coordinator-free. Open files, cross-check headers, plan and verify this rank's reads."""
     params = manifest["params"]
-    _check_compatible(params, model, opt)
     numels = state.stored_numels(params)
     dtypes = {k: torch.float32 for k in numels}
     for fqn, info in params.items():
@@ -308,17 +351,8 @@ def _plan_load(path: Path, manifest: dict, model: torch.nn.Module,
         # Headers are small: read every one to locate chunks, cross-checked with the manifest.
         stored: list[StoredChunk] = []
         for name, rec in files.items():
-            reader = readers[name] = FileReader(str(path / name), name, rec)
-            header = reader.header()
-            found = sorted((c.key, c.offset, c.numel) for c in header.chunks)
-            if found != sorted((k, int(o), int(n)) for k, o, n in rec["chunks"]):
-                raise FormatError(f"{path / name}: header disagrees with the manifest's chunk list")
-            for c in header.chunks:
-                if c.key in dtypes and c.dtype != dtypes[c.key]:
-                    raise FormatError(f"{path / name}: {c.key!r} is stored as {c.dtype}, "
-                                      f"the manifest says {dtypes[c.key]}")
-            stored.extend(StoredChunk(c.key, name, c.offset, c.numel, c.dtype, c.data_start)
-                          for c in header.chunks)
+            readers[name] = FileReader(str(path / name), name, rec)
+            stored.extend(readers[name].chunks(dtypes))
         index = ChunkIndex(stored, numels)
         items = []
         spans: dict[str, list[tuple[int, int]]] = {}
@@ -344,6 +378,34 @@ def _plan_load(path: Path, manifest: dict, model: torch.nn.Module,
     return readers, _Requests(items, casts)
 
 
+def _read_rng(path: Path, manifest: dict, rank: int, verify: bool) -> dict[str, torch.Tensor]:
+    """Coordinator-free. This rank's saved RNG states, checked so that setting them cannot fail."""
+    name = f"rng-{rank:05d}.safetensors"
+    reader = FileReader(str(path / name), name, manifest["files"][name])
+    try:
+        if verify:
+            reader.verify()
+        keys = {c.key for c in reader.header().chunks}
+        out = {"torch_cpu": reader.read_tensor("torch_cpu", torch.uint8)}
+        if "torch_cuda" in keys and torch.cuda.is_available():
+            out["torch_cuda"] = reader.read_tensor("torch_cuda", torch.uint8)
+    finally:
+        reader.close()
+    # Try each state now and put ours back, so that setting it after the load cannot fail.
+    for key, (get, put) in {"torch_cpu": (torch.get_rng_state, torch.set_rng_state),
+                            "torch_cuda": (torch.cuda.get_rng_state, torch.cuda.set_rng_state)
+                            }.items():
+        if key in out:
+            current = get()
+            try:
+                put(out[key])
+            except (RuntimeError, ValueError) as e:
+                raise CheckpointError(f"{path / name}: invalid {key} RNG state ({e})") from None
+            finally:
+                put(current)
+    return out
+
+
 def _moment_tensors(opt: DistributedOptimizer, host: bool):
     """Where loaded moments go: existing device tensors, new device tensors, or pinned host."""
     def alloc(existing: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -358,7 +420,7 @@ def _moment_tensors(opt: DistributedOptimizer, host: bool):
 def _group_steps(manifest: dict, opt: DistributedOptimizer) -> list[int]:
     steps: list[int | None] = [None] * len(opt.param_groups)
     for fqn, gi in opt.group_of.items():
-        s = int(manifest["params"][fqn]["step"])
+        s = manifest["params"][fqn]["step"]
         if steps[gi] is None:
             steps[gi] = s
         elif steps[gi] != s:
@@ -368,36 +430,24 @@ def _group_steps(manifest: dict, opt: DistributedOptimizer) -> list[int]:
 
 
 def _check_compatible(params: dict, model: torch.nn.Module, opt: DistributedOptimizer) -> None:
+    """Every tensor of the model is in the checkpoint with its shape, and nothing else is.
+    Reports every mismatching FQN (up to ten), not just the first."""
     frozen = state.frozen_tensors(model, opt)
     current = {fqn: (list(s.shape), True) for fqn, s in opt.layout.slots.items()}
     current.update({fqn: (list(t.shape), False) for fqn, t in frozen.items()})
+    problems = []
     for fqn, (shape, trainable) in current.items():
-        if fqn not in params:
-            raise CheckpointError(f"param {fqn!r} of the model is missing from the checkpoint")
-        saved = params[fqn]
-        if [int(s) for s in saved["shape"]] != shape:
-            raise CheckpointError(f"param {fqn!r}: checkpoint shape {saved['shape']} != "
-                                  f"model shape {shape}")
-        if trainable and not saved["trainable"]:
-            raise CheckpointError(f"param {fqn!r} is trainable but the checkpoint holds no "
-                                  "optimizer state for it (it was frozen when saved)")
-    for fqn in params:
-        if fqn not in current and fqn not in opt.aliases:
-            raise CheckpointError(f"checkpoint param {fqn!r} does not exist in the model")
-
-
-def _restore_rng(path: Path, manifest: dict, rank: int) -> None:
-    from safetensors.torch import load_file
-
-    name = f"rng-{rank:05d}.safetensors"
-    if name not in manifest["files"] or not DATA_FILE.match(name):
-        return
-    reader = FileReader(str(path / name), name, manifest["files"][name])
-    try:
-        reader.verify()
-    finally:
-        reader.close()
-    states = load_file(str(path / name))
-    torch.set_rng_state(states["torch_cpu"])
-    if "torch_cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["torch_cuda"])
+        saved = params.get(fqn)
+        if saved is None:
+            problems.append(f"param {fqn!r} of the model is missing from the checkpoint")
+        elif saved["shape"] != shape:
+            problems.append(f"param {fqn!r}: checkpoint shape {saved['shape']} != "
+                            f"model shape {shape}")
+        elif trainable and not saved["trainable"]:
+            problems.append(f"param {fqn!r} is trainable but the checkpoint holds no "
+                            "optimizer state for it (it was frozen when saved)")
+    problems += [f"checkpoint param {fqn!r} does not exist in the model"
+                 for fqn in params if fqn not in current and fqn not in opt.aliases]
+    if problems:
+        more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise CheckpointError("; ".join(problems[:10]) + more)

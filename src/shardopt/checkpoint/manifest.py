@@ -1,36 +1,41 @@
 """Reading and validating ``manifest.json`` before anything else is trusted.
 
 A manifest comes from disk and may be damaged or hostile: it is size-limited,
-parsed as plain JSON, and every field the loader uses is type- and
-range-checked here, so later code can index it without defensive checks.
+read without following symlinks, parsed as plain JSON, checked against its own
+checksum, and every field the loader uses is type- and range-checked here, so
+later code can index it without defensive checks. Data file names are fixed
+patterns (``model-00000.safetensors``), so none can leave the directory.
 """
 
 from __future__ import annotations
 
-import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
-from .format import (DATA_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES,
-                     TORCH_DTYPE_NAMES, FormatError)
+from .format import (DATA_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_BLOCK_BYTES,
+                     MAX_MANIFEST_BYTES, TORCH_DTYPE_NAMES, FormatError, manifest_checksum,
+                     parse_json_object)
+from .storage import open_regular
+
+_HASH = re.compile(r"^[0-9a-f]{16}$")
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """Coordinator-free. Parse ``path/manifest.json`` (size-limited, JSON only)."""
     file = path / MANIFEST
+    if not os.path.lexists(file):
+        raise FormatError(f"{path} is not a checkpoint: {MANIFEST} is missing")
+    fd = open_regular(file)
     try:
-        size = file.stat().st_size
-    except FileNotFoundError:
-        raise FormatError(f"{path} is not a checkpoint: {MANIFEST} is missing") from None
-    if size > MAX_MANIFEST_BYTES:
-        raise FormatError(f"{file}: {size} bytes is larger than any manifest we write")
-    try:
-        data = json.loads(file.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise FormatError(f"{file}: not a JSON object")
-    return data
+        size = os.fstat(fd).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise FormatError(f"{file}: {size} bytes is larger than any manifest we write")
+        raw = os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+    return parse_json_object(raw, str(file))
 
 
 def _int(value: Any, what: str, file: Path, minimum: int = 0) -> int:
@@ -42,6 +47,16 @@ def _int(value: Any, what: str, file: Path, minimum: int = 0) -> int:
 def validate_manifest(m: dict[str, Any], path: Path) -> None:
     """Coordinator-free. Raise :class:`FormatError` naming the field if ``m`` is malformed."""
     file = path / MANIFEST
+    _validate_fields(m, file)
+    try:
+        checksum = manifest_checksum(m)
+    except RecursionError:
+        raise FormatError(f"{file}: nested too deeply") from None
+    if m.get("checksum") != checksum:
+        raise FormatError(f"{file}: checksum mismatch (the manifest is damaged or was edited)")
+
+
+def _validate_fields(m: dict[str, Any], file: Path) -> None:
     if m.get("format") != FORMAT_NAME:
         raise FormatError(f"{file}: not a {FORMAT_NAME} checkpoint manifest")
     version = _int(m.get("version"), "version", file, 1)
@@ -49,7 +64,13 @@ def validate_manifest(m: dict[str, Any], path: Path) -> None:
         raise FormatError(f"{file}: format version {version} is newer than this shardopt "
                           f"reads ({FORMAT_VERSION}); upgrade shardopt")
     _int(m.get("step"), "step", file)
-    _int(m.get("dp_size"), "dp_size", file, 1)
+    dp_size = _int(m.get("dp_size"), "dp_size", file, 1)
+    optimizer = m.get("optimizer")
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("kind"), str)
+            and isinstance(optimizer.get("state"), list)):
+        raise FormatError(f"{file}: optimizer must be an object with 'kind' and 'state'")
+    if not isinstance(m.get("config", {}), dict):
+        raise FormatError(f"{file}: config must be a JSON object")
     if not isinstance(m.get("extra", {}), dict):
         raise FormatError(f"{file}: extra must be a JSON object")
     if not isinstance(m.get("aliases", {}), dict):
@@ -58,6 +79,8 @@ def validate_manifest(m: dict[str, Any], path: Path) -> None:
     if not isinstance(params, dict):
         raise FormatError(f"{file}: params must be a JSON object")
     for fqn, info in params.items():
+        if not fqn:
+            raise FormatError(f"{file}: a param has an empty name")
         if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
             raise FormatError(f"{file}: param {fqn!r} has no shape")
         for s in info["shape"]:
@@ -72,16 +95,25 @@ def validate_manifest(m: dict[str, Any], path: Path) -> None:
     if not isinstance(files, dict) or not files:
         raise FormatError(f"{file}: files must be a non-empty JSON object")
     for name, rec in files.items():
-        if not isinstance(name, str) or not DATA_FILE.match(name):
+        match = DATA_FILE.fullmatch(name)
+        if not match:
             raise FormatError(f"{file}: refusing data file name {name!r} (only names like "
                               "model-00000.safetensors inside the checkpoint are allowed)")
+        if int(match.group(2)) >= dp_size:
+            raise FormatError(f"{file}: data file {name} belongs to no rank of dp_size {dp_size}")
         if not isinstance(rec, dict):
             raise FormatError(f"{file}: record of {name} is not an object")
-        _int(rec.get("size"), f"size of {name}", file)
-        _int(rec.get("block_bytes"), f"block_bytes of {name}", file, 1)
+        size = _int(rec.get("size"), f"size of {name}", file)
+        block_bytes = _int(rec.get("block_bytes"), f"block_bytes of {name}", file, 1)
+        if block_bytes > MAX_BLOCK_BYTES:
+            raise FormatError(f"{file}: block_bytes of {name} is over {MAX_BLOCK_BYTES}")
         hashes = rec.get("hashes")
-        if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
-            raise FormatError(f"{file}: hashes of {name} must be a list of strings")
+        if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH.fullmatch(h)
+                                                   for h in hashes):
+            raise FormatError(f"{file}: hashes of {name} must be a list of 16-hex-digit strings")
+        if len(hashes) != -(-size // block_bytes):
+            raise FormatError(f"{file}: {name} has {len(hashes)} block hashes for {size} bytes "
+                              f"in blocks of {block_bytes}")
         if not name.startswith("rng-"):
             chunks = rec.get("chunks")
             if not isinstance(chunks, list):
@@ -91,3 +123,22 @@ def validate_manifest(m: dict[str, Any], path: Path) -> None:
                     raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
                 _int(c[1], f"chunk offset in {name}", file)
                 _int(c[2], f"chunk length in {name}", file)
+    if len(files) != 3 * dp_size:
+        raise FormatError(f"{file}: lists {len(files)} data files; a save by {dp_size} ranks "
+                          f"writes {3 * dp_size} (model, optim and rng files per rank)")
+
+
+def unknown_files(path: Path, m: dict[str, Any]) -> list[str]:
+    """Coordinator-free. Names in the checkpoint directory that its manifest does not list."""
+    return sorted(n for n in os.listdir(path) if n != MANIFEST and n not in m["files"])
+
+
+def check_optimizer(m: dict[str, Any], kind: str, state_names: tuple[str, ...]) -> None:
+    """Raise :class:`FormatError` if the stored optimizer state means something else."""
+    saved = m["optimizer"]
+    if saved["kind"] != kind or tuple(saved["state"]) != state_names:
+        raise FormatError(f"the checkpoint holds {saved['kind']!r} optimizer state "
+                          f"{saved['state']}, this optimizer is {kind!r} with {list(state_names)}")
+
+
+__all__ = ["check_optimizer", "read_manifest", "unknown_files", "validate_manifest"]

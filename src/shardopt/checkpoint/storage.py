@@ -5,17 +5,24 @@ through a pair of pinned host buffers so the copy of piece ``i+1`` overlaps the
 write of piece ``i``); nothing is serialised whole in memory. Reads go
 straight into the destination tensor when it is on the host and of the stored
 dtype, otherwise through the same bounded staging.
+
+Files are opened for reading only if they are regular files reached without
+following a symlink, and a header is trusted only after its length is bounded
+(before anything is allocated) and its chunks match the manifest's.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import xxhash
 
-from .format import BlockHasher, FileHeader, FormatError, build_header, hash_block, parse_header
+from .format import BlockHasher, FileHeader, FormatError, StoredChunk, build_header, parse_header
 from .planner import ReadRequest
 
 
@@ -44,11 +51,16 @@ class _Staging:
         self.nbytes = half
 
 
+# Hash and write (or read and hash) in pieces that stay in the CPU cache between the two.
+_PIECE_BYTES = 1 << 20
+
+
 def _write_all(fd: int, data: memoryview, hasher: BlockHasher) -> None:
-    hasher.update(data)
-    while len(data):
-        n = os.write(fd, data)
-        data = data[n:]
+    for start in range(0, len(data), _PIECE_BYTES):
+        piece = data[start:start + _PIECE_BYTES]
+        hasher.update(piece)
+        while len(piece):
+            piece = piece[os.write(fd, piece):]
 
 
 def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
@@ -107,6 +119,29 @@ def _write_device(fd: int, src: torch.Tensor, staging: _Staging, hasher: BlockHa
         _write_all(fd, _host_bytes(staging.buffers[k % 2][:n]), hasher)
 
 
+def open_regular(path: Path) -> int:
+    """Open ``path`` read-only: no symlinks, no FIFOs or devices. Returns the fd."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FormatError(f"missing file {path}") from None
+    except OSError as e:
+        if os.path.islink(path):
+            raise FormatError(f"refusing {path}: it is a symlink") from None
+        raise FormatError(f"cannot open {path}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FormatError(f"refusing {path}: not a regular file")
+    return fd
+
+
+def _header_bound(record: dict) -> int:
+    """Generous bound on the header of a file holding the manifest's chunks (keys appear
+    twice, the second time JSON-escaped twice; one character can take 26 bytes)."""
+    chunks = record.get("chunks", [["torch_cpu", 0, 0], ["torch_cuda", 0, 0]])
+    return 4096 + sum(256 + 32 * len(key) for key, _, _ in chunks)
+
+
 class FileReader:
     """One checkpoint data file, opened for reading and checked against its manifest entry."""
 
@@ -114,10 +149,8 @@ class FileReader:
         self.path = path
         self.name = name
         self.record = record
-        try:
-            self.fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise FormatError(f"missing data file {path}") from None
+        self.fd = open_regular(Path(path))
+        self.header_bytes = 0
         size = os.fstat(self.fd).st_size
         if size != record["size"]:
             os.close(self.fd)
@@ -129,7 +162,38 @@ class FileReader:
 
     def header(self) -> FileHeader:
         raw_len = os.pread(self.fd, 8, 0)
-        return parse_header(raw_len, lambda n: os.pread(self.fd, n, 8), self.path, self.size)
+        header = parse_header(raw_len, lambda n: os.pread(self.fd, n, 8), self.path, self.size,
+                              _header_bound(self.record))
+        self.header_bytes = header.header_bytes
+        return header
+
+    def chunks(self, dtypes: dict[str, torch.dtype]) -> list[StoredChunk]:
+        """The file's chunks, after checking its header against the manifest.
+
+        ``dtypes`` maps every key the manifest describes to its stored dtype.
+        """
+        header = self.header()
+        found = sorted((c.key, c.offset, c.numel) for c in header.chunks)
+        if found != sorted((k, o, n) for k, o, n in self.record["chunks"]):
+            raise FormatError(f"{self.path}: header disagrees with the manifest's chunk list")
+        for c in header.chunks:
+            if c.key not in dtypes:
+                raise FormatError(f"{self.path}: stores {c.key!r}, which the manifest does "
+                                  "not describe")
+            if c.dtype != dtypes[c.key]:
+                raise FormatError(f"{self.path}: {c.key!r} is stored as {c.dtype}, "
+                                  f"the manifest says {dtypes[c.key]}")
+        return [StoredChunk(c.key, self.name, c.offset, c.numel, c.dtype, c.data_start)
+                for c in header.chunks]
+
+    def read_tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """One whole small 1-D tensor by key (the RNG files)."""
+        found = [c for c in self.header().chunks if c.key == key]
+        if len(found) != 1 or found[0].dtype != dtype:
+            raise FormatError(f"{self.path}: no {dtype} tensor {key!r}")
+        out = torch.empty(found[0].numel, dtype=dtype)
+        self._pread_exact(_host_bytes(out), found[0].data_start)
+        return out
 
     def verify(self, spans: Iterable[tuple[int, int]] | None = None) -> None:
         """Check the hashes of every block that byte spans ``[start, end)`` touch (all if None)."""
@@ -142,17 +206,21 @@ class FileReader:
             blocks: Iterable[int] = range(len(hashes))
         else:
             wanted: set[int] = set()
-            for start, end in spans:
+            for start, end in [(0, self.header_bytes), *spans]:
                 if end > start:
                     wanted.update(range(start // bb, (end - 1) // bb + 1))
             blocks = sorted(wanted)
+        buf = memoryview(bytearray(min(_PIECE_BYTES, self.size)))
         for b in blocks:
-            data = os.pread(self.fd, bb, b * bb)
-            if hash_block(data) != hashes[b]:
-                raise FormatError(
-                    f"{self.path}: content hash mismatch in bytes [{b * bb}, {b * bb + len(data)}) "
-                    "(the file is damaged)"
-                )
+            start, end = b * bb, min((b + 1) * bb, self.size)
+            h = xxhash.xxh3_64()
+            for pos in range(start, end, _PIECE_BYTES):
+                piece = buf[:min(_PIECE_BYTES, end - pos)]
+                self._pread_exact(piece, pos)
+                h.update(piece)
+            if h.hexdigest() != hashes[b]:
+                raise FormatError(f"{self.path}: content hash mismatch in bytes [{start}, {end}) "
+                                  "(the file is damaged)")
 
     def read_into(self, req: ReadRequest, dest: torch.Tensor, dtype: torch.dtype,
                   staging: _Staging | None) -> None:

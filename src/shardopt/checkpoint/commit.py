@@ -1,0 +1,235 @@
+"""Directory transactions under a checkpoint root: lock, stage, commit, retain.
+
+Every function here runs on one process (DP rank 0 of the saving job); none
+communicates. The protocol, and why each step is safe to crash at:
+
+1. ``begin``: under ``root/.lock`` (``flock``), move stale temporary
+   directories of dead saves to ``.trash-*``, then create
+   ``.tmp-step_XXXXXXXX-<id>`` and ``flock`` it for the whole save. A
+   temporary directory whose lock can be taken belongs to nobody alive, so it
+   is stale; one that is locked belongs to a concurrent job and is left alone.
+2. The ranks write their files into it (see :mod:`.io`). Nothing outside
+   ``.tmp-*`` changes, so a crash here costs nothing but the temporary dir.
+3. ``commit``: write ``manifest.json`` (fsynced, atomic), then under the root
+   lock rename the directory to ``step_XXXXXXXX`` (the commit point: a
+   directory is a checkpoint exactly when it has a manifest), fsync the root,
+   replace ``latest`` atomically, and move checkpoints beyond ``keep_last``
+   to ``.trash-*`` (never the one just committed). Trash is deleted after the
+   lock is released; a crash leaves it for the next save to delete.
+
+Without ``flock`` support (some network file systems) saving still works:
+commits are renames, which never overwrite a checkpoint, but stale temporary
+directories are not cleaned, since nothing can tell them from live ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from .format import LATEST, MANIFEST, STEP_DIR
+
+LOCK = ".lock"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+LOCK_TIMEOUT_S = 600.0
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class LockTimeout(OSError):
+    """Another process held ``root/.lock`` for longer than :data:`LOCK_TIMEOUT_S`."""
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while len(view):
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def is_complete(path: Path) -> bool:
+    return STEP_DIR.fullmatch(path.name) is not None and (path / MANIFEST).is_file()
+
+
+def complete_steps(root: Path) -> list[Path]:
+    """Committed checkpoints under ``root``, oldest step first."""
+    found = [p for p in root.glob("step_*") if is_complete(p)]
+    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+
+
+def _try_flock(fd: int) -> bool | None:
+    """True if locked, False if someone else holds it, None if the file system cannot lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in _NO_FLOCK:
+            return None
+        raise
+
+
+class RootLock:
+    """``flock`` on ``root/.lock``: one committer per root at a time, across jobs."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fd: int | None = None
+        self.supported = True
+
+    def __enter__(self) -> RootLock:
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        try:
+            while (got := _try_flock(fd)) is False:
+                if time.monotonic() > deadline:
+                    raise LockTimeout(f"{self.root / LOCK} has been held by another process for "
+                                      f"{LOCK_TIMEOUT_S:.0f} s (another job committing here?)")
+                time.sleep(0.05)
+        except BaseException:
+            os.close(fd)
+            raise
+        if got is None:
+            self.supported = False
+            warnings.warn(f"{self.root}: the file system does not support flock; saving "
+                          "without a lock (stale temporary directories are not cleaned)",
+                          stacklevel=3)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+
+
+@dataclass
+class Staged:
+    """A save in progress: its temporary directory and the fd whose flock marks it live."""
+
+    root: Path
+    tmp: Path
+    fd: int | None
+    committed: bool = False
+
+
+def _trash(root: Path, path: Path) -> Path:
+    dest = root / f"{TRASH_PREFIX}{path.name.lstrip('.')}-{uuid.uuid4().hex[:8]}"
+    os.rename(path, dest)
+    return dest
+
+
+def _collect_stale(root: Path) -> list[Path]:
+    """Under the root lock: move dead saves' temporary dirs to trash; list all trash.
+    Best effort: what cannot be cleaned now is left for a later save."""
+    for p in root.glob(f"{TMP_PREFIX}*"):
+        if not p.is_dir() or p.is_symlink():
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                if _try_flock(fd):
+                    _trash(root, p)
+            finally:
+                os.close(fd)
+    for p in root.glob(f".{LATEST}.*.tmp"):
+        with contextlib.suppress(OSError):
+            p.unlink()
+    return [p for p in root.glob(f"{TRASH_PREFIX}*") if not p.is_symlink()]
+
+
+def _delete(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def begin(root: Path, final_name: str) -> Staged:
+    """Create and lock a fresh temporary directory for ``root/final_name``; clean stale ones."""
+    root.mkdir(parents=True, exist_ok=True)
+    with RootLock(root) as lock:
+        trash = _collect_stale(root) if lock.supported else []
+        if (root / final_name).exists():
+            raise FileExistsError(f"checkpoint {root / final_name} already exists")
+        tmp = root / f"{TMP_PREFIX}{final_name}-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if lock.supported:
+            _try_flock(fd)
+    _delete(trash)
+    return Staged(root, tmp, fd)
+
+
+def abort(staged: Staged) -> None:
+    """Remove an uncommitted save's temporary directory (idempotent)."""
+    if not staged.committed:
+        shutil.rmtree(staged.tmp, ignore_errors=True)
+    release(staged)
+
+
+def release(staged: Staged) -> None:
+    if staged.fd is not None:
+        os.close(staged.fd)
+        staged.fd = None
+
+
+def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | None) -> Path:
+    """Write the manifest, rename into place, update ``latest``, apply retention.
+
+    Raises ``OSError`` if the checkpoint could not be committed. Once the rename
+    has happened the checkpoint is complete whatever follows; a failure to update
+    ``latest`` is still raised (``latest()`` then falls back to the marker's
+    older checkpoint), a failure of retention only warns.
+    """
+    root = staged.root
+    final = root / final_name
+    write_atomic(staged.tmp / MANIFEST, manifest)
+    trash: list[Path] = []
+    with RootLock(root):
+        if final.exists():
+            raise FileExistsError(f"checkpoint {final} already exists (saved by another job?)")
+        os.rename(staged.tmp, final)
+        staged.committed = True
+        fsync_dir(root)
+        try:
+            write_atomic(root / LATEST, (final_name + "\n").encode())
+        except OSError as e:
+            raise OSError(e.errno, f"checkpoint {final} is complete, but {root / LATEST} could "
+                                   f"not be updated: {e.strerror or e}") from e
+        if keep_last is not None:
+            try:
+                trash = [_trash(root, p) for p in complete_steps(root)[:-keep_last] if p != final]
+            except OSError as e:
+                warnings.warn(f"retention in {root} failed: {e}", stacklevel=3)
+    release(staged)
+    _delete(trash)
+    return final

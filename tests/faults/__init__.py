@@ -1,0 +1,6 @@
+"""Helpers for the checkpoint fault-injection suite (tests/test_reliability.py).
+
+``common`` builds small models whose state is a function of a seed and edits
+checkpoints on disk; ``ranks`` holds the functions that run inside spawned
+ranks (save failures, failed loads, kill -9 targets, concurrent jobs).
+"""

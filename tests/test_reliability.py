@@ -1,0 +1,617 @@
+"""Fault injection for checkpoints: crashes, damage, hostile files, failed saves and loads.
+
+What each test shows is listed in docs/reliability.md. Process kills use
+SIGKILL on real saving processes; disk-full and permission errors are
+simulated by patching ``os`` functions inside the ranks (file permissions
+would not stop a test run as root).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import json
+import os
+import pickle
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hypothesis import given
+from hypothesis import strategies as st
+
+from _dist import run_distributed
+from faults import ranks
+from faults.common import (data_offset, differences, edit_manifest, flip_byte, header_length,
+                           read_json, rehash_file, snapshot, trained, write_manifest)
+from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
+from shardopt.checkpoint import commit
+from shardopt.checkpoint.format import FormatError
+
+FILES = ("model-00000.safetensors", "optim-00000.safetensors", "rng-00000.safetensors")
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    """A committed single-process checkpoint of ``trained(1)``."""
+    model, opt = trained(1)
+    return Path(checkpoint.save(tmp_path / "root", model, opt, step=1, extra={"pos": 5}))
+
+
+def _assert_refused(path: Path, needle: str) -> None:
+    """``verify`` and ``load`` both fail, naming ``needle``; the model is left untouched."""
+    with pytest.raises(ValueError, match=needle):
+        checkpoint.verify(path)
+    model, opt = trained(2)
+    before = snapshot(model, opt)
+    with pytest.raises(checkpoint.CheckpointError, match=needle):
+        checkpoint.load(path, model, opt)
+    assert differences(before, snapshot(model, opt)) == []
+
+
+def _spawn(target, *args) -> mp.Process:
+    ctx = mp.get_context("forkserver")
+    # Only takes effect if no fork server runs yet (tests/_dist.py preloads the same).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn", "torch.optim",
+                                "torch._dynamo", "shardopt.checkpoint", "faults.ranks"])
+    p = ctx.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def _step_of(path: str) -> int:
+    return int(Path(path).name.removeprefix("step_"))
+
+
+def _check_state(path: str, step: int, width: int = 16) -> None:
+    """``path`` loads (here: one process, whatever DP size saved it) into exactly the state of
+    ``trained(step)``."""
+    model, opt = trained(10_000 + step, width=width)
+    info = checkpoint.load(path, model, opt)
+    assert info.step == step
+    expected_model, expected_opt = trained(step, width=width)
+    assert differences(snapshot(model, opt, rng=False),
+                       snapshot(expected_model, expected_opt, rng=False)) == []
+
+
+def _check_root(root: Path) -> list[Path]:
+    """Every committed checkpoint under ``root`` verifies; returns them."""
+    steps = commit.complete_steps(root)
+    for p in steps:
+        checkpoint.verify(p)
+    return steps
+
+
+# ------------------------------------------------------------------------ integrity
+def test_roundtrip_baseline(saved: Path) -> None:
+    assert checkpoint.verify(saved)["files"] == 3
+    model, opt = trained(2)
+    info = checkpoint.load(saved.parent, model, opt)
+    assert (info.step, info.extra) == (1, {"pos": 5})
+    _check_state(str(saved), 1)
+
+
+def _damage(path: Path, name: str, how: str) -> None:
+    file = path / name
+    if how == "flip-header":
+        flip_byte(file, header_length(file) // 2)
+    elif how == "flip-data":  # a byte that a single-process load reads
+        kind = name.split("-")[0]
+        key = {"model": "scale", "optim": "out.bias.exp_avg_sq", "rng": "torch_cpu"}[kind]
+        flip_byte(file, data_offset(file, key) + 1)
+    elif how == "truncate":
+        os.truncate(file, os.path.getsize(file) - 1)
+    elif how == "extend":
+        with open(file, "ab") as f:
+            f.write(b"\0")
+    elif how == "missing":
+        os.unlink(file)
+
+
+@pytest.mark.parametrize("how", ["flip-header", "flip-data", "truncate", "extend", "missing"])
+@pytest.mark.parametrize("name", FILES)
+def test_damaged_data_file_is_detected_and_named(saved: Path, name: str, how: str) -> None:
+    _damage(saved, name, how)
+    _assert_refused(saved, name)
+
+
+def test_verify_false_skips_hashes_but_verify_catches_it(saved: Path) -> None:
+    _damage(saved, "optim-00000.safetensors", "flip-data")
+    model, opt = trained(2)
+    checkpoint.load(saved, model, opt, verify=False)  # what the caller asked for
+    _assert_refused(saved, "optim-00000.safetensors")
+
+
+@pytest.mark.parametrize("how", ["flip-step", "flip-hash", "truncate", "missing", "garbage",
+                                 "deep"])
+def test_damaged_manifest_is_detected(saved: Path, how: str) -> None:
+    file = saved / "manifest.json"
+    text = file.read_text()
+    if how == "flip-step":
+        i = text.index('"step": 1') + len('"step": ')
+        file.write_text(text[:i] + "3" + text[i + 1:])
+    elif how == "flip-hash":
+        i = text.index('"', text.index('"hashes": [') + len('"hashes": [')) + 1
+        file.write_text(text[:i] + ("0" if text[i] != "0" else "1") + text[i + 1:])
+    elif how == "truncate":
+        file.write_text(text[: len(text) // 2])
+    elif how == "missing":
+        file.unlink()
+    elif how == "deep":
+        file.write_text('{"format": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    else:
+        file.write_bytes(os.urandom(300))
+    if how == "missing":
+        with pytest.raises(ValueError, match="manifest.json"):
+            checkpoint.verify(saved)
+        assert checkpoint.latest(saved.parent) is None  # no longer a committed checkpoint
+        return
+    _assert_refused(saved, "manifest.json")
+
+
+def test_unknown_file_is_reported_by_verify(saved: Path) -> None:
+    (saved / "optimizer.pt").write_bytes(b"not ours")
+    with pytest.raises(FormatError, match="optimizer.pt"):
+        checkpoint.verify(saved)
+    model, opt = trained(2)
+    checkpoint.load(saved, model, opt)  # load reads only what the manifest lists
+
+
+@pytest.fixture(scope="module")
+def fuzz_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model, opt = trained(1)
+    root = tmp_path_factory.mktemp("fuzz")
+    return Path(checkpoint.save(root, model, opt, step=1, block_bytes=512))
+
+
+@given(which=st.integers(0, 3), where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_any_single_bit_flip_is_detected(fuzz_ckpt: Path, which: int, where: float,
+                                         bit: int) -> None:
+    """Flip one bit anywhere in any file: verify raises, unless the flip leaves the manifest
+    meaning exactly the same (e.g. ``1e-08`` -> ``1E-08``)."""
+    file = fuzz_ckpt / (FILES + ("manifest.json",))[which]
+    original = file.read_bytes()
+    pos = int(where * len(original))
+    damaged = bytearray(original)
+    damaged[pos] ^= 1 << bit
+    file.write_bytes(bytes(damaged))
+    try:
+        checkpoint.verify(fuzz_ckpt)
+        assert file.name == "manifest.json"
+        assert json.loads(bytes(damaged)) == json.loads(original)
+    except (ValueError, UnicodeDecodeError) as e:
+        assert isinstance(e, ValueError), e  # always one of our errors
+    finally:
+        file.write_bytes(original)
+
+
+# -------------------------------------------------------------------- hostile input
+@pytest.mark.parametrize("bad_name", ["../model-00000.safetensors", "/etc/passwd",
+                                      "sub/model-00000.safetensors", "model-00000.safetensors\n",
+                                      "model-00001.safetensors", "model-0000.safetensors"])
+def test_manifest_cannot_name_files_outside_the_checkpoint(saved: Path, bad_name: str) -> None:
+    def rename(m: dict) -> None:
+        m["files"][bad_name] = m["files"].pop("model-00000.safetensors")
+
+    edit_manifest(saved, rename)
+    _assert_refused(saved, "refusing data file name|belongs to no rank")
+
+
+def test_symlinks_and_special_files_are_refused(saved: Path, tmp_path: Path) -> None:
+    name = "optim-00000.safetensors"
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(saved / name, outside)
+    (saved / name).symlink_to(outside)  # identical bytes: only the link itself is wrong
+    _assert_refused(saved, "symlink")
+
+    (saved / name).unlink()
+    os.mkfifo(saved / name)  # opening a FIFO for reading would block forever
+
+    def blocked(signum, frame):
+        raise TimeoutError("opening the FIFO blocked")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(20)
+    try:
+        _assert_refused(saved, "not a regular file")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+    (saved / name).unlink()
+    (saved / name).mkdir()
+    _assert_refused(saved, "not a regular file")
+
+    shutil.rmtree(saved / name)
+    shutil.move(outside, saved / name)
+    manifest_copy = tmp_path / "manifest.json"
+    shutil.move(saved / "manifest.json", manifest_copy)
+    (saved / "manifest.json").symlink_to(manifest_copy)
+    _assert_refused(saved, "symlink")
+
+
+def test_huge_or_malformed_headers_are_refused_before_allocating(
+        saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "optim-00000.safetensors"
+    file = saved / name
+    real_pread, largest = os.pread, [0]
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        largest[0] = max(largest[0], n)
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    body = file.read_bytes()
+    cases = {
+        "claims 2**60 bytes": (2**60).to_bytes(8, "little") + body[8:],
+        "claims 64 KiB (inside the file)": (65536).to_bytes(8, "little") + body[8:] + bytes(65536),
+        "nested 5000 deep": (10000).to_bytes(8, "little") + b"[" * 5000 + b"]" * 5000 + body[8:],
+        "not JSON": (16).to_bytes(8, "little") + b"\x80\x04\x95pickle!!" + body[24:],
+        "shorter than 8 bytes": b"\x01\x02",
+    }
+    for why, data in cases.items():
+        file.write_bytes(data)
+        rehash_file(saved, name)  # a consistent forgery: sizes and hashes match
+        largest[0] = 0
+        _assert_refused(saved, name)
+        assert largest[0] < 1 << 20, (why, largest[0])
+
+
+@pytest.mark.parametrize("edit", [
+    "block_bytes", "dp_size", "drop_rng", "size", "hash_format", "dtype", "shape", "nested",
+    "step_type", "chunk_past_end"])
+def test_inconsistent_manifest_is_refused(saved: Path, edit: str) -> None:
+    """Crafted manifests (checksum recomputed, so only validation can stop them)."""
+    m = read_json(saved)
+    rec = m["files"]["optim-00000.safetensors"]
+    if edit == "block_bytes":
+        rec["block_bytes"] = 1 << 40
+    elif edit == "dp_size":
+        m["dp_size"] = 10**12
+    elif edit == "drop_rng":
+        del m["files"]["rng-00000.safetensors"]
+    elif edit == "size":
+        rec["size"] = -1
+    elif edit == "hash_format":
+        rec["hashes"][0] = "../../etc/passwd"
+    elif edit == "dtype":
+        m["params"]["out.weight"]["dtype"] = "float64"
+    elif edit == "shape":
+        m["params"]["out.weight"]["shape"] = [3, 17]
+    elif edit == "nested":
+        m["extra"] = json.loads("[" * 500 + "]" * 500)
+    elif edit == "step_type":
+        m["step"] = "1; rm -rf /"
+    elif edit == "chunk_past_end":
+        rec["chunks"][0][2] += 1000
+    write_manifest(saved, m)
+    with pytest.raises(ValueError):
+        checkpoint.verify(saved)
+    model, opt = trained(2)
+    before = snapshot(model, opt)
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load(saved, model, opt)
+    assert differences(before, snapshot(model, opt)) == []
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: evidence that a pickle was executed."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_pickle_payloads_are_never_executed(saved: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    control = tmp_path / "control"
+    pickle.loads(pickle.dumps(_Payload(control)))
+    assert control.exists()  # the payload is live
+
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Payload(marker))
+    torch_zip = tmp_path / "zip.pt"
+    torch.save({"state": _Payload(marker)}, torch_zip)
+    assert not marker.exists()
+    for name in FILES + ("manifest.json",):
+        for data in (payload, torch_zip.read_bytes()):
+            copy = tmp_path / f"ckpt-{name}-{len(data)}"
+            shutil.copytree(saved, copy)
+            (copy / name).write_bytes(data)
+            if name != "manifest.json":
+                rehash_file(copy, name)  # even with matching sizes and hashes
+            with pytest.raises(ValueError):
+                checkpoint.verify(copy)
+            for fn in (checkpoint.inspect,  # reads the manifest only
+                       lambda p: checkpoint.export(p, tmp_path / "export", verify=False)):
+                with contextlib.suppress(ValueError):
+                    fn(copy)
+            for verify in (True, False):
+                model, opt = trained(2)
+                with pytest.raises(checkpoint.CheckpointError):
+                    checkpoint.load(copy, model, opt, verify=verify)
+    assert not marker.exists()
+
+    # And nothing on the read path unpickles at all, even a good checkpoint.
+    def forbidden(*args, **kwargs):
+        raise AssertionError("pickle used on the checkpoint read path")
+
+    for mod, attr in ((pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"),
+                      (torch, "load")):
+        monkeypatch.setattr(mod, attr, forbidden)
+    model, opt = trained(2)
+    checkpoint.load(saved, model, opt)
+    checkpoint.verify(saved)
+    checkpoint.inspect(saved)
+    checkpoint.export(saved, tmp_path / "export-good")
+
+
+def test_checkpoint_package_has_no_unpickling_code() -> None:
+    src = Path(checkpoint.__file__).parent
+    for file in src.glob("*.py"):
+        text = file.read_text()
+        for needle in ("import pickle", "torch.load(", "weights_only", "load_file("):
+            assert needle not in text, f"{file.name} contains {needle!r}"
+
+
+# ------------------------------------------------------------------------ mismatches
+def test_mismatches_name_the_fqn_and_change_nothing(tmp_path: Path) -> None:
+    plain = Path(checkpoint.save(tmp_path / "plain", *trained(1), step=1))
+    extra = Path(checkpoint.save(tmp_path / "extra", *trained(1, extra_layer=True), step=1))
+    wide = Path(checkpoint.save(tmp_path / "wide", *trained(1, width=20), step=1))
+    frozen_model, _ = trained(1)
+    frozen_model.out.requires_grad_(False)
+    frozen = Path(checkpoint.save(tmp_path / "frozen", frozen_model,
+                                  DistributedOptimizer(frozen_model, OptimizerConfig()), step=1))
+    sgd = tmp_path / "sgd"
+    shutil.copytree(plain, sgd)
+    edit_manifest(sgd, lambda m: m["optimizer"].update(kind="sgd"))
+    cases = [
+        (plain, {"extra_layer": True}, "'extra.weight' of the model is missing"),
+        (extra, {}, "checkpoint param 'extra.weight' does not exist in the model"),
+        (wide, {}, r"'inp.weight': checkpoint shape \[20, 8\] != model shape \[16, 8\]"),
+        (frozen, {}, "'out.weight' is trainable but the checkpoint holds no optimizer state"),
+        (sgd, {}, "holds 'sgd' optimizer state"),
+    ]
+    for path, kwargs, needle in cases:
+        model, opt = trained(2, **kwargs)
+        before = snapshot(model, opt)
+        with pytest.raises(checkpoint.CheckpointError, match=needle):
+            checkpoint.load(path, model, opt)
+        assert differences(before, snapshot(model, opt)) == []
+
+    # Changed hyperparameters and bucketing are not a mismatch.
+    model, opt = trained(2, lr=0.5, betas=(0.8, 0.9), weight_decay=0.0, bucket_numel=64)
+    checkpoint.load(plain, model, opt)
+
+
+def test_failed_load_on_one_rank_fails_every_rank_and_changes_nothing(tmp_path: Path) -> None:
+    out = run_distributed(ranks.failed_loads, 2, str(tmp_path / "ckpts"), tmp_path=tmp_path,
+                          timeout=120)
+    for rank, res in enumerate(out):
+        for kind, error in res["errors"].items():
+            assert error is not None, (rank, kind)
+            assert error == out[0]["errors"][kind]  # the same error on every rank
+            if "rank1" in kind:
+                assert "[dp rank 1]" in error and "[dp rank 0]" not in error, error
+            assert res["changed"][kind] == [], (rank, kind, res["changed"][kind])
+        assert res["diverged_from_twin"] == []
+        assert "reading" in res["read_error"] and "[dp rank 1] OSError" in res["read_error"]
+    errors = out[0]["errors"]
+    assert "optim-00001.safetensors: content hash mismatch" in errors["flip_rank1_data"]
+    assert "rng-00001.safetensors" in errors["rng_rank1_missing"]
+    assert "invalid torch_cpu RNG state" in errors["rng_rank1_invalid"]
+    assert "model-00000.safetensors: size is" in errors["truncated_model0"]
+    assert "checksum mismatch" in errors["manifest_flipped"]
+    assert "'inp.weight': checkpoint shape [20, 8]" in errors["shape_mismatch"]
+
+
+# ---------------------------------------------------------------------- save failures
+def test_save_failures_raise_on_every_rank_and_commit_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    out = run_distributed(ranks.save_faults, 2, str(root), tmp_path=tmp_path, timeout=120)
+    for i, (name, bad_rank, _, _) in enumerate(ranks.SAVE_FAULTS):
+        r0, r1 = out[0][i], out[1][i]
+        assert r0["name"] == name
+        assert r0["error"] is not None and r0["error"] == r1["error"], (name, r0, r1)
+        if name != "ranks disagree on the step":
+            assert f"[dp rank {bad_rank}]" in r0["error"], (name, r0["error"])
+        assert r0["seconds"] < 60, name
+        assert not [n for n in r0["listing"] if n.startswith(".tmp-")], (name, r0["listing"])
+        assert r0["latest_after"] == r0["latest_before"] == str(root / "step_00000001"), name
+        committed = f"step_{r0['step']:08d}" in r0["listing"]
+        assert committed == (name == "the latest marker cannot be updated"), name
+    assert "No space left on device" in out[0][0]["error"]
+    assert "Permission denied" in out[0][2]["error"]
+    assert "Boom" in out[0][5]["error"]
+    assert "extra must be JSON-serialisable" in out[0][6]["error"]
+    assert "is complete, but" in out[0][9]["error"]
+    last = out[0][-1]
+    assert last["latest_after"] == str(root / "step_00000099")
+    assert [n for n in last["listing"] if n.startswith(".")] == [".lock"]
+    _check_root(root)
+
+
+# ---------------------------------------------------------- commit protocol and locks
+def test_stale_temporary_dirs_are_cleaned_live_ones_kept(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    model, opt = trained(1)
+    checkpoint.save(root, model, opt, step=1)
+    stale = root / ".tmp-step_00000002-deadbeef"
+    stale.mkdir()
+    (stale / "model-00000.safetensors").write_bytes(b"half")
+    (root / ".trash-step_00000000-1234").mkdir()
+    (root / ".latest.abcd.tmp").write_text("step_00000002")
+    live = root / ".tmp-step_00000003-cafe"  # another job's save in progress
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert checkpoint.latest(root) == str(root / "step_00000001")
+        checkpoint.save(root, model, opt, step=4)
+        names = os.listdir(root)
+        assert live.name in names
+        assert not {stale.name, ".trash-step_00000000-1234", ".latest.abcd.tmp"} & set(names)
+    finally:
+        os.close(fd)
+    checkpoint.save(root, model, opt, step=5)  # now nobody holds it: stale
+    assert not any(n.startswith((".tmp-", ".trash-")) for n in os.listdir(root))
+
+
+def test_held_root_lock_times_out_with_a_clear_error(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "root"
+    model, opt = trained(1)
+    checkpoint.save(root, model, opt, step=1)
+    monkeypatch.setattr(commit, "LOCK_TIMEOUT_S", 0.3)
+    with commit.RootLock(root):
+        with pytest.raises(checkpoint.CheckpointError, match=r"\.lock has been held"):
+            checkpoint.save(root, model, opt, step=2)
+    assert not any(n.startswith(".tmp-") for n in os.listdir(root))
+
+
+def test_existing_step_is_never_overwritten(saved: Path) -> None:
+    before = {n: (saved / n).read_bytes() for n in os.listdir(saved)}
+    model, opt = trained(7)
+    with pytest.raises(checkpoint.CheckpointError, match="already exists"):
+        checkpoint.save(saved.parent, model, opt, step=1)
+    assert {n: (saved / n).read_bytes() for n in os.listdir(saved)} == before
+
+
+def test_retention_never_deletes_the_newest_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    for step in range(1, 6):
+        checkpoint.save(root, *trained(step), step=step, keep_last=2)
+    assert [p.name for p in commit.complete_steps(root)] == ["step_00000004", "step_00000005"]
+    checkpoint.save(root, *trained(3), step=3, keep_last=1)  # e.g. after a rollback
+    assert [p.name for p in commit.complete_steps(root)] == ["step_00000003", "step_00000005"]
+    assert checkpoint.latest(root) == str(root / "step_00000003")
+
+
+def test_latest_ignores_incomplete_and_garbage(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    checkpoint.save(root, *trained(1), step=1)
+    (root / "step_00000009").mkdir()  # no manifest: not committed
+    (root / ".tmp-step_00000010-x").mkdir()
+    assert checkpoint.latest(root) == str(root / "step_00000001")
+    for marker in ("step_00000009", "../../etc", "\x00\xff" * 500, ""):
+        (root / "latest").write_text(marker, errors="surrogateescape")
+        assert checkpoint.latest(root) == str(root / "step_00000001")
+    (root / "latest").unlink()
+    assert checkpoint.latest(root) == str(root / "step_00000001")
+
+
+def test_two_jobs_saving_into_one_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    out = run_distributed(ranks.concurrent_job, 2, str(root), 6, backend=None,
+                          tmp_path=tmp_path, timeout=120)
+    winners = [r for r in out if 1000 in r["committed"]]
+    losers = [r for r in out if r["refused"]]
+    assert len(winners) == 1 and len(losers) == 1
+    assert "already exists" in losers[0]["refused"][0]
+    assert [n for n in os.listdir(root) if n.startswith(".")] == [".lock"]
+    steps = _check_root(root)
+    assert steps[-1].name == "step_00001000"
+    for p in steps[:-1]:
+        _check_state(str(p), _step_of(str(p)))
+
+
+# ---------------------------------------------------------------------------- kill -9
+KILL_TRIALS = 30
+
+
+def _wait_for_line(log: Path, word: str, procs: list, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and word in log.read_text():
+            return
+        if any(p.exitcode is not None for p in procs):
+            raise AssertionError(f"a saver exited early with {[p.exitcode for p in procs]}")
+        time.sleep(0.01)
+    raise AssertionError(f"no {word!r} in {log} after {timeout} s")
+
+
+def test_kill9_at_random_moments(tmp_path: Path) -> None:
+    """2 ranks save in a loop (keep_last=2) and are SIGKILLed at a random moment (both ranks,
+    or one rank in every third trial). After every trial the newest checkpoint is complete,
+    verifies, and loads (at DP size 1) into exactly the state saved at that step."""
+    rng = random.Random(20240611)
+    root, width = tmp_path / "root", 256
+    checkpoint.save(root, *trained(0, width=width), step=0, block_bytes=64 << 10)
+    previous, first_step = 0, 1
+    stats: collections.Counter[str] = collections.Counter()
+    for trial in range(KILL_TRIALS):
+        log = tmp_path / f"log-{trial}"
+        procs = [_spawn(ranks.saver_loop, r, 2, str(root), str(tmp_path / f"store-{trial}"),
+                        first_step, str(log), width) for r in range(2)]
+        _wait_for_line(log, "begin", procs)
+        time.sleep(rng.uniform(0.0, 0.4))
+        if trial % 3 == 2:
+            victim = rng.randrange(2)
+            os.kill(procs[victim].pid, signal.SIGKILL)
+            survivor = procs[1 - victim]
+            survivor.join(30)
+            assert survivor.exitcode == ranks.SAVER_RAISED, "the surviving rank did not raise"
+            stats["one rank killed, survivor raised"] += 1
+        else:
+            for p in procs:
+                os.kill(p.pid, signal.SIGKILL)
+            stats["all ranks killed"] += 1
+        for p in procs:
+            p.join()
+        lines = log.read_text().split("\n")
+        begun = [int(x.split()[2]) for x in lines if " begin " in x]
+        ended = {int(x.split()[2]) for x in lines if " end " in x}
+        stats["killed mid-save" if begun[-1] not in ended else "killed between saves"] += 1
+        stats["saves completed"] += len(ended)
+
+        path = checkpoint.latest(root)
+        assert path is not None
+        step = _step_of(path)
+        assert step >= previous
+        stats["latest advanced"] += step > previous
+        _check_root(root)
+        _check_state(path, step, width)
+        previous, first_step = step, max(begun) + 1
+        # Each save cleans the stale directories of earlier killed saves: at most the last one.
+        left = sum(n.startswith(".tmp-") for n in os.listdir(root))
+        assert left <= 1, os.listdir(root)
+        stats["left a temporary dir"] += left
+    checkpoint.save(root, *trained(first_step, width=width), step=first_step)
+    assert not any(n.startswith((".tmp-", ".trash-")) for n in os.listdir(root))
+    print(f"\nkill -9 trials: {KILL_TRIALS}, {dict(stats)}")
+
+
+def test_kill9_before_every_file_system_call(tmp_path: Path) -> None:
+    """One process saves (keep_last=2) and SIGKILLs itself just before its k-th file-system
+    call, for every k until a save runs to the end: every crash point of the protocol."""
+    root = tmp_path / "root"
+    for step in (0, 1):
+        checkpoint.save(root, *trained(step), step=step, keep_last=2, block_bytes=4096)
+    previous, step, kill_at = 1, 2, 1
+    stats: collections.Counter[str] = collections.Counter()
+    while True:
+        p = _spawn(ranks.crash_at, str(root), step, kill_at)
+        p.join(60)
+        assert p.exitcode in (0, -signal.SIGKILL), p.exitcode
+        path = checkpoint.latest(root)
+        assert path is not None and _step_of(path) >= previous
+        _check_root(root)
+        _check_state(path, _step_of(path))
+        stats["committed" if _step_of(path) == step else "previous kept"] += 1
+        previous = _step_of(path)
+        if p.exitcode == 0:
+            break
+        kill_at += 1
+        step += 1
+        assert kill_at < 1000
+    assert not any(n.startswith((".tmp-", ".trash-")) for n in os.listdir(root))
+    print(f"\nkill points: {kill_at - 1} (+1 clean run), {dict(stats)}")
