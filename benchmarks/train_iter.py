@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per iteration")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per system")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds per system")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank on CPU")
     p.add_argument("--megatron-overlap-param-gather", action="store_true",
                    help="let megatron overlap its param all-gather with the next forward")
