@@ -415,6 +415,9 @@ def setup_megatron(model, hp: Hyper, device: torch.device, overlap_param_gather:
         overlap_param_gather=overlap_param_gather, clip_grad=hp.max_grad_norm)
     overrides = _megatron_overrides(opt_config) if split_dtype_groups else None
     opt = get_megatron_optimizer(opt_config, [ddp], config_overrides=overrides)
+    for inner in megatron_inner(opt):  # what megatron's LR/WD scheduler would set: no decay on vectors
+        for g in inner.optimizer.param_groups:
+            g["weight_decay"] = hp.weight_decay * g.get("wd_mult", 1.0)
 
     def step(x, y):
         ddp.zero_grad_buffer()
