@@ -618,3 +618,26 @@ def test_latest_and_retention(tmp_path):
     assert checkpoint.latest(root) == newest
     with pytest.raises(CheckpointError):
         checkpoint.load(tmp_path / "nowhere", model, opt)
+
+
+def test_load_restores_param_group_hyperparameters(tmp_path):
+    """Like torch's load_state_dict: a resumed run continues with the saved lr, betas, ..."""
+    def make():
+        model = nn.Linear(3, 2)
+        opt = DistributedOptimizer(model, OptimizerConfig(lr=1.0),
+                                   param_group_fn=lambda fqn, p: {"weight_decay": 0.0}
+                                   if fqn.endswith("bias") else {})
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e)
+
+    model, opt, sched = make()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    opt.param_groups[0]["betas"] = (0.8, 0.9)
+    checkpoint.save(tmp_path, model, opt, step=1, extra={"sched": sched.state_dict()})
+    model2, opt2, sched2 = make()
+    sched2.load_state_dict(checkpoint.load(tmp_path, model2, opt2).extra["sched"])
+    for g, g2 in zip(opt.param_groups, opt2.param_groups):
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            assert g[key] == g2[key], key
+    assert opt2.param_groups[0]["lr"] == 0.5

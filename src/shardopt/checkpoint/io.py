@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..config import GROUP_KEYS
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from . import commit, state
 from .format import (FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, MAX_BLOCK_BYTES,
@@ -72,11 +73,27 @@ def _agree(dp: comm.DPGroup, error: BaseException | None, what: str,
     """Collective. Every rank's ``payload``; the same :class:`CheckpointError` on every
     rank if any rank brings an error (chained to the local one where there is one)."""
     gathered = comm.all_gather_objects((payload, None if error is None else _describe(error)), dp)
-    failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
+    failed: dict[str, list[int]] = {}
+    for r, (_, e) in enumerate(gathered):
+        if e is not None:
+            failed.setdefault(e, []).append(r)
     if failed:
-        detail = "; ".join(f"[dp rank {r}] {e}" for r, e in failed)
+        # The same problem seen by many ranks is reported once, with its ranks.
+        detail = "; ".join(f"[dp rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}] {e}"
+                           for e, rs in failed.items())
         raise CheckpointError(f"{what} failed: {detail}") from error
     return [p for p, _ in gathered]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in runs)
 
 
 # --------------------------------------------------------------------------- latest
@@ -250,6 +267,7 @@ class _Plan:
     readers: dict[str, FileReader]
     requests: _Requests
     steps: list[int]
+    hparams: list[dict[str, Any]]
     rng: dict[str, torch.Tensor] | None
     moments: tuple[list[torch.Tensor], list[torch.Tensor]]
 
@@ -307,6 +325,8 @@ def load(
     _agree(dp, error, f"reading {plan.path}")
 
     optimizer._adopt_loaded_state(plan.moments, host, plan.steps)
+    for group, saved in zip(optimizer.param_groups, plan.hparams):
+        group.update(saved)  # as torch's load_state_dict does: lr & co. resume as saved
     if plan.rng is not None:
         torch.set_rng_state(plan.rng["torch_cpu"])
         if "torch_cuda" in plan.rng:
@@ -324,6 +344,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     check_optimizer(manifest, OPTIMIZER_KIND, STATE_NAMES)
     _check_compatible(manifest["params"], model, opt)
     steps = _group_steps(manifest, opt)
+    hparams = _group_hyperparameters(manifest, opt)
     readers, requests = _plan_reads(path, manifest, model, opt, verify)
     try:
         rng = None
@@ -334,7 +355,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
         for r in readers.values():
             r.close()
         raise
-    return _Plan(path, manifest, readers, requests, steps, rng, moments)
+    return _Plan(path, manifest, readers, requests, steps, hparams, rng, moments)
 
 
 def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: DistributedOptimizer,
@@ -415,6 +436,35 @@ def _moment_tensors(opt: DistributedOptimizer, host: bool):
         return [opt._zeros_local(b.local_numel, torch.device("cpu") if host else None, pin=pin)
                 for b in opt.layout.buffers]
     return alloc(opt._exp_avg), alloc(opt._exp_avg_sq)
+
+
+def _group_hyperparameters(manifest: dict, opt: DistributedOptimizer) -> list[dict[str, Any]]:
+    """Saved ``lr``, ``betas``, ``eps``, ``weight_decay`` of each current param group.
+
+    A group whose params were saved with different values (the grouping changed
+    since the save) keeps its current values."""
+    out: list[dict[str, Any]] = []
+    for gi, group in enumerate(opt.param_groups):
+        saved = [manifest["params"][opt.fqn_of[p]].get("group") for p in group["params"]]
+        first = saved[0]
+        if not isinstance(first, dict) or any(s != first for s in saved):
+            out.append({})
+            continue
+        values: dict[str, Any] = {}
+        for key in GROUP_KEYS:
+            v = first.get(key)
+            if key == "betas":
+                ok = (isinstance(v, list) and len(v) == 2
+                      and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v))
+                v = tuple(float(b) for b in v) if ok else None
+            elif not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
+                v = None
+            if v is None:
+                raise FormatError(f"{MANIFEST}: param group value {key}={first.get(key)!r} "
+                                  f"of {opt.fqn_of[group['params'][0]]!r} is malformed")
+            values[key] = v
+        out.append(values)
+    return out
 
 
 def _group_steps(manifest: dict, opt: DistributedOptimizer) -> list[int]:
