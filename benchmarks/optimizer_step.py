@@ -193,6 +193,11 @@ CATEGORIES = (  # (category, lower-case substrings of kernel / op names); first 
 def _self_time_us(evt, cuda: bool) -> float:
     """Self time of a profiler entry on the device that does the work (kernels on GPU, ops on CPU)."""
     if cuda:
+        # Count kernels only: the aten op that launched a kernel and the step's own annotation
+        # carry the same device time again.
+        if getattr(evt, "is_user_annotation", False) or "#" in evt.key \
+                or not str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            return 0.0
         for name in ("self_device_time_total", "self_cuda_time_total"):
             v = getattr(evt, name, None)
             if v:
