@@ -290,8 +290,11 @@ def setup_zero(model, hp: Hyper, device: torch.device) -> System:
                                       "mixed dtypes)"})
 
 
-def fsdp2_shard(model) -> None:
-    """``fully_shard`` the GPT in place: fp32 main params, bf16 compute, fp32 grad reduction."""
+def fsdp2_shard(model, **shard_kwargs) -> None:
+    """``fully_shard`` the GPT in place: fp32 main params, bf16 compute, fp32 grad reduction.
+
+    Norms and routers are fp32 groups of their own; ``shard_kwargs`` (``mesh``,
+    ``reshard_after_forward``) go to every ``fully_shard`` call."""
     from shardopt.model import Norm
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -303,17 +306,17 @@ def fsdp2_shard(model) -> None:
     for block in model.blocks:
         fp32_modules = [m for m in block.modules() if isinstance(m, Norm)]
         router = getattr(block.mlp, "router", None)
-        if router is not None:
+        if isinstance(router, torch.nn.Linear):
             fp32_modules.append(router)
         for m in fp32_modules:
-            fully_shard(m, mp_policy=fp32, reshard_after_forward=False)
-        fully_shard(block, mp_policy=bf16, reshard_after_forward=False)
-    fully_shard(model.norm, mp_policy=fp32, reshard_after_forward=False)
-    fully_shard(model, mp_policy=bf16, reshard_after_forward=False)
+            fully_shard(m, mp_policy=fp32, **shard_kwargs)
+        fully_shard(block, mp_policy=bf16, **shard_kwargs)
+    fully_shard(model.norm, mp_policy=fp32, **shard_kwargs)
+    fully_shard(model, mp_policy=bf16, **shard_kwargs)
 
 
 def setup_fsdp2(model, hp: Hyper, device: torch.device) -> System:
-    fsdp2_shard(model)
+    fsdp2_shard(model, reshard_after_forward=False)
     opt = _adamw(torch_param_groups(model, hp), hp)
     return System("fsdp2", _torch_step(model, model, opt, hp), model, opt,
                   notes={"precision": "fp32 sharded params, bf16 compute, fp32 reduce; norms and "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from _common import MemoryTimeline
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
-from shardopt.model import GPT, Norm, no_decay
+from shardopt.model import GPT, no_decay
 
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
@@ -105,24 +105,10 @@ class FSDP2(System):
 
     def __init__(self, model: GPT, device: torch.device) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        model.to(torch.float32)
-        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        # fp32 groups keep fp32 weights and must not cast their (bf16) inputs.
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                    cast_forward_inputs=False)
-        for block in model.blocks:
-            fp32_modules = [m for m in block.modules() if isinstance(m, Norm)]
-            router = getattr(block.mlp, "router", None)
-            if isinstance(router, torch.nn.Linear):
-                fp32_modules.append(router)
-            for m in fp32_modules:
-                fully_shard(m, mesh=mesh, mp_policy=fp32)
-            fully_shard(block, mesh=mesh, mp_policy=bf16)
-        fully_shard(model.norm, mesh=mesh, mp_policy=fp32)
-        fully_shard(model, mesh=mesh, mp_policy=bf16)
+        from _peers import fsdp2_shard
+
+        fsdp2_shard(model, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
         self.model = model
         decay = [p for p in model.parameters() if p.ndim >= 2]
         rest = [p for p in model.parameters() if p.ndim < 2]
