@@ -11,6 +11,7 @@ accumulation, scheduler, unused and tied params) to keep process starts down.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -517,3 +518,27 @@ def test_is_a_torch_optimizer():
     # A tied weight is one param, listed once.
     listed = [p for g in opt.param_groups for p in g["params"]]
     assert len(listed) == len({id(p) for p in listed}) == len(list(model.parameters()))
+
+
+def test_param_unused_after_a_used_step_counts_as_zero_not_stale():
+    """The grad buffer is not cleared between steps: a param that got a gradient in one step and
+    none in the next must see zeros, never the previous step's values."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    reference = copy.deepcopy(model)
+    opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.01, bucket_numel=8))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for use_b in (True, False, False, True):
+        x = torch.randn(3, 4)
+        for net in (model, reference):
+            y = net["a"](x)
+            (net["b"](y) if use_b else y).square().mean().backward()
+        for p in reference.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad(set_to_none=False)
+        for got, want in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -60,10 +60,6 @@ class FlatBuffers:
     def shard_grads(self, shard: ParamShard) -> torch.Tensor:
         return self.grad_buffers[shard.buffer_index][shard.range_global.as_slice()]
 
-    def zero_grads(self) -> None:
-        for g in self.grad_buffers:
-            g.zero_()
-
     def num_bytes(self) -> dict[str, int]:
         return {
             "params": sum(t.numel() * t.element_size() for t in self.param_buffers),

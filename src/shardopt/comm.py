@@ -46,18 +46,20 @@ class _Done:
 DONE = _Done()
 
 
-def reduce_scatter_(bucket: torch.Tensor, dp: DPGroup, async_op: bool) -> object:
-    """Collective. Sum ``bucket`` over ranks; rank r's shard of ``bucket`` ends up holding the sum.
+def reduce_scatter_avg_(bucket: torch.Tensor, dp: DPGroup, async_op: bool) -> object:
+    """Collective. Average ``bucket`` over ranks; rank r's shard of ``bucket`` ends up holding it.
 
     ``bucket`` must be 1-D with ``numel % dp.size == 0``. The rest of ``bucket``
-    is left in an unspecified state (partial sums on CUDA, full sums on CPU).
+    is left in an unspecified state (partial sums on CUDA, full averages on CPU).
     """
     if dp.size == 1:
         return DONE
     shard_numel = bucket.numel() // dp.size
     if bucket.is_cuda:
         out = bucket.narrow(0, dp.rank * shard_numel, shard_numel)
-        return dist.reduce_scatter_tensor(out, bucket, group=dp.group, async_op=async_op) or DONE
+        return dist.reduce_scatter_tensor(out, bucket, op=dist.ReduceOp.AVG, group=dp.group,
+                                          async_op=async_op) or DONE
+    bucket.div_(dp.size)  # gloo has no AVG
     return dist.all_reduce(bucket, group=dp.group, async_op=async_op) or DONE
 
 

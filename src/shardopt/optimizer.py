@@ -132,6 +132,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for fqn, slot in self.layout.slots.items()
         }
         self._bucket_pending: list[int] = []
+        # Params whose grad-buffer region holds this iteration's gradient; the others hold stale
+        # values and are overwritten by their first gradient or zeroed when their bucket launches.
+        self._written: set[str] = set()
         self._next_launch = 0
         self._views: list[list[list[torch.Tensor]]] | None = None  # reset when moments move
         self._handles: list[object] = []
@@ -156,7 +159,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "and call step() or zero_grad() between iterations"
             )
         with torch.no_grad():
-            self.buffers.grad_views[fqn].add_(param.grad)
+            view = self.buffers.grad_views[fqn]
+            if fqn in self._written:
+                view.add_(param.grad)
+            else:  # first gradient since the last step or zero_grad: no memset, no read
+                view.copy_(param.grad)
+                self._written.add(fqn)
         param.grad = None
         if not (self._sync_enabled and self.config.overlap_grad_reduce):
             return
@@ -168,10 +176,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launch_next()
 
     def _launch_next(self) -> None:
-        grads = self.buffers.bucket_grads(self._launch_order[self._next_launch])
-        if self.dp.size > 1:
-            grads.div_(self.dp.size)
-        self._handles.append(comm.reduce_scatter_(grads, self.dp, async_op=True))
+        bucket = self._launch_order[self._next_launch]
+        for fqn in bucket.param_fqns:
+            if fqn not in self._written:  # no gradient this iteration: it counts as zero
+                self.buffers.grad_views[fqn].zero_()
+                self._written.add(fqn)
+        self._handles.append(
+            comm.reduce_scatter_avg_(self.buffers.bucket_grads(bucket), self.dp, async_op=True)
+        )
         self._next_launch += 1
 
     def finish_grad_sync(self) -> None:
@@ -197,7 +209,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for h in self._handles:
             h.wait()
         self._handles.clear()
-        self.buffers.zero_grads()
+        self._written.clear()  # the next gradient overwrites: the buffer needs no memset
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -243,6 +255,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._publish_params()
         self._reset_readiness()
+        self._written.clear()  # step() consumes the gradients
         return loss
 
     def _state_views(self) -> list[list[list[torch.Tensor]]]:
