@@ -21,10 +21,12 @@ waiting in a collective: all of them raise :class:`CheckpointError`.
 
 Load schedule (collective): every rank reads and validates the manifest,
 checks it against the model and optimizer, opens the files and cross-checks
-their headers, plans the reads that cover its own shard, verifies the hashes
-of every block it will read and reads its RNG state. Exchange: only when every
-rank found everything in order does any rank write into model or optimizer
-tensors; otherwise every rank raises and nothing has changed.
+their headers, plans the reads that cover its own shard, reads the Adam moments
+into newly allocated tensors in one pass that checks each block's hash as it
+reads it, verifies the hashes of every other block it will read and reads its
+RNG state. Exchange: only when every rank found everything in order does any
+rank write into existing model or optimizer tensors (or adopt the new moments);
+otherwise every rank raises and nothing has changed.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from .format import (FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, MAX_BLOCK_BY
                      step_dir_name)
 from .manifest import check_optimizer, read_manifest, validate_manifest
 from .planner import ChunkIndex
-from .storage import FileReader, WriteEntry, make_staging, sync_staging, write_file
+from .storage import (FileReader, Segment, WriteEntry, make_staging, sync_staging,
+                      write_file)
 
 
 class CheckpointError(ValueError):
@@ -297,7 +300,7 @@ def load(
     host = bool(low_memory_resume)
     plan, error = None, None
     try:
-        plan = _prepare(root_or_path, model, optimizer, verify, host)
+        plan = _prepare(root_or_path, model, optimizer, verify, host, staging_bytes)
     except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
         error = e
     try:
@@ -336,7 +339,8 @@ def load(
 
 
 def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
-             opt: DistributedOptimizer, verify: bool, host: bool) -> _Plan:
+             opt: DistributedOptimizer, verify: bool, host: bool,
+             staging_bytes: int) -> _Plan:
     """Coordinator-free. Every check of a load, and everything it reads before writing."""
     path = resolve(root_or_path)
     manifest = read_manifest(path)
@@ -345,12 +349,13 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     _check_compatible(manifest["params"], model, opt)
     steps = _group_steps(manifest, opt)
     hparams = _group_hyperparameters(manifest, opt)
-    readers, requests = _plan_reads(path, manifest, model, opt, verify)
+    moments, fresh = _moment_tensors(opt, host)
+    readers, requests = _plan_reads(path, manifest, model, opt, verify,
+                                    moments if fresh else None, staging_bytes)
     try:
         rng = None
         if manifest["dp_size"] == opt.dp.size:
             rng = _read_rng(path, manifest, opt.dp.rank, verify)
-        moments = _moment_tensors(opt, host)
     except BaseException:
         for r in readers.values():
             r.close()
@@ -359,8 +364,14 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
 
 
 def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: DistributedOptimizer,
-                verify: bool) -> tuple[dict[str, FileReader], _Requests]:
-    """Coordinator-free. Open files, cross-check headers, plan and verify this rank's reads."""
+                verify: bool, fresh_moments: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+                staging_bytes: int) -> tuple[dict[str, FileReader], _Requests]:
+    """Coordinator-free. Open files, cross-check headers, plan and verify this rank's reads.
+
+    With ``fresh_moments`` (new tensors nobody else sees) and ``verify``, the moments
+    are read now, in one pass that checks each block's hash as it reads it; what goes
+    into existing tensors is only verified here and read after every rank agreed.
+    """
     params = manifest["params"]
     numels = state.stored_numels(params)
     dtypes = {k: torch.float32 for k in numels}
@@ -375,28 +386,51 @@ def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: Distrib
             readers[name] = FileReader(str(path / name), name, rec)
             stored.extend(readers[name].chunks(dtypes))
         index = ChunkIndex(stored, numels)
-        items = []
-        spans: dict[str, list[tuple[int, int]]] = {}
-        casts = False
-        for d in state.destinations(model, opt):
-            reqs = index.plan(d.key, d.want)
-            dtype = dtypes[d.key]
-            casts |= d.dtype != dtype
-            items.append((d, [(r, dtype) for r in reqs]))
-            for r in reqs:
-                spans.setdefault(r.file, []).append(
-                    (r.file_start, r.file_start + r.numel * dtype.itemsize))
+        planned = [(d, [(r, dtypes[d.key]) for r in index.plan(d.key, d.want)])
+                   for d in state.destinations(model, opt)]
+        casts = any(d.dtype != dtype for d, reqs in planned for _, dtype in reqs)
         for name in list(readers):
-            if name not in spans:
+            if not any(r.file == name for _, reqs in planned for r, _ in reqs):
                 readers.pop(name).close()
+        checked: dict[str, set[int]] = {}
+        if verify and fresh_moments is not None:
+            planned, checked = _read_fresh(planned, readers, fresh_moments,
+                                           opt.device.type == "cuda", staging_bytes)
         if verify:
+            spans: dict[str, list[tuple[int, int]]] = {}
+            for _, reqs in planned:
+                for r, dtype in reqs:
+                    spans.setdefault(r.file, []).append(
+                        (r.file_start, r.file_start + r.numel * dtype.itemsize))
             for name, sp in spans.items():
-                readers[name].verify(sp)
+                readers[name].verify(sp, skip=checked.get(name, set()))
     except BaseException:
         for r in readers.values():
             r.close()
         raise
-    return readers, _Requests(items, casts)
+    return readers, _Requests(planned, casts)
+
+
+def _read_fresh(planned: list, readers: dict[str, FileReader], moments: tuple,
+                cuda: bool, staging_bytes: int) -> tuple[list, dict[str, set[int]]]:
+    """Read the requests into new moment tensors in one verifying pass, file by file.
+    Returns the requests still to be read (in place, after the agreement) and, per
+    file, the blocks already hash-checked."""
+    segments: dict[str, list[Segment]] = {}
+    for d, reqs in planned:
+        if d.tensor is None:
+            t = d.resolve(moments)
+            for r, dtype in reqs:
+                segments.setdefault(r.file, []).append(
+                    Segment(r.file_start, t.narrow(0, r.dest_start, r.numel), dtype))
+    checked: dict[str, set[int]] = {}
+    for name, segs in segments.items():
+        done = readers[name].read_fresh(segs, cuda, max(8, staging_bytes // 2))
+        if done is not None:
+            checked[name] = done
+    rest = [(d, [(r, dt) for r, dt in reqs if d.tensor is not None or r.file not in checked])
+            for d, reqs in planned]
+    return [(d, reqs) for d, reqs in rest if reqs], checked
 
 
 def _read_rng(path: Path, manifest: dict, rank: int, verify: bool) -> dict[str, torch.Tensor]:
@@ -427,15 +461,33 @@ def _read_rng(path: Path, manifest: dict, rank: int, verify: bool) -> dict[str, 
     return out
 
 
-def _moment_tensors(opt: DistributedOptimizer, host: bool):
-    """Where loaded moments go: existing device tensors, new device tensors, or pinned host."""
-    def alloc(existing: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        if existing is not None and not host:
-            return existing
-        pin = host and opt.device.type == "cuda"
-        return [opt._zeros_local(b.local_numel, torch.device("cpu") if host else None, pin=pin)
-                for b in opt.layout.buffers]
-    return alloc(opt._exp_avg), alloc(opt._exp_avg_sq)
+def _moment_tensors(opt: DistributedOptimizer, host: bool
+                    ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], bool]:
+    """Where loaded moments go, and whether those tensors are new.
+
+    New tensors let the load read the moments in one verifying pass before the
+    ranks agree (a failed load just drops them): always for ``low_memory_resume``
+    (pinned host) and a fresh optimizer. Existing moments are reused in place
+    (verified first, read after the agreement) on the CPU, where new memory costs
+    page faults worth a second read pass and doubles host memory, and on a GPU
+    where a second copy does not fit.
+    """
+    pin = host and opt.device.type == "cuda"
+    device = torch.device("cpu") if host else None
+
+    def alloc() -> list[torch.Tensor]:
+        # Zero-filled although the load overwrites it: faulting host pages in with a
+        # memset is much cheaper than inside the reads.
+        return [opt._zeros_local(b.local_numel, device, pin=pin) for b in opt.layout.buffers]
+
+    if host or opt._exp_avg is None:
+        return (alloc(), alloc()), True
+    if opt.device.type == "cpu":
+        return (opt._exp_avg, opt._exp_avg_sq), False
+    try:
+        return (alloc(), alloc()), True
+    except torch.OutOfMemoryError:
+        return (opt._exp_avg, opt._exp_avg_sq), False
 
 
 def _group_hyperparameters(manifest: dict, opt: DistributedOptimizer) -> list[dict[str, Any]]:

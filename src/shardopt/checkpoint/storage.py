@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 
+from .blocks import Segment, one_pass_ok, read_blocks, verify_blocks
 from .format import BlockHasher, FileHeader, FormatError, StoredChunk, build_header, parse_header
 from .planner import ReadRequest
 
@@ -195,32 +195,41 @@ class FileReader:
         self._pread_exact(_host_bytes(out), found[0].data_start)
         return out
 
-    def verify(self, spans: Iterable[tuple[int, int]] | None = None) -> None:
-        """Check the hashes of every block that byte spans ``[start, end)`` touch (all if None)."""
-        bb = self.record["block_bytes"]
-        hashes = self.record["hashes"]
+    def _check_hash_count(self) -> list[str]:
+        bb, hashes = self.record["block_bytes"], self.record["hashes"]
         if len(hashes) != -(-self.size // bb):
             raise FormatError(f"{self.path}: manifest lists {len(hashes)} block hashes, "
                               f"the file has {-(-self.size // bb)} blocks")
-        if spans is None:
-            blocks: Iterable[int] = range(len(hashes))
-        else:
-            wanted: set[int] = set()
-            for start, end in [(0, self.header_bytes), *spans]:
-                if end > start:
-                    wanted.update(range(start // bb, (end - 1) // bb + 1))
-            blocks = sorted(wanted)
-        buf = memoryview(bytearray(min(_PIECE_BYTES, self.size)))
-        for b in blocks:
-            start, end = b * bb, min((b + 1) * bb, self.size)
-            h = xxhash.xxh3_64()
-            for pos in range(start, end, _PIECE_BYTES):
-                piece = buf[:min(_PIECE_BYTES, end - pos)]
-                self._pread_exact(piece, pos)
-                h.update(piece)
-            if h.hexdigest() != hashes[b]:
-                raise FormatError(f"{self.path}: content hash mismatch in bytes [{start}, {end}) "
-                                  "(the file is damaged)")
+        return hashes
+
+    def blocks_of(self, spans: Iterable[tuple[int, int]]) -> set[int]:
+        """Blocks that byte spans ``[start, end)`` touch, and those of the header."""
+        bb = self.record["block_bytes"]
+        wanted: set[int] = set()
+        for start, end in [(0, self.header_bytes), *spans]:
+            if end > start:
+                wanted.update(range(start // bb, (end - 1) // bb + 1))
+        return wanted
+
+    def verify(self, spans: Iterable[tuple[int, int]] | None = None,
+               skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """Check the hashes of every block that byte spans ``[start, end)`` touch (all if
+        None), except blocks in ``skip`` (already checked)."""
+        hashes = self._check_hash_count()
+        blocks = range(len(hashes)) if spans is None else self.blocks_of(spans)
+        verify_blocks(self.fd, self.path, hashes, sorted(set(blocks) - skip),
+                      self.record["block_bytes"], self.size)
+
+    def read_fresh(self, segments: list[Segment], cuda: bool, max_block_bytes: int
+                   ) -> set[int] | None:
+        """Fill new tensors in one pass: every block the segments touch is read once, its
+        hash checked, its bytes placed. Returns the checked blocks, or None (nothing read)
+        when the blocks are too large or oddly sized for it (use verify + read_into)."""
+        hashes = self._check_hash_count()
+        bb = self.record["block_bytes"]
+        if not one_pass_ok(segments, bb, max_block_bytes):
+            return None
+        return read_blocks(self.fd, self.path, hashes, segments, bb, self.size, cuda)
 
     def read_into(self, req: ReadRequest, dest: torch.Tensor, dtype: torch.dtype,
                   staging: _Staging | None) -> None:

@@ -1,0 +1,204 @@
+"""Hash-verified block reads: check stored blocks, or read, check and place them in one pass.
+
+A data file is hashed in fixed-size blocks (:class:`~.format.BlockHasher`).
+Two ways to read it with verification:
+
+* :func:`verify_blocks` reads blocks only to hash them (the bytes are then read
+  again into their destinations, after every rank has verified everything):
+  what tensors that already exist need, since nothing may be written into them
+  before every check has passed.
+* :func:`read_blocks` reads every block that :class:`Segment` s touch exactly
+  once, scattering it with ``preadv`` straight into the destinations (host,
+  stored dtype) or into a scratch buffer (gaps between segments, device or
+  casting destinations), hashes what it read and then copies the staged parts
+  on. It is only for tensors nothing else can see yet: on a mismatch they hold
+  partial data and the caller discards them.
+
+Both overlap the read of the next piece (a worker thread; ``preadv`` releases
+the GIL) with hashing the current one (``xxhash`` releases it for large
+buffers). Host memory is bounded: two scratch buffers of one piece or block.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .format import FormatError
+
+# verify_blocks reads in pieces of at most this size; read_blocks handles blocks up
+# to twice the staging (``max_block_bytes``) and leaves larger ones to two passes.
+PIECE_BYTES = 4 << 20
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def preadv_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``views`` (in order) from consecutive bytes of ``fd`` at ``offset``."""
+    views = [v for v in views if len(v)]
+    pos = offset
+    while views:
+        n = os.preadv(fd, views, pos)
+        if n <= 0:
+            raise FormatError(f"{path}: unexpected end of file at byte {pos}")
+        pos += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _mismatch(path: str, start: int, end: int) -> FormatError:
+    return FormatError(f"{path}: content hash mismatch in bytes [{start}, {end}) "
+                       "(the file is damaged)")
+
+
+def _pipelined(jobs: Iterable, read: Callable, use: Callable) -> None:
+    """``read(job, slot)`` of job k+1 (in a worker thread) overlaps ``use(job, slot)`` of job k."""
+    it: Iterator = iter(jobs)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-read") as pool:
+        job = next(it, None)
+        pending = pool.submit(read, job, 0) if job is not None else None
+        k = 0
+        while pending is not None:
+            pending.result()
+            nxt = next(it, None)
+            ahead = pool.submit(read, nxt, (k + 1) % 2) if nxt is not None else None
+            use(job, k % 2)  # on error, leaving the block waits for the read in flight
+            job, pending, k = nxt, ahead, k + 1
+
+
+def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tuple[int, int, int]]:
+    return [(b, b * block_bytes, min((b + 1) * block_bytes, size)) for b in blocks]
+
+
+def verify_blocks(fd: int, path: str, hashes: list[str], blocks: Iterable[int],
+                  block_bytes: int, size: int) -> None:
+    """Hash-check ``blocks`` of the file, reading each piece once."""
+    pieces = []  # (block, start, end, piece start, piece end)
+    for b, start, end in block_ranges(blocks, block_bytes, size):
+        for pos in range(start, end, PIECE_BYTES):
+            pieces.append((b, start, end, pos, min(pos + PIECE_BYTES, end)))
+    if not pieces:
+        return
+    bufs = [memoryview(bytearray(min(PIECE_BYTES, size))) for _ in range(2)]
+    state = {"h": None}
+
+    def read(p, slot):
+        preadv_exact(fd, [bufs[slot][:p[4] - p[3]]], p[3], path)
+
+    def use(p, slot):
+        b, start, end, pos, stop = p
+        if pos == start:
+            state["h"] = xxhash.xxh3_64()
+        state["h"].update(bufs[slot][:stop - pos])
+        if stop == end and state["h"].hexdigest() != hashes[b]:
+            raise _mismatch(path, start, end)
+
+    _pipelined(pieces, read, use)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Stored bytes at ``file_start`` (``out.numel()`` elements of ``dtype``) fill ``out`` (1-D)."""
+
+    file_start: int
+    out: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def file_end(self) -> int:
+        return self.file_start + self.out.numel() * self.dtype.itemsize
+
+    @property
+    def direct(self) -> bool:
+        o = self.out
+        return not o.is_cuda and o.dtype == self.dtype and o.is_contiguous()
+
+
+def one_pass_ok(segments: list[Segment], block_bytes: int, max_block_bytes: int) -> bool:
+    """Whether :func:`read_blocks` can take these segments: bounded blocks whose edges
+    fall between elements (data is 8-byte aligned) and segments that do not overlap."""
+    if block_bytes % 8 or block_bytes > max_block_bytes:
+        return False
+    spans = sorted((s.file_start, s.file_end) for s in segments)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
+                block_bytes: int, size: int, cuda: bool) -> set[int]:
+    """Read, hash-check and place every block ``segments`` touch; return those blocks.
+
+    Check :func:`one_pass_ok` first. On a mismatch ``FormatError`` is raised and
+    the segments' tensors hold partial data.
+    """
+    segments = sorted((s for s in segments if s.out.numel()), key=lambda s: s.file_start)
+    by_block: dict[int, list[Segment]] = {}
+    for s in segments:
+        for b in range(s.file_start // block_bytes, (s.file_end - 1) // block_bytes + 1):
+            by_block.setdefault(b, []).append(s)
+    jobs = block_ranges(sorted(by_block), block_bytes, size)
+    if not jobs:
+        return set()
+    pin = cuda and torch.cuda.is_available()
+    scratch = [torch.empty(block_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+    events: list[torch.cuda.Event | None] = [None, None]
+    layouts: list[tuple[list[memoryview], list[tuple[torch.Tensor, torch.Tensor]]] | None] = \
+        [None, None]
+
+    def layout(b: int, start: int, end: int, slot: int):
+        """The iovecs that cover [start, end) and the staged copies to make afterwards."""
+        raw = scratch[slot]
+        views, copies, pos = [], [], start
+        for s in by_block[b]:
+            lo, hi = max(s.file_start, start), min(s.file_end, end)
+            if lo > pos:
+                views.append(host_bytes(raw[pos - start:lo - start]))
+            if s.direct:
+                views.append(host_bytes(s.out)[lo - s.file_start:hi - s.file_start])
+            else:
+                views.append(host_bytes(raw[lo - start:hi - start]))
+                first = (lo - s.file_start) // s.dtype.itemsize
+                copies.append((s.out.narrow(0, first, (hi - lo) // s.dtype.itemsize),
+                               raw[lo - start:hi - start].view(s.dtype)))
+            pos = hi
+        if end > pos:
+            views.append(host_bytes(raw[pos - start:end - start]))
+        return views, copies
+
+    def read(job, slot):
+        if events[slot] is not None:
+            events[slot].synchronize()  # the scratch's previous copies to the device are done
+            events[slot] = None
+        layouts[slot] = layout(*job, slot)
+        preadv_exact(fd, list(layouts[slot][0]), job[1], path)
+
+    def use(job, slot):
+        b, start, end = job
+        views, copies = layouts[slot]
+        h = xxhash.xxh3_64()
+        for v in views:
+            h.update(v)
+        if h.hexdigest() != hashes[b]:
+            raise _mismatch(path, start, end)
+        for out, staged in copies:
+            out.copy_(staged, non_blocking=out.is_cuda)
+        if any(out.is_cuda for out, _ in copies):
+            events[slot] = torch.cuda.Event()
+            events[slot].record(torch.cuda.current_stream(copies[0][0].device))
+
+    try:
+        _pipelined(jobs, read, use)
+    finally:
+        for ev in events:
+            if ev is not None:
+                ev.synchronize()
+    return set(by_block)

@@ -1,0 +1,66 @@
+"""One-pass verified block reads (checkpoint.blocks) against the stored bytes."""
+
+import os
+
+import pytest
+import torch
+
+from shardopt.checkpoint import blocks
+from shardopt.checkpoint.format import BlockHasher, FormatError
+
+
+def _file(tmp_path, data: torch.Tensor, block_bytes: int):
+    raw = data.view(torch.uint8).numpy().tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(raw)
+    h = BlockHasher(block_bytes)
+    h.update(raw)
+    return str(path), h.finish(), len(raw)
+
+
+@pytest.mark.parametrize("block_bytes", [64, 4096, 1 << 20])
+def test_read_blocks_places_direct_and_staged_segments(tmp_path, block_bytes):
+    data = torch.randn(10_000)
+    path, hashes, size = _file(tmp_path, data, block_bytes)
+    direct = torch.zeros(3000)
+    cast = torch.zeros(2500, dtype=torch.float64)  # staged through the scratch buffer
+    segs = [blocks.Segment(4 * 100, direct, torch.float32),          # gap before it
+            blocks.Segment(4 * 5000, cast, torch.float32)]           # gap between
+    assert blocks.one_pass_ok(segs, block_bytes, 1 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = blocks.read_blocks(fd, path, hashes, segs, block_bytes, size, cuda=False)
+    finally:
+        os.close(fd)
+    assert torch.equal(direct, data[100:3100])
+    assert torch.equal(cast, data[5000:7500].double())
+    assert done == {b for s in segs for b in range(s.file_start // block_bytes,
+                                                      (s.file_end - 1) // block_bytes + 1)}
+
+
+def test_read_blocks_detects_damage_and_verify_blocks_too(tmp_path):
+    data = torch.randn(10_000)
+    path, hashes, size = _file(tmp_path, data, 4096)
+    with open(path, "r+b") as f:
+        f.seek(20_000)
+        f.write(b"\xff")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(FormatError, match="hash mismatch in bytes \\[16384, 20480\\)"):
+            blocks.read_blocks(fd, path, hashes, [blocks.Segment(0, torch.zeros(10_000),
+                                                                 torch.float32)],
+                               4096, size, cuda=False)
+        with pytest.raises(FormatError, match="hash mismatch"):
+            blocks.verify_blocks(fd, path, hashes, range(len(hashes)), 4096, size)
+        blocks.verify_blocks(fd, path, hashes, [0, 1, 2], 4096, size)  # undamaged blocks
+    finally:
+        os.close(fd)
+
+
+def test_one_pass_refuses_odd_or_large_blocks_and_overlaps():
+    seg = [blocks.Segment(0, torch.zeros(4), torch.float32)]
+    assert not blocks.one_pass_ok(seg, 12, 1 << 20)  # edges could split an element
+    assert not blocks.one_pass_ok(seg, 2 << 20, 1 << 20)  # larger than the staging
+    two = [blocks.Segment(0, torch.zeros(4), torch.float32),
+           blocks.Segment(8, torch.zeros(4), torch.float32)]
+    assert not blocks.one_pass_ok(two, 64, 1 << 20)
