@@ -208,11 +208,13 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimiz
     """Coordinator-free. Write and fsync this rank's three files; return their records."""
     r = f"{opt.dp.rank:05d}"
     records = {}
+    # One pinned staging pair for the three files (pinning memory is slow).
+    staging = make_staging(staging_bytes, True) if opt.device.type == "cuda" else None
     for kind, entries in (("model", state.model_entries(model, opt)),
                           ("optim", state.optim_entries(opt)),
                           ("rng", _rng_entries())):
         name = f"{kind}-{r}.safetensors"
-        rec = write_file(str(tmp / name), entries, block_bytes, staging_bytes)
+        rec = write_file(str(tmp / name), entries, block_bytes, staging_bytes, staging)
         if kind != "rng":
             rec["chunks"] = [[e.key, e.offset, e.numel] for e in entries]
         records[name] = rec

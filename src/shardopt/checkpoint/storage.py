@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,51 +52,71 @@ class _Staging:
         self.nbytes = half
 
 
-# Hash and write (or read and hash) in pieces that stay in the CPU cache between the two.
-_PIECE_BYTES = 1 << 20
+# Write and hash in pieces: a worker thread hashes piece k while this thread writes it
+# (both release the GIL), so the piece is read from memory once for both.
+_PIECE_BYTES = 4 << 20
 
 
-def _write_all(fd: int, data: memoryview, hasher: BlockHasher) -> None:
-    for start in range(0, len(data), _PIECE_BYTES):
-        piece = data[start:start + _PIECE_BYTES]
-        hasher.update(piece)
-        while len(piece):
-            piece = piece[os.write(fd, piece):]
+class _HashingWriter:
+    """Writes bytes to ``fd`` while a worker thread feeds them to a :class:`BlockHasher`."""
+
+    def __init__(self, fd: int, hasher: BlockHasher, pool: ThreadPoolExecutor) -> None:
+        self.fd, self.hasher, self.pool = fd, hasher, pool
+
+    def write(self, data: memoryview) -> None:
+        for start in range(0, len(data), _PIECE_BYTES):
+            piece = data[start:start + _PIECE_BYTES]
+            hashed = self.pool.submit(self.hasher.update, piece)
+            try:
+                while len(piece):
+                    piece = piece[os.write(self.fd, piece):]
+            finally:
+                hashed.result()  # the buffer may be reused once this returns
 
 
 def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
-               staging_bytes: int) -> dict:
+               staging_bytes: int, staging: _Staging | None = None) -> dict:
     """Write ``entries`` as one safetensors file at ``path`` and fsync it.
 
+    Device tensors go through ``staging`` (pass one to share it between the files
+    of a save; by default one of ``staging_bytes`` is made when needed).
     Returns ``{"size", "block_bytes", "hashes"}`` for the manifest.
     """
     header, _ = build_header([(e.key, e.dtype, e.numel, e.offset) for e in entries])
     hasher = BlockHasher(block_bytes)
-    uses_cuda = any(e.source is not None and e.source.is_cuda for e in entries)
-    staging = _Staging(staging_bytes, pin=uses_cuda)
-    zeros = torch.zeros(staging.nbytes, dtype=torch.uint8)
+    if staging is None and any(e.source is not None and e.source.is_cuda for e in entries):
+        staging = _Staging(staging_bytes, pin=True)
+    zero_bytes = max(1 << 16, staging_bytes // 2)
+    zeros = torch.zeros(zero_bytes if any(e.source is None for e in entries) else 0,
+                        dtype=torch.uint8)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _write_all(fd, memoryview(header), hasher)
-        for e in entries:
-            if e.source is None:
-                left = e.numel * e.dtype.itemsize
-                while left:
-                    take = min(left, zeros.numel())
-                    _write_all(fd, _host_bytes(zeros[:take]), hasher)
-                    left -= take
-            elif not e.source.is_cuda:
-                src = e.source.detach().to(e.dtype).contiguous()
-                _write_all(fd, _host_bytes(src), hasher)
-            else:
-                _write_device(fd, e.source.detach().to(e.dtype), staging, hasher)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as pool:
+            _write_entries(_HashingWriter(fd, hasher, pool), header, entries, staging, zeros)
         os.fsync(fd)
     finally:
         os.close(fd)
     return {"size": hasher.total, "block_bytes": block_bytes, "hashes": hasher.finish()}
 
 
-def _write_device(fd: int, src: torch.Tensor, staging: _Staging, hasher: BlockHasher) -> None:
+def _write_entries(out: _HashingWriter, header: bytes, entries: Sequence[WriteEntry],
+                   staging: _Staging | None, zeros: torch.Tensor) -> None:
+    out.write(memoryview(header))
+    for e in entries:
+        if e.source is None:
+            left = e.numel * e.dtype.itemsize
+            while left:
+                take = min(left, zeros.numel())
+                out.write(_host_bytes(zeros[:take]))
+                left -= take
+        elif not e.source.is_cuda:
+            out.write(_host_bytes(e.source.detach().to(e.dtype).contiguous()))
+        else:
+            assert staging is not None
+            _write_device(out, e.source.detach().to(e.dtype), staging)
+
+
+def _write_device(out: _HashingWriter, src: torch.Tensor, staging: _Staging) -> None:
     """Device -> pinned host -> file, copying piece i+1 while writing piece i."""
     flat = src.contiguous().view(torch.uint8)
     step = staging.nbytes
@@ -116,7 +137,7 @@ def _write_device(fd: int, src: torch.Tensor, staging: _Staging, hasher: BlockHa
         staging.events[k % 2].synchronize()
         if k + 1 < len(pieces):
             launch(k + 1)
-        _write_all(fd, _host_bytes(staging.buffers[k % 2][:n]), hasher)
+        out.write(_host_bytes(staging.buffers[k % 2][:n]))
 
 
 def open_regular(path: Path) -> int:
