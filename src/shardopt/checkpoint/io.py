@@ -468,11 +468,11 @@ def _moment_tensors(opt: DistributedOptimizer, host: bool
     """Where loaded moments go, and whether those tensors are new.
 
     New tensors let the load read the moments in one verifying pass before the
-    ranks agree (a failed load just drops them): always for ``low_memory_resume``
-    (pinned host) and a fresh optimizer. Existing moments are reused in place
-    (verified first, read after the agreement) on the CPU, where new memory costs
-    page faults worth a second read pass and doubles host memory, and on a GPU
-    where a second copy does not fit.
+    ranks agree (a failed load just drops them): for ``low_memory_resume``
+    (pinned host) and for an optimizer that has not stepped yet (a resume).
+    Existing moments are reused in place (verified first, read after the
+    agreement): a second copy of the optimizer state is what a resume must never
+    hold, on the GPU least of all.
     """
     pin = host and opt.device.type == "cuda"
     device = torch.device("cpu") if host else None
@@ -484,12 +484,7 @@ def _moment_tensors(opt: DistributedOptimizer, host: bool
 
     if host or opt._exp_avg is None:
         return (alloc(), alloc()), True
-    if opt.device.type == "cpu":
-        return (opt._exp_avg, opt._exp_avg_sq), False
-    try:
-        return (alloc(), alloc()), True
-    except torch.OutOfMemoryError:
-        return (opt._exp_avg, opt._exp_avg_sq), False
+    return (opt._exp_avg, opt._exp_avg_sq), False
 
 
 def _group_hyperparameters(manifest: dict, opt: DistributedOptimizer) -> list[dict[str, Any]]:
