@@ -66,3 +66,28 @@ def test_low_memory_resume_moves_moments_to_the_device_at_the_first_step(tmp_pat
         assert t.device == opt2.device
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
+
+
+def test_malformed_saved_hyperparameter_is_refused_before_anything_changes(tmp_path):
+    import json
+
+    from shardopt.checkpoint.format import manifest_checksum
+
+    model = nn.Linear(3, 2)
+    opt = DistributedOptimizer(model, OptimizerConfig(lr=0.5))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    path = checkpoint.save(tmp_path, model, opt, step=1)
+    manifest_path = tmp_path / "step_00000001" / "manifest.json"
+    m = json.loads(manifest_path.read_text())
+    for fqn in ("weight", "bias"):
+        m["params"][fqn]["group"]["lr"] = "fast"
+    m["checksum"] = manifest_checksum(m)
+    manifest_path.write_text(json.dumps(m))
+    model2 = nn.Linear(3, 2)
+    opt2 = DistributedOptimizer(model2, OptimizerConfig(lr=1.0))
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(ValueError, match=r"lr='fast'.*'weight'"):
+        checkpoint.load(path, model2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))
+    assert opt2.param_groups[0]["lr"] == 1.0

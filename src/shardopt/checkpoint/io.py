@@ -45,8 +45,8 @@ from ..config import GROUP_KEYS
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from . import commit, state
 from .format import (FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, MAX_BLOCK_BYTES,
-                     OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES, StoredChunk, manifest_checksum,
-                     step_dir_name)
+                     OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES, FormatError, StoredChunk,
+                     manifest_checksum, step_dir_name)
 from .manifest import check_optimizer, read_manifest, validate_manifest
 from .planner import ChunkIndex
 from .storage import (FileReader, Segment, WriteEntry, make_staging, sync_staging,
