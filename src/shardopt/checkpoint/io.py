@@ -44,8 +44,8 @@ from .. import comm
 from ..config import GROUP_KEYS
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from . import commit, state
-from .format import (FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, MAX_BLOCK_BYTES,
-                     OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES, FormatError, StoredChunk,
+from .format import (DEFAULT_BLOCK_BYTES, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST,
+                     MAX_BLOCK_BYTES, OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES, FormatError, StoredChunk,
                      manifest_checksum, step_dir_name)
 from .manifest import check_optimizer, read_manifest, validate_manifest
 from .planner import ChunkIndex
@@ -152,7 +152,7 @@ def save(
     step: int,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
-    block_bytes: int = 8 << 20,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
     staging_bytes: int = 64 << 20,
 ) -> str:
     """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.

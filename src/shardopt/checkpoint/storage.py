@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import Segment, one_pass_ok, read_blocks, verify_blocks
+from .blocks import Segment, host_bytes, one_pass_ok, preadv_exact, read_blocks, verify_blocks
 from .format import BlockHasher, FileHeader, FormatError, StoredChunk, build_header, parse_header
 from .planner import ReadRequest
 
@@ -36,10 +36,6 @@ class WriteEntry:
     numel: int
     offset: int
     source: torch.Tensor | None
-
-
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 class _Staging:
@@ -107,10 +103,10 @@ def _write_entries(out: _HashingWriter, header: bytes, entries: Sequence[WriteEn
             left = e.numel * e.dtype.itemsize
             while left:
                 take = min(left, zeros.numel())
-                out.write(_host_bytes(zeros[:take]))
+                out.write(host_bytes(zeros[:take]))
                 left -= take
         elif not e.source.is_cuda:
-            out.write(_host_bytes(e.source.detach().to(e.dtype).contiguous()))
+            out.write(host_bytes(e.source.detach().to(e.dtype).contiguous()))
         else:
             assert staging is not None
             _write_device(out, e.source.detach().to(e.dtype), staging)
@@ -137,7 +133,7 @@ def _write_device(out: _HashingWriter, src: torch.Tensor, staging: _Staging) -> 
         staging.events[k % 2].synchronize()
         if k + 1 < len(pieces):
             launch(k + 1)
-        out.write(_host_bytes(staging.buffers[k % 2][:n]))
+        out.write(host_bytes(staging.buffers[k % 2][:n]))
 
 
 def open_regular(path: Path) -> int:
@@ -213,7 +209,7 @@ class FileReader:
         if len(found) != 1 or found[0].dtype != dtype:
             raise FormatError(f"{self.path}: no {dtype} tensor {key!r}")
         out = torch.empty(found[0].numel, dtype=dtype)
-        self._pread_exact(_host_bytes(out), found[0].data_start)
+        self._pread_exact(host_bytes(out), found[0].data_start)
         return out
 
     def _check_hash_count(self) -> list[str]:
@@ -257,7 +253,7 @@ class FileReader:
         """Fill ``dest[req.dest_start : +req.numel]`` (1-D) from the stored ``dtype`` bytes."""
         out = dest.narrow(0, req.dest_start, req.numel)
         if not out.is_cuda and out.dtype == dtype and out.is_contiguous():
-            self._pread_exact(_host_bytes(out), req.file_start)
+            self._pread_exact(host_bytes(out), req.file_start)
             return
         if staging is None:
             raise AssertionError("staging buffer required for device or casting reads")
@@ -270,7 +266,7 @@ class FileReader:
             if staging.events[slot] is not None:
                 staging.events[slot].synchronize()
             buf = staging.buffers[slot][: n * dtype.itemsize]
-            self._pread_exact(_host_bytes(buf), req.file_start + done * dtype.itemsize)
+            self._pread_exact(host_bytes(buf), req.file_start + done * dtype.itemsize)
             out.narrow(0, done, n).copy_(buf.view(dtype), non_blocking=out.is_cuda)
             if out.is_cuda:
                 ev = torch.cuda.Event()
@@ -280,12 +276,7 @@ class FileReader:
             k += 1
 
     def _pread_exact(self, view: memoryview, offset: int) -> None:
-        got = 0
-        while got < len(view):
-            n = os.preadv(self.fd, [view[got:]], offset + got)
-            if n <= 0:
-                raise FormatError(f"{self.path}: unexpected end of file at byte {offset + got}")
-            got += n
+        preadv_exact(self.fd, [view], offset, self.path)
 
 
 def make_staging(nbytes: int, cuda: bool) -> _Staging:
