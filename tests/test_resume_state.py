@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
+from shardopt.pinned import PinnedBuffer
 
 
 def test_load_restores_param_group_hyperparameters(tmp_path):
@@ -52,7 +53,8 @@ def test_low_memory_resume_moves_moments_to_the_device_at_the_first_step(tmp_pat
     model2, opt2 = make()
     checkpoint.load(tmp_path, model2, opt2, low_memory_resume=True)
     assert opt2._exp_avg is None and opt2._staged_moments is not None
-    for t in opt2._staged_moments[0] + opt2._staged_moments[1]:
+    staged = opt2._staged_moments[0] + opt2._staged_moments[1]
+    for t in staged:
         assert t.device.type == "cpu" and t.is_pinned() == (device == "cuda")
     if device == "cuda":  # before the first step the GPU holds what a fresh run holds
         fresh_model, fresh_opt = make()
@@ -66,6 +68,26 @@ def test_low_memory_resume_moves_moments_to_the_device_at_the_first_step(tmp_pat
         assert t.device == opt2.device
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
+    if device == "cuda":  # the host copies were unlocked once they had reached the device
+        assert opt2._unpin_after is None and opt2._staged_pinned == []
+        assert all(not t.is_pinned() for t in staged)
+
+
+@pytest.mark.cuda
+def test_pinned_buffer_locks_exactly_its_size_and_unlocks():
+    """Not the caching host allocator, which would round 3 MiB + 4 bytes up to 4 MiB."""
+    numel = (3 << 20) // 4 + 1
+    buf = PinnedBuffer(numel, torch.float32)
+    assert buf.pinned and buf.tensor.is_pinned() and buf.tensor.numel() == numel
+    view = buf.tensor[1:]
+    src = torch.arange(numel, dtype=torch.float32)
+    buf.tensor.copy_(src)
+    out = buf.tensor.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    buf.release()
+    buf.release()  # idempotent
+    assert not buf.pinned and not view.is_pinned()
+    assert torch.equal(out.cpu(), src) and torch.equal(view, src[1:])  # memory stays valid
 
 
 def test_malformed_saved_hyperparameter_is_refused_before_anything_changes(tmp_path):

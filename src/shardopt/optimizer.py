@@ -35,7 +35,8 @@ import torch
 from . import comm
 from .buffers import FlatBuffers
 from .config import GROUP_KEYS, OptimizerConfig
-from .layout import Bucket, Layout, ParamShard, ParamSpec, build_layout
+from .layout import Bucket, Layout, ParamShard, ParamSpec, Range, build_layout
+from .pinned import PinnedBuffer
 
 STATE_NAMES = ("master_param", "exp_avg", "exp_avg_sq")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -118,6 +119,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._exp_avg_sq: list[torch.Tensor] | None = None
         # low_memory_resume parks loaded moments here (host) until the first step.
         self._staged_moments: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # Their page-locked host memory, unlocked once the copies to the device are done.
+        self._staged_pinned: list[PinnedBuffer] = []
+        self._unpin_after: tuple[torch.cuda.Event, list[PinnedBuffer]] | None = None
         self.step_counts = [0] * len(self.param_groups)
         self._grad_norm: torch.Tensor | None = None
         self._group_shards = [
@@ -256,6 +260,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._publish_params()
         self._reset_readiness()
         self._written.clear()  # step() consumes the gradients
+        if self._unpin_after is not None:
+            event, pinned = self._unpin_after
+            self._unpin_after = None
+            event.synchronize()  # the staged moments have reached the device
+            for buf in pinned:
+                buf.release()
         return loss
 
     def _state_views(self) -> list[list[list[torch.Tensor]]]:
@@ -319,16 +329,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._exp_avg = [t.to(self.device, non_blocking=True) for t in staged[0]]
             self._exp_avg_sq = [t.to(self.device, non_blocking=True) for t in staged[1]]
             self._staged_moments = None
+            if self._staged_pinned:
+                event = torch.cuda.Event()
+                event.record()
+                self._unpin_after, self._staged_pinned = (event, self._staged_pinned), []
             return
         if self._exp_avg is None:
             self._views = None
             self._exp_avg = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
             self._exp_avg_sq = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
 
-    def _zeros_local(self, numel: int, device: torch.device | None = None,
-                     pin: bool = False) -> torch.Tensor:
-        return torch.zeros(numel, dtype=torch.float32, device=device or self.device,
-                           pin_memory=pin)
+    def _zeros_local(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+
+    def _new_local_state(self, host: bool) -> tuple[list[torch.Tensor], list[PinnedBuffer]]:
+        """One uninitialised fp32 local tensor per buffer whose padding is zero (params' parts
+        are for the caller to fill), and the page-locked host memory behind them (``host``
+        with a CUDA device; exact size, see :mod:`.pinned`)."""
+        if not host:
+            out = [torch.empty(b.local_numel, dtype=torch.float32, device=self.device)
+                   for b in self.layout.buffers]
+            pinned: list[PinnedBuffer] = []
+        elif self.device.type == "cuda":
+            pinned = [PinnedBuffer(b.local_numel, torch.float32) for b in self.layout.buffers]
+            out = [p.tensor for p in pinned]
+        else:
+            out = [torch.empty(b.local_numel, dtype=torch.float32) for b in self.layout.buffers]
+            pinned = []
+        for bi, t in enumerate(out):
+            covered = sorted((s.range_local for s in self.shards if s.buffer_index == bi),
+                             key=lambda r: r.start)
+            pos = 0
+            for r in covered + [Range(t.numel(), t.numel())]:
+                if r.start > pos:
+                    t[pos:r.start].zero_()
+                pos = max(pos, r.end)
+        return out, pinned
 
     @property
     def has_moments(self) -> bool:
@@ -351,13 +387,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return moments[shard.buffer_index][shard.range_local.as_slice()]
 
     def _adopt_loaded_state(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]],
-                            on_host: bool, step_counts: list[int]) -> None:
-        """Collective. Take loaded moments and step counts; rebuild params from the loaded
-        master shards and all-gather them. Called by ``checkpoint.load`` only."""
+                            on_host: bool, step_counts: list[int],
+                            pinned: list[PinnedBuffer] | None = None) -> None:
+        """Collective. Take loaded moments (on the host: with their page-locked memory) and
+        step counts; rebuild params from the loaded master shards and all-gather them.
+        Called by ``checkpoint.load`` only."""
+        for buf in self._staged_pinned:  # moments staged by an earlier load are replaced
+            buf.release()
         if on_host:
             self._staged_moments, self._exp_avg, self._exp_avg_sq = moments, None, None
+            self._staged_pinned = list(pinned or [])
         else:
             (self._exp_avg, self._exp_avg_sq), self._staged_moments = moments, None
+            self._staged_pinned = []
         self.step_counts = list(step_counts)
         self._views = None
         self._publish_params()

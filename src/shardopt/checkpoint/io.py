@@ -43,6 +43,7 @@ import torch
 from .. import comm
 from ..config import GROUP_KEYS
 from ..optimizer import STATE_NAMES, DistributedOptimizer
+from ..pinned import PinnedBuffer
 from . import commit, state
 from .format import (DEFAULT_BLOCK_BYTES, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST,
                      MAX_BLOCK_BYTES, OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES, FormatError, StoredChunk,
@@ -275,6 +276,7 @@ class _Plan:
     hparams: list[dict[str, Any]]
     rng: dict[str, torch.Tensor] | None
     moments: tuple[list[torch.Tensor], list[torch.Tensor]]
+    pinned: list[PinnedBuffer]
 
     def close(self) -> None:
         for r in self.readers.values():
@@ -329,7 +331,7 @@ def load(
         plan.close()
     _agree(dp, error, f"reading {plan.path}")
 
-    optimizer._adopt_loaded_state(plan.moments, host, plan.steps)
+    optimizer._adopt_loaded_state(plan.moments, host, plan.steps, plan.pinned)
     for group, saved in zip(optimizer.param_groups, plan.hparams):
         group.update(saved)  # as torch's load_state_dict does: lr & co. resume as saved
     if plan.rng is not None:
@@ -351,7 +353,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     _check_compatible(manifest["params"], model, opt)
     steps = _group_steps(manifest, opt)
     hparams = _group_hyperparameters(manifest, opt)
-    moments, fresh = _moment_tensors(opt, host)
+    moments, pinned, fresh = _moment_tensors(opt, host)
     readers, requests = _plan_reads(path, manifest, model, opt, verify,
                                     moments if fresh else None, staging_bytes)
     try:
@@ -362,7 +364,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
         for r in readers.values():
             r.close()
         raise
-    return _Plan(path, manifest, readers, requests, steps, hparams, rng, moments)
+    return _Plan(path, manifest, readers, requests, steps, hparams, rng, moments, pinned)
 
 
 def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: DistributedOptimizer,
@@ -464,27 +466,22 @@ def _read_rng(path: Path, manifest: dict, rank: int, verify: bool) -> dict[str, 
 
 
 def _moment_tensors(opt: DistributedOptimizer, host: bool
-                    ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], bool]:
-    """Where loaded moments go, and whether those tensors are new.
+                    ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]],
+                               list[PinnedBuffer], bool]:
+    """Where loaded moments go, the page-locked memory behind them, and whether they are new.
 
     New tensors let the load read the moments in one verifying pass before the
     ranks agree (a failed load just drops them): for ``low_memory_resume``
-    (pinned host) and for an optimizer that has not stepped yet (a resume).
-    Existing moments are reused in place (verified first, read after the
-    agreement): a second copy of the optimizer state is what a resume must never
-    hold, on the GPU least of all.
+    (host memory, page-locked at its exact size when the optimizer is on CUDA)
+    and for an optimizer that has not stepped yet (a resume). Existing moments
+    are reused in place (verified first, read after the agreement): a second copy
+    of the optimizer state is what a resume must never hold, on the GPU least of all.
     """
-    pin = host and opt.device.type == "cuda"
-    device = torch.device("cpu") if host else None
-
-    def alloc() -> list[torch.Tensor]:
-        # Zero-filled although the load overwrites it: faulting host pages in with a
-        # memset is much cheaper than inside the reads.
-        return [opt._zeros_local(b.local_numel, device, pin=pin) for b in opt.layout.buffers]
-
     if host or opt._exp_avg is None:
-        return (alloc(), alloc()), True
-    return (opt._exp_avg, opt._exp_avg_sq), False
+        exp_avg, pinned_a = opt._new_local_state(host)
+        exp_avg_sq, pinned_b = opt._new_local_state(host)
+        return (exp_avg, exp_avg_sq), pinned_a + pinned_b, True
+    return (opt._exp_avg, opt._exp_avg_sq), [], False
 
 
 def _group_hyperparameters(manifest: dict, opt: DistributedOptimizer) -> list[dict[str, Any]]:

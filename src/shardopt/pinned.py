@@ -1,0 +1,56 @@
+"""Page-locked host memory of exactly the size asked for.
+
+``torch.empty(..., pin_memory=True)`` goes through torch's caching host
+allocator, which rounds every block up to a power of two: a 4.9 GiB moment
+tensor locks 8 GiB of host memory, and the cache keeps the blocks after the
+tensor is gone. For the few large, long-lived host tensors of a
+``low_memory_resume`` load this module allocates ordinary host memory and
+page-locks exactly its pages with ``cudaHostRegister`` instead.
+
+Rules that keep this safe (all enforced here or by the one caller):
+
+* :meth:`PinnedBuffer.release` unregisters before the last reference to the
+  memory can go away (``__del__`` calls it too), so memory is never freed while
+  registered; views that outlive it just become ordinary pageable memory.
+* Whoever issues asynchronous copies from the buffer waits for them (an event)
+  before releasing it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PinnedBuffer:
+    """``numel`` elements of ``dtype`` in host memory, page-locked when CUDA is available."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        self.tensor = torch.empty(numel, dtype=dtype)
+        self._registered = 0  # the address registered, 0 when none
+        if numel and torch.cuda.is_available():
+            ptr, nbytes = self.tensor.data_ptr(), numel * dtype.itemsize
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            if err != cudart.cudaError.success:
+                raise RuntimeError(
+                    f"cudaHostRegister of {nbytes} bytes of host memory failed "
+                    f"({cudart.cudaGetErrorString(err)}); is the locked-memory limit "
+                    "(ulimit -l) too low for low_memory_resume?"
+                )
+            self._registered = ptr
+
+    @property
+    def pinned(self) -> bool:
+        return self._registered != 0
+
+    def release(self) -> None:
+        """Unlock the pages (the memory stays valid while referenced). Idempotent."""
+        ptr, self._registered = self._registered, 0
+        if ptr:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the driver is gone too
+                pass
+
+    def __del__(self) -> None:
+        self.release()
