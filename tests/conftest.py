@@ -5,6 +5,7 @@
 * ``backend`` fixture: ``"gloo"`` everywhere, ``"nccl"`` only with CUDA. A test that
   takes it runs unchanged on both; ``require_world_size`` (in ``_dist``) skips a
   case that needs more GPUs than the machine has.
+* Without CUDA, Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``).
 * Hypothesis: profile ``ci`` (picked when ``CI=true``) runs fewer examples;
   ``dev`` is the default; ``HYPOTHESIS_PROFILE`` overrides both. No deadlines:
   timings on a loaded 2-core machine are noise, not failures.
@@ -27,6 +28,11 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.register_profile("thorough", max_examples=2000, deadline=None)
+
+# Without a GPU, Triton kernels (shardopt.kernels) run in Triton's interpreter; the flag is
+# read when a kernel is defined, so before shardopt is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _ci else "dev"))

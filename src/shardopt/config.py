@@ -32,6 +32,10 @@ class OptimizerConfig:
     """Accumulate and reduce gradients of bf16/fp16 params in fp32 (else in the model dtype)."""
     low_memory_resume: bool = False
     """Default for ``checkpoint.load``: keep loaded Adam moments on the host until the first step."""
+    step_kernel: str = "auto"
+    """``"triton"``: one pass per buffer that updates main params and moments and writes the
+    bf16/fp16 params (:mod:`shardopt.kernels`); ``"torch"``: torch's fused AdamW, then a copy
+    to the model-dtype params; ``"auto"``: Triton on CUDA when it is installed, else torch."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
@@ -47,6 +51,8 @@ class OptimizerConfig:
             raise ValueError(f"max_grad_norm must be >= 0 or None, got {self.max_grad_norm!r}")
         if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1):
             raise ValueError(f"bucket_numel must be an int >= 1, got {self.bucket_numel!r}")
+        if self.step_kernel not in STEP_KERNELS:
+            raise ValueError(f"step_kernel must be one of {STEP_KERNELS}, got {self.step_kernel!r}")
         if not (isinstance(self.align_numel, int) and self.align_numel >= 1):
             raise ValueError(f"align_numel must be an int >= 1, got {self.align_numel!r}")
 
@@ -61,6 +67,8 @@ class OptimizerConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
+
+STEP_KERNELS = ("auto", "triton", "torch")
 
 # Hyperparameters a param group may override through ``param_group_fn``.
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")

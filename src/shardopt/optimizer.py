@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import comm
+from . import comm, kernels
 from .buffers import FlatBuffers
 from .config import GROUP_KEYS, OptimizerConfig
 from .layout import Bucket, Layout, ParamShard, ParamSpec, Range, build_layout
@@ -124,6 +124,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._unpin_after: tuple[torch.cuda.Event, list[PinnedBuffer]] | None = None
         self.step_counts = [0] * len(self.param_groups)
         self._grad_norm: torch.Tensor | None = None
+        self.step_kernel = self._choose_kernel()
+        self._chunk_tables: dict[tuple[int, int], torch.Tensor] | None = None
         self._group_shards = [
             [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
             for gi in range(len(self.param_groups))
@@ -228,14 +230,66 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_grad_sync()
-        grads = self._grad_shards()
-        self._grad_norm, grad_scale = self._global_norm(grads)
+        self._grad_norm, grad_scale = self._global_norm()
         self._ensure_moments()
+        for gi in range(len(self.param_groups)):
+            self.step_counts[gi] += 1
+        if self.step_kernel == "triton":
+            self._update_triton(grad_scale)
+        else:
+            self._update_torch(grad_scale)
+        self._publish_params(own_written=self.step_kernel == "triton")
+        self._reset_readiness()
+        self._written.clear()  # step() consumes the gradients
+        if self._unpin_after is not None:
+            event, pinned = self._unpin_after
+            self._unpin_after = None
+            event.synchronize()  # the staged moments have reached the device
+            for buf in pinned:
+                buf.release()
+        return loss
 
+    def _choose_kernel(self) -> str:
+        wanted = self.config.step_kernel
+        if wanted == "torch" or (wanted == "auto" and self.device.type != "cuda"):
+            return "torch"
+        if kernels.available(self.device):
+            return "triton"
+        if wanted == "auto":
+            return "torch"
+        raise ValueError(
+            f"step_kernel='triton' needs Triton and a CUDA device (params are on {self.device}"
+            f"{'' if kernels.triton is not None else ', Triton is not installed'})"
+        )
+
+    def _update_triton(self, grad_scale: torch.Tensor | None) -> None:
+        """One kernel launch per (buffer, param group): update and write model-dtype params."""
+        if self._chunk_tables is None:
+            parts: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+            for s in self.shards:
+                key = (s.buffer_index, self.group_of[s.fqn])
+                parts.setdefault(key, []).append(
+                    (s.range_local.start, s.range_global.start, s.range_local.size))
+            self._chunk_tables = {k: kernels.chunk_table(v, self.device) for k, v in parts.items()}
+        assert self._exp_avg is not None and self._exp_avg_sq is not None
+        for (bi, gi), table in self._chunk_tables.items():
+            group = self.param_groups[gi]
+            main = self._main[bi]
+            params = self.buffers.param_buffers[bi]
+            kernels.adamw_(
+                table, params if main is None else main, self.buffers.grad_buffers[bi],
+                self._exp_avg[bi], self._exp_avg_sq[bi], None if main is None else params,
+                main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
+                beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                step=self.step_counts[gi], grad_scale=grad_scale,
+            )
+
+    def _update_torch(self, grad_scale: torch.Tensor | None) -> None:
+        """torch's fused AdamW on the fp32 main params of each param group."""
+        grads = self._grad_shards()
         views = self._state_views()
         for gi, group in enumerate(self.param_groups):
             idx = self._group_shards[gi]
-            self.step_counts[gi] += 1
             if not idx:
                 continue
             beta1, beta2 = group["betas"]
@@ -257,16 +311,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 maximize=False,
                 grad_scale=grad_scale,
             )
-        self._publish_params()
-        self._reset_readiness()
-        self._written.clear()  # step() consumes the gradients
-        if self._unpin_after is not None:
-            event, pinned = self._unpin_after
-            self._unpin_after = None
-            event.synchronize()  # the staged moments have reached the device
-            for buf in pinned:
-                buf.release()
-        return loss
 
     def _state_views(self) -> list[list[list[torch.Tensor]]]:
         """Per param group: views of main params, exp_avg, exp_avg_sq (cached until moments move)."""
@@ -283,11 +327,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grads = [g.float() for g in grads]
         return grads
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _global_norm(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model) and,
-        when clipping, the divisor the fused kernel applies to the grads in the same pass."""
-        if grads:
-            sq = torch.stack(torch._foreach_norm(grads)).square().sum()
+        when clipping, the divisor the update applies to the grads in the same pass.
+
+        Reads each bucket's own shard whole: its padding is zero in every rank's buffer,
+        so it adds nothing, and a few large tensors are faster than one per param."""
+        shards = [self.buffers.bucket_grads(b).narrow(0, self.dp.rank * b.shard_numel,
+                                                     b.shard_numel)
+                  for buf in self.layout.buffers for b in buf.buckets]
+        if shards:
+            norms = torch._foreach_norm(shards, 2, dtype=torch.float32)
+            sq = torch.stack(norms).square().sum()
         else:
             sq = torch.zeros((), device=self.device)
         total = comm.all_reduce_sum_(sq.reshape(1), self.dp).sqrt()[0]
@@ -295,7 +346,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not max_norm:
             return total, None
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its
-        # reciprocal inside the kernel saves a pass over the grads (no host sync either).
+        # reciprocal inside the update saves a pass over the grads (no host sync either).
         return total, torch.clamp((total + 1e-6) / max_norm, min=1.0)
 
     @property
@@ -303,13 +354,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Global gradient norm before clipping of the last ``step()`` (syncs when read)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
-    def _publish_params(self) -> None:
-        """Collective. Copy main shards into the model-dtype buffer, then all-gather every bucket."""
+    def _publish_params(self, own_written: bool = False) -> None:
+        """Collective. Copy main shards into the model-dtype buffer (unless the update wrote
+        them: ``own_written``), then all-gather every bucket."""
         handles = []
         for buf, main in zip(self.layout.buffers, self._main):
             for bucket in buf.buckets:
                 full = self.buffers.bucket_params(bucket)
-                if main is not None:
+                if main is not None and not own_written:
                     own = full.narrow(0, self.dp.rank * bucket.shard_numel, bucket.shard_numel)
                     own.copy_(self._local_bucket(main, bucket))
                 handles.append(comm.all_gather_(full, self.dp, async_op=True))
