@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SYSTEMS = ("shardopt", "ddp", "fsdp2", "zero", "megatron")
+SYSTEMS = ("shardopt", "shardopt_overlap", "ddp", "fsdp2", "zero", "megatron")
 
 
 class RankFailed(RuntimeError):
@@ -205,12 +205,14 @@ class System:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def setup_shardopt(model, hp: Hyper, device: torch.device) -> System:
+def setup_shardopt(model, hp: Hyper, device: torch.device,
+                   overlap_param_gather: bool = False) -> System:
     import shardopt
     from shardopt.model import no_decay
 
     config = shardopt.OptimizerConfig(lr=hp.lr, betas=hp.betas, eps=hp.eps,
-                                      weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm)
+                                      weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm,
+                                      overlap_param_gather=overlap_param_gather)
     opt = shardopt.DistributedOptimizer(model, config, param_group_fn=no_decay)
 
     def step(x, y):
@@ -220,8 +222,10 @@ def setup_shardopt(model, hp: Hyper, device: torch.device) -> System:
         opt.zero_grad()
         return loss.detach()
 
-    return System("shardopt", step, model, opt,
-                  notes={"bucket_numel": config.bucket_numel, "grad_accum_fp32": True})
+    return System("shardopt_overlap" if overlap_param_gather else "shardopt", step, model, opt,
+                  notes={"bucket_numel": config.bucket_numel, "grad_accum_fp32": True,
+                         "step_kernel": opt.step_kernel,
+                         "overlap_param_gather": overlap_param_gather})
 
 
 def _adamw(params, hp: Hyper, **kw):
@@ -448,6 +452,7 @@ def megatron_inner(opt) -> list:
 
 SETUP: dict[str, Callable[..., System]] = {
     "shardopt": setup_shardopt,
+    "shardopt_overlap": lambda model, hp, device: setup_shardopt(model, hp, device, True),
     "ddp": setup_ddp,
     "fsdp2": setup_fsdp2,
     "zero": setup_zero,

@@ -133,9 +133,10 @@ def free(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- systems
-def bench_shardopt(shapes, device, timer: Timer, clip: bool) -> tuple[dict, DistributedOptimizer, nn.Module]:
+def bench_shardopt(shapes, device, timer: Timer, clip: bool, step_kernel: str = "auto"
+                   ) -> tuple[dict, DistributedOptimizer, nn.Module]:
     model = FlatModel(shapes, device)
-    cfg = OptimizerConfig(**HYPER, max_grad_norm=1.0 if clip else None)
+    cfg = OptimizerConfig(**HYPER, max_grad_norm=1.0 if clip else None, step_kernel=step_kernel)
     opt = DistributedOptimizer(model, cfg)
     for g in opt.buffers.grad_buffers:
         g.normal_(0, 1e-3)
@@ -288,12 +289,20 @@ def main(argv: list[str] | None = None) -> int:
     for clip in (True, False):
         tag = "clip" if clip else "noclip"
         r, opt, model = bench_shardopt(shapes, device, timer, clip)
+        r["step_kernel"] = opt.step_kernel
         results[f"shardopt_{tag}"] = r
-        print(f"  shardopt ({tag}): {r['ms']['median']:.3f} ms", flush=True)
+        print(f"  shardopt ({tag}, {opt.step_kernel} step): {r['ms']['median']:.3f} ms", flush=True)
         if clip:
             profile_info = profile_step(opt, device, args.profile_steps, out, r["ms"]["median"])
         del opt, model
         free(device)
+        if device.type == "cuda":  # the same optimizer with torch's fused AdamW + copy
+            r, opt, model = bench_shardopt(shapes, device, timer, clip, step_kernel="torch")
+            r["step_kernel"] = opt.step_kernel
+            results[f"shardopt_torch_step_{tag}"] = r
+            print(f"  shardopt ({tag}, torch step): {r['ms']['median']:.3f} ms", flush=True)
+            del opt, model
+            free(device)
         results[f"adamw_fused_fp32_{tag}"] = bench_adamw_fp32(shapes, device, timer, clip)
         free(device)
         results[f"adamw_fused_master_{tag}"] = bench_adamw_master(shapes, device, timer, clip)

@@ -552,3 +552,43 @@ def test_param_unused_after_a_used_step_counts_as_zero_not_stale():
         ref_opt.zero_grad(set_to_none=False)
         for got, want in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def _overlap_rank(rank: int, world_size: int, backend: str, overlap: bool) -> dict[str, Any]:
+    sc = Scenario(world_size=world_size, steps=4, groups="no_decay", tied=True, branch=True,
+                  max_grad_norm=0.5)
+    device = device_for(backend, rank)
+    model = sc.model().to(device)
+    cfg = dataclasses.replace(sc.config(), overlap_param_gather=overlap)
+    opt = DistributedOptimizer(model, cfg, param_group_fn=GROUP_FNS["no_decay"])
+    tokens, targets = sc.batches()
+    history = []
+    for step in range(sc.steps):
+        loss = model(tokens[step, 0, rank].to(device), targets[step, 0, rank].to(device),
+                     sc.uses_branch(step, 0, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(float(loss))
+    in_flight = len(opt._param_handles)
+    with torch.no_grad():  # each module's pre-hook waits for (and drops) its buckets' gathers
+        model(tokens[0, 0, rank].to(device), targets[0, 0, rank].to(device), True)
+    after_forward = len(opt._param_handles)
+    opt.finish_param_sync()
+    return {"losses": history, "params": snapshot(model), "in_flight": in_flight,
+            "after_forward": after_forward}
+
+
+def test_overlap_param_gather_trains_bit_identically(backend, tmp_path):
+    """Gathers left in flight by step() and awaited by each module's forward pre-hook give
+    the same losses and params, bit for bit, as waiting inside step()."""
+    require_world_size(backend, 2)
+    runs = {o: run_distributed(_overlap_rank, 2, backend, o, backend=backend, tmp_path=tmp_path)
+            for o in (False, True)}
+    assert all(r["in_flight"] > 0 for r in runs[True])  # step() really returned early
+    assert all(r["after_forward"] == 0 for r in runs[True])
+    assert all(r["in_flight"] == 0 for r in runs[False])
+    for plain, overlapped in zip(runs[False], runs[True]):
+        assert plain["losses"] == overlapped["losses"]
+        for fqn, t in plain["params"].items():
+            assert torch.equal(bits(t), bits(overlapped["params"][fqn])), fqn

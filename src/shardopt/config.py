@@ -28,6 +28,12 @@ class OptimizerConfig:
     """Each rank's shard of a bucket is a multiple of this many elements."""
     overlap_grad_reduce: bool = True
     """Start each bucket's reduce-scatter from backward hooks as soon as it is complete."""
+    overlap_param_gather: bool = False
+    """Let ``step()`` return with the param all-gathers in flight; each module's forward
+    pre-hook waits for the buckets of its own params, so the gathers overlap the next
+    forward. A param read other than by its module's forward (a parent module using a child's
+    weight before the child runs, logging, ``state_dict()``) must come after
+    ``optimizer.finish_param_sync()``; shardopt's checkpoint functions call it."""
     grad_accum_fp32: bool = True
     """Accumulate and reduce gradients of bf16/fp16 params in fp32 (else in the model dtype)."""
     low_memory_resume: bool = False

@@ -149,6 +149,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
         ]
+        # overlap_param_gather: all-gathers in flight, keyed (buffer index, bucket index); each
+        # module's forward waits for the buckets of its own params.
+        self._param_handles: dict[tuple[int, int], object] = {}
+        if self.config.overlap_param_gather and self.dp.size > 1:
+            for module in model.modules():
+                keys = sorted({(self.layout.slots[self.fqn_of[p]].buffer_index,
+                                self.layout.slots[self.fqn_of[p]].bucket_index)
+                               for p in module.parameters(recurse=False) if p in self.fqn_of})
+                if keys:
+                    self._hooks.append(module.register_forward_pre_hook(
+                        lambda _m, _args, keys=tuple(keys): self._wait_params(keys)))
 
     # ------------------------------------------------------------------ grads
     def _reset_readiness(self) -> None:
@@ -192,6 +203,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         self._next_launch += 1
 
+    def _wait_params(self, keys: tuple[tuple[int, int], ...]) -> None:
+        if self._param_handles:
+            for key in keys:
+                handle = self._param_handles.pop(key, None)
+                if handle is not None:
+                    handle.wait()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every param all-gather still in flight (only ``overlap_param_gather``
+        leaves any): after it every param holds its updated value. Forward pre-hooks do
+        this per module; call it before reading params any other way after ``step()``."""
+        for handle in self._param_handles.values():
+            handle.wait()
+        self._param_handles.clear()
+
     def finish_grad_sync(self) -> None:
         """Collective. Reduce every bucket not yet launched (missing grads count as zero) and wait."""
         while self._next_launch < len(self._launch_order):
@@ -229,6 +255,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.finish_param_sync()  # the update writes into the param buffers
         self.finish_grad_sync()
         self._grad_norm, grad_scale = self._global_norm()
         self._ensure_moments()
@@ -238,7 +265,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._update_triton(grad_scale)
         else:
             self._update_torch(grad_scale)
-        self._publish_params(own_written=self.step_kernel == "triton")
+        self._publish_params(own_written=self.step_kernel == "triton",
+                             wait=not self.config.overlap_param_gather)
         self._reset_readiness()
         self._written.clear()  # step() consumes the gradients
         if self._unpin_after is not None:
@@ -354,19 +382,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Global gradient norm before clipping of the last ``step()`` (syncs when read)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
-    def _publish_params(self, own_written: bool = False) -> None:
+    def _publish_params(self, own_written: bool = False, wait: bool = True) -> None:
         """Collective. Copy main shards into the model-dtype buffer (unless the update wrote
-        them: ``own_written``), then all-gather every bucket."""
-        handles = []
-        for buf, main in zip(self.layout.buffers, self._main):
-            for bucket in buf.buckets:
-                full = self.buffers.bucket_params(bucket)
-                if main is not None and not own_written:
-                    own = full.narrow(0, self.dp.rank * bucket.shard_numel, bucket.shard_numel)
-                    own.copy_(self._local_bucket(main, bucket))
-                handles.append(comm.all_gather_(full, self.dp, async_op=True))
-        for h in handles:
-            h.wait()
+        them: ``own_written``), then all-gather every bucket, in the order forward uses them.
+        Without ``wait`` the all-gathers stay in flight (see :meth:`finish_param_sync`)."""
+        self.finish_param_sync()
+        for bucket in reversed(self._launch_order):
+            full = self.buffers.bucket_params(bucket)
+            main = self._main[bucket.buffer_index]
+            if main is not None and not own_written:
+                own = full.narrow(0, self.dp.rank * bucket.shard_numel, bucket.shard_numel)
+                own.copy_(self._local_bucket(main, bucket))
+            handle = comm.all_gather_(full, self.dp, async_op=True)
+            if handle is not comm.DONE:
+                self._param_handles[(bucket.buffer_index, bucket.index)] = handle
+        if wait:
+            self.finish_param_sync()
 
     # ------------------------------------------------------------------ state
     def _local_bucket(self, local: torch.Tensor, bucket: Bucket) -> torch.Tensor:

@@ -164,6 +164,7 @@ def save(
     :class:`CheckpointError` and nothing is committed.
     """
     dp = optimizer.dp
+    optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
     root = Path(root)
     what = f"saving step {step!r} to {root}"
     staged: commit.Staged | None = None
@@ -299,6 +300,7 @@ def load(
     and model and optimizer are left as they were.
     """
     dp = optimizer.dp
+    optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
     if low_memory_resume is None:
         low_memory_resume = optimizer.config.low_memory_resume
     host = bool(low_memory_resume)
