@@ -12,7 +12,11 @@
 * :class:`Probe` / :func:`hook_shardopt`: timing wrappers installed around shardopt's checkpoint
   internals from outside (no change to ``src/``), splitting a save or load into phases. Hooks whose
   target no longer exists are skipped and listed, so a refactor of the library degrades the phase
-  table instead of breaking the benchmark.
+  table instead of breaking the benchmark. The library overlaps work with worker threads (a save
+  hashes a piece while writing it; a load reads the next piece while hashing one), so the probe
+  keeps threads apart: :func:`save_phases` / :func:`load_phases` give the calling thread's
+  phases, which add up to the measured total (the thread's waits on its workers among them),
+  and the workers' busy time separately, as overlapped time that adds nothing to the total.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -187,54 +192,107 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 3
 
 # ----------------------------------------------------------------------------- phase timers
 class Probe:
-    """Inclusive timers (a stack of named phases) and leaf timers attributed to the top phase."""
+    """Wall-clock timers of one save or load, split by thread so that overlapped work is not
+    counted twice.
+
+    * Phases (:meth:`inclusive`): a stack of named phases per thread; a phase's time includes
+      the phases it calls.
+    * Leaves (:meth:`leaf`): one blocking call (``os.write``, a hash update, a wait on a
+      worker), keyed ``"{phase}/{name}"`` by the innermost phase of the calling thread. A leaf
+      reached from inside another leaf of the same thread is not timed again, so the leaves of
+      a phase never sum to more than the phase.
+    * Worker tasks (:meth:`task`): a function handed to a worker thread from inside a phase.
+      Its time is ``"{phase}/bg/busy"`` and the leaves it reaches are ``"{phase}/bg/{name}"``:
+      time that overlaps the phase, not part of it.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stack: list[str] = []
         self.times: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()  # worker and caller add at the same time
+        self._local = threading.local()  # .stack, .in_leaf, .bg_phase
 
     def reset(self) -> None:
-        self.times.clear()
-        self.counts.clear()
+        with self._lock:
+            self.times.clear()
+            self.counts.clear()
 
     def snapshot(self) -> dict[str, float]:
-        return dict(self.times)
+        with self._lock:
+            return dict(self.times)
+
+    def _add(self, key: str, seconds: float) -> None:
+        with self._lock:
+            self.times[key] += seconds
+            self.counts[key] += 1
+
+    def _stack(self) -> list[str]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _where(self) -> str:
+        """The phase a leaf of the calling thread belongs to."""
+        bg = getattr(self._local, "bg_phase", None)
+        if bg is not None:
+            return f"{bg}/bg"
+        stack = self._stack()
+        return stack[-1] if stack else "-"
 
     def inclusive(self, name: str, fn: Callable, sync: bool = False) -> Callable:
         def wrapper(*args, **kwargs):
-            self.stack.append(name)
+            stack = self._stack()
+            stack.append(name)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 if sync and self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                self.stack.pop()
-                self.times[name] += time.perf_counter() - t0
-                self.counts[name] += 1
+                stack.pop()
+                self._add(name, time.perf_counter() - t0)
         wrapper.__wrapped__ = fn
         return wrapper
 
     def leaf(self, name: str, fn: Callable) -> Callable:
+        local = self._local
+
         def wrapper(*args, **kwargs):
+            if getattr(local, "in_leaf", False):
+                return fn(*args, **kwargs)
+            local.in_leaf = True
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                key = f"{self.stack[-1] if self.stack else '-'}/{name}"
-                self.times[key] += time.perf_counter() - t0
-                self.counts[key] += 1
+                local.in_leaf = False
+                self._add(f"{self._where()}/{name}", time.perf_counter() - t0)
         wrapper.__wrapped__ = fn
         return wrapper
+
+    def task(self, fn: Callable) -> Callable:
+        """``fn`` as run by a worker thread: timed as overlapping the caller's current phase
+        (call this in the thread that submits the task)."""
+        phase = self._stack()[-1] if self._stack() else "-"
+        local = self._local
+
+        def run(*args, **kwargs):
+            local.bg_phase = phase
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                local.bg_phase = None
+                self._add(f"{phase}/bg/busy", time.perf_counter() - t0)
+        return run
 
 
 class _TimedOs:
     """Stands in for the ``os`` module inside one module: times the I/O calls, forwards the rest."""
 
     def __init__(self, probe: Probe) -> None:
-        self._probe = probe
         for name in ("write", "fsync", "pread", "preadv"):
             setattr(self, name, probe.leaf(f"os.{name}", getattr(os, name)))
 
@@ -255,34 +313,52 @@ class _TimedXxhash:
         real = getattr(self._mod, name)
         if not callable(real):
             return real
-        if name.endswith(("digest",)):  # one-shot functions: xxh3_64_hexdigest(data)
+        if name.endswith("digest"):  # one-shot functions: xxh3_64_hexdigest(data)
             return self._probe.leaf("hash", real)
         probe = self._probe
 
         def make(*args, **kwargs):  # hasher objects: time update(); the rest is instant
-            h = probe.leaf("hash", real)(*args, **kwargs)
-            return _TimedHasherObject(h, probe)
+            return _TimedMethod(probe.leaf("hash", real)(*args, **kwargs), "update", "hash", probe)
         return make
 
 
-class _TimedHasherObject:
-    def __init__(self, h: Any, probe: Probe) -> None:
-        self._h = h
-        self.update = probe.leaf("hash", h.update)
+class _TimedMethod:
+    """Stands in for ``obj``: its method ``method`` is timed as leaf ``name``, the rest forwarded
+    (a hasher's ``update``; a worker future's ``result``, the caller waiting on the worker)."""
+
+    def __init__(self, obj: Any, method: str, name: str, probe: Probe) -> None:
+        self._obj = obj
+        setattr(self, method, probe.leaf(name, getattr(obj, method)))
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._h, name)
+        return getattr(self._obj, name)
+
+
+def _timed_pool(probe: Probe, real: type) -> type:
+    """A ``ThreadPoolExecutor`` whose tasks are :meth:`Probe.task` s and whose futures time
+    the caller's waits."""
+
+    class TimedPool(real):  # type: ignore[misc, valid-type]
+        def submit(self, fn, /, *args, **kwargs):
+            future = super().submit(probe.task(fn), *args, **kwargs)
+            return _TimedMethod(future, "result", "worker_wait", probe)
+    return TimedPool
 
 
 @contextlib.contextmanager
 def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
-    """Install the phase hooks for the duration of the block; yields which hooks are active."""
+    """Install the phase hooks for the duration of the block; yields which hooks are active.
+
+    Functions are patched where they are looked up: a module attribute for module-level
+    functions called by name, the class for methods, and the ``os`` / ``xxhash`` /
+    ``ThreadPoolExecutor`` names of the modules that do the I/O, hashing and threading.
+    """
     import importlib
 
     from shardopt import optimizer as opt_mod
 
     mods = {}
-    for name in ("io", "storage", "commit", "format"):
+    for name in ("io", "storage", "blocks", "commit", "format"):
         try:
             mods[name] = importlib.import_module(f"shardopt.checkpoint.{name}")
         except ImportError:
@@ -299,28 +375,36 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
         undo.append(lambda: setattr(owner, attr, old))
         report["active"].append(label)
 
-    io, storage, commit = mods.get("io"), mods.get("storage"), mods.get("commit")
-    # save
-    patch(io, "_write_rank_files", lambda f: probe.inclusive("files", f), "io._write_rank_files")
-    patch(io, "_manifest_text", lambda f: probe.inclusive("manifest", f), "io._manifest_text")
-    patch(commit, "commit", lambda f: probe.inclusive("commit", f), "commit.commit")
-    patch(commit, "begin", lambda f: probe.inclusive("begin", f), "commit.begin")
-    # load
-    patch(io, "_prepare", lambda f: probe.inclusive("prepare", f), "io._prepare")
+    def phase(owner: Any, attr: str, name: str, label: str, sync: bool = False) -> None:
+        patch(owner, attr, lambda f: probe.inclusive(name, f, sync=sync), label)
+
+    io, storage, blocks = mods.get("io"), mods.get("storage"), mods.get("blocks")
+    commit = mods.get("commit")
     fr = getattr(storage, "FileReader", None)
-    patch(fr, "verify", lambda f: probe.inclusive("verify", f), "FileReader.verify")
-    patch(fr, "read_into", lambda f: probe.inclusive("read_into", f), "FileReader.read_into")
-    patch(storage, "sync_staging", lambda f: probe.inclusive("read_into", f),
-          "storage.sync_staging")
-    patch(opt_mod.DistributedOptimizer, "_adopt_loaded_state",
-          lambda f: probe.inclusive("adopt", f, sync=True), "DistributedOptimizer._adopt_loaded_state")
+    # save
+    phase(io, "_write_rank_files", "files", "io._write_rank_files")
+    phase(io, "_manifest_text", "manifest", "io._manifest_text")
+    phase(commit, "commit", "commit", "commit.commit")
+    phase(commit, "begin", "begin", "commit.begin")
+    # load
+    phase(io, "_prepare", "prepare", "io._prepare")
+    phase(io, "_moment_tensors", "alloc_moments", "io._moment_tensors")
+    phase(fr, "verify", "verify", "FileReader.verify")
+    phase(fr, "read_fresh", "read_fresh", "FileReader.read_fresh")
+    phase(fr, "read_into", "read_into", "FileReader.read_into")
+    phase(io, "sync_staging", "read_into", "io.sync_staging")  # io calls its own import
+    phase(opt_mod.DistributedOptimizer, "_adopt_loaded_state", "adopt",
+          "DistributedOptimizer._adopt_loaded_state", sync=True)
     # both
-    patch(io, "_agree", lambda f: probe.inclusive("agree", f), "io._agree")
-    # leaves
-    patch(storage, "os", lambda m: _TimedOs(probe), "storage.os")
-    # Hashing is timed where xxhash is called (BlockHasher and friends call into it).
-    patch(storage, "xxhash", lambda m: _TimedXxhash(probe), "storage.xxhash")
-    patch(mods.get("format"), "xxhash", lambda m: _TimedXxhash(probe), "format.xxhash")
+    phase(io, "_agree", "agree", "io._agree")
+    # leaves: system calls, hashing, worker threads (save: hashing; load: reads)
+    for label, mod in (("storage", storage), ("blocks", blocks), ("commit", commit)):
+        patch(mod, "os", lambda m: _TimedOs(probe), f"{label}.os")
+    for label, mod in (("format", mods.get("format")), ("blocks", blocks)):
+        patch(mod, "xxhash", lambda m: _TimedXxhash(probe), f"{label}.xxhash")
+    for label, mod in (("storage", storage), ("blocks", blocks)):
+        patch(mod, "ThreadPoolExecutor", lambda c: _timed_pool(probe, c),
+              f"{label}.ThreadPoolExecutor")
     if probe.device.type == "cuda":
         event = torch.cuda.Event
 
@@ -335,47 +419,73 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
             u()
 
 
-def save_phases(t: dict[str, float], total: float) -> dict[str, float]:
-    """Named save phases (seconds) from a probe snapshot of one save."""
+# ----------------------------------------------------------------------------- phase tables
+def _rest(whole: float, *parts: float) -> float:
+    """``whole`` minus its parts; float noise below a nanosecond is not a negative phase."""
+    rest = whole - sum(parts)
+    return 0.0 if -1e-9 < rest < 0 else rest
+
+
+def save_phases(t: dict[str, float], total: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Phases of one save from a probe snapshot: (critical path, overlapped), in seconds.
+
+    The critical path is the calling thread, which writes: waiting for the device-to-host
+    copy, ``os.write``, ``fsync`` (files and directory), waiting for the hash worker to
+    finish the piece just written, the rest of file writing (staging, Python), then temp
+    dir, manifest, commit and the cross-rank agreements; ``other`` is the rest of ``total``.
+    These add up to ``total``. Overlapped: the hash worker's busy time (it runs during
+    ``os.write``; only ``hash_wait`` of it is on the critical path).
+    """
     files = t.get("files", 0.0)
-    d2h = t.get("files/cuda_event_wait", 0.0)
-    hashing = t.get("files/hash", 0.0)
-    write = t.get("files/os.write", 0.0)
-    fsync = t.get("files/os.fsync", 0.0)
     out = {
-        "d2h_wait": d2h,
-        "hash": hashing,
-        "write": write,
-        "fsync": fsync,
-        "files_other": files - d2h - hashing - write - fsync,
-        "begin": t.get("begin", 0.0),
-        "manifest": t.get("manifest", 0.0),
-        "commit": t.get("commit", 0.0),
-        "agree": t.get("agree", 0.0),
+        "d2h_wait": t.get("files/cuda_event_wait", 0.0),
+        "write": t.get("files/os.write", 0.0),
+        "fsync": t.get("files/os.fsync", 0.0),
+        "hash_wait": t.get("files/worker_wait", 0.0),
     }
-    out["unattributed"] = total - files - out["begin"] - out["manifest"] - out["commit"] - \
-        out["agree"]
-    return out
+    out["files_other"] = _rest(files, *out.values())
+    for name in ("begin", "manifest", "commit", "agree"):
+        out[name] = t.get(name, 0.0)
+    out["other"] = _rest(total, files, out["begin"], out["manifest"], out["commit"],
+                         out["agree"])
+    overlapped = {"hash_busy": t.get("files/bg/busy", 0.0)}
+    return out, overlapped
 
 
-def load_phases(t: dict[str, float], total: float) -> dict[str, float]:
-    """Named load phases (seconds) from a probe snapshot of one load."""
-    verify = t.get("verify", 0.0)
+def load_phases(t: dict[str, float], total: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Phases of one load from a probe snapshot: (critical path, overlapped), in seconds.
+
+    Critical path (the calling thread; adds up to ``total``):
+
+    * ``header_plan``: manifest, headers, checks, planning, reading the RNG state;
+    * ``alloc_moments``: new moment tensors (a load into an optimizer without moments);
+    * ``fresh_*``: the one verifying pass that reads moments into new tensors: waiting for
+      the read worker, hashing, waiting for host-to-device copies, the rest;
+    * ``verify_*``: hash-checking the blocks that go into existing tensors: waiting for the
+      read worker, hashing, the rest;
+    * ``read``, ``h2d_wait``, ``read_other``: reading into existing tensors after every rank
+      agreed (these reads are on the calling thread);
+    * ``all_gather`` (publishing the loaded params), ``agree``, ``other``.
+
+    Overlapped: the read workers' busy time (``*_read_busy``), during the hashing.
+    """
+    prepare, alloc = t.get("prepare", 0.0), t.get("alloc_moments", 0.0)
+    fresh, verify = t.get("read_fresh", 0.0), t.get("verify", 0.0)
     read_into = t.get("read_into", 0.0)
-    read = t.get("read_into/os.preadv", 0.0) + t.get("read_into/os.pread", 0.0)
-    h2d = t.get("read_into/cuda_event_wait", 0.0)
-    verify_read = t.get("verify/os.pread", 0.0) + t.get("verify/os.preadv", 0.0)
-    out = {
-        "header_plan": t.get("prepare", 0.0) - verify,
-        "verify_read": verify_read,
-        "verify_hash": t.get("verify/hash", 0.0),
-        "verify_other": verify - verify_read - t.get("verify/hash", 0.0),
-        "read": read,
-        "h2d_wait": h2d,
-        "read_other": read_into - read - h2d,
-        "all_gather": t.get("adopt", 0.0),
-        "agree": t.get("agree", 0.0),
-    }
-    out["unattributed"] = total - t.get("prepare", 0.0) - read_into - out["all_gather"] - \
-        out["agree"]
-    return out
+    out = {"header_plan": _rest(prepare, alloc, fresh, verify), "alloc_moments": alloc}
+    for name, key in (("fresh", "read_fresh"), ("verify", "verify")):
+        parts = {f"{name}_read_wait": t.get(f"{key}/worker_wait", 0.0),
+                 f"{name}_hash": t.get(f"{key}/hash", 0.0)}
+        if name == "fresh":  # verify only hashes; the one pass also copies to the device
+            parts["fresh_h2d_wait"] = t.get("read_fresh/cuda_event_wait", 0.0)
+        out.update(parts)
+        out[f"{name}_other"] = _rest(t.get(key, 0.0), *parts.values())
+    out["read"] = t.get("read_into/os.preadv", 0.0) + t.get("read_into/os.pread", 0.0)
+    out["h2d_wait"] = t.get("read_into/cuda_event_wait", 0.0)
+    out["read_other"] = _rest(read_into, out["read"], out["h2d_wait"])
+    out["all_gather"] = t.get("adopt", 0.0)
+    out["agree"] = t.get("agree", 0.0)
+    out["other"] = _rest(total, prepare, read_into, out["all_gather"], out["agree"])
+    overlapped = {"fresh_read_busy": t.get("read_fresh/bg/busy", 0.0),
+                  "verify_read_busy": t.get("verify/bg/busy", 0.0)}
+    return out, overlapped
