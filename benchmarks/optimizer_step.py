@@ -133,6 +133,14 @@ def free(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- systems
+def _step_with_grads(opt: DistributedOptimizer) -> None:
+    """``step()`` as after a backward whose hooks wrote every param's gradient: the grads
+    were written straight into the buffers, so mark them written (else the optimizer
+    counts them as missing and zeroes them, as it does for params without a gradient)."""
+    opt._written.update(opt.layout.fqns)
+    opt.step()
+
+
 def bench_shardopt(shapes, device, timer: Timer, clip: bool, step_kernel: str = "auto"
                    ) -> tuple[dict, DistributedOptimizer, nn.Module]:
     model = FlatModel(shapes, device)
@@ -140,7 +148,7 @@ def bench_shardopt(shapes, device, timer: Timer, clip: bool, step_kernel: str = 
     opt = DistributedOptimizer(model, cfg)
     for g in opt.buffers.grad_buffers:
         g.normal_(0, 1e-3)
-    result = timer(opt.step)
+    result = timer(lambda: _step_with_grads(opt))
     return result, opt, model
 
 
@@ -214,11 +222,11 @@ def profile_step(opt: DistributedOptimizer, device: torch.device, steps: int, ou
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    opt.step()
+    _step_with_grads(opt)
     _common.cuda_sync(device)
     with profile(activities=acts) as prof:
         for _ in range(steps):
-            opt.step()
+            _step_with_grads(opt)
         _common.cuda_sync(device)
     averages = prof.key_averages()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"

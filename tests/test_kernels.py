@@ -29,17 +29,18 @@ def _torch_reference(main, grad, exp_avg, exp_avg_sq, step, grad_scale, **hp):
 
 
 @needs_triton
+@pytest.mark.parametrize("global_base", [96, 100], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, None],
                          ids=["bf16_out", "fp16_out", "fp32_main_is_param"])
 @pytest.mark.parametrize("clip", [False, True], ids=["no_clip", "clip"])
-def test_kernel_matches_torch_fused_adamw(out_dtype, clip):
-    """Parts with gaps between them, chunks that cross BLOCK, a part shorter than BLOCK;
-    what lies outside the parts is never written."""
+def test_kernel_matches_torch_fused_adamw(out_dtype, clip, global_base):
+    """Two bucket shards; parts that fill blocks whole, share a block, end mid-block; what
+    lies outside the parts is never written."""
+    B = kernels.BLOCK
     g = torch.Generator().manual_seed(0)
-    numel = 3 * kernels.BLOCK + 500
-    parts = [(0, 100, kernels.BLOCK + 7), (kernels.BLOCK + 20, kernels.BLOCK + 300, 333),
-             (kernels.BLOCK + 400, 2 * kernels.BLOCK + 1000, kernels.BLOCK + 1)]
-    glob_numel = 4 * kernels.BLOCK
+    numel, glob_numel = 4 * B, 6 * B
+    parts = [(0, global_base, 0, B + 7), (0, global_base, B + 20, B + 353),
+             (2 * B, 3 * B + global_base, 5, B + 300)]
     grads = (torch.randn(glob_numel, generator=g) * 1e-2).to(DEVICE)
     params = torch.randn(glob_numel, generator=g).to(DEVICE)
     main = torch.randn(numel, generator=g).to(DEVICE) if out_dtype else params
@@ -50,23 +51,32 @@ def test_kernel_matches_torch_fused_adamw(out_dtype, clip):
     scale = torch.tensor(3.5, device=DEVICE) if clip else None
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
-    kernels.adamw_(kernels.chunk_table(parts, DEVICE), main, grads, exp_avg, exp_avg_sq, out,
+    table = kernels.chunk_table(parts, DEVICE)
+    assert table.aligned == (global_base % 16 == 0)
+    assert table.full.shape[0] >= 1 and table.partial.shape[0] >= 2
+    kernels.adamw_(table, main, grads, exp_avg, exp_avg_sq, out,
                    main_global=out_dtype is None, step=7, grad_scale=scale, **hp)
 
-    covered = torch.zeros(numel, dtype=torch.bool)
-    for local, glob, n in parts:
-        m_at = slice(glob, glob + n) if out_dtype is None else slice(local, local + n)
-        want = _torch_reference(before["main"][m_at], grads[glob:glob + n],
-                                before["m"][local:local + n], before["v"][local:local + n],
-                                7, scale, **hp)
-        for got, w in zip((main[m_at], exp_avg[local:local + n], exp_avg_sq[local:local + n]),
-                          want):
+    covered = torch.zeros(numel, dtype=torch.bool, device=DEVICE)
+    covered_global = torch.zeros(glob_numel, dtype=torch.bool, device=DEVICE)
+    for lb, gb, start, end in parts:
+        loc, glo = slice(lb + start, lb + end), slice(gb + start, gb + end)
+        m_at = glo if out_dtype is None else loc
+        want = _torch_reference(before["main"][m_at], grads[glo], before["m"][loc],
+                                before["v"][loc], 7, scale, **hp)
+        for got, w in zip((main[m_at], exp_avg[loc], exp_avg_sq[loc]), want):
             torch.testing.assert_close(got, w, rtol=2e-6, atol=1e-7)
         if out is not None:  # the model-dtype param is the rounded main param, bit for bit
-            assert torch.equal(bits(out[glob:glob + n]), bits(main[m_at].to(out_dtype)))
-        covered[local:local + n] = True
+            assert torch.equal(bits(out[glo]), bits(main[m_at].to(out_dtype)))
+        covered[loc] = True
+        covered_global[glo] = True
     for key, t in dict(m=exp_avg, v=exp_avg_sq).items():
-        assert torch.equal(t[~covered.to(DEVICE)], before[key][~covered.to(DEVICE)]), key
+        assert torch.equal(t[~covered], before[key][~covered]), key
+    if out is not None:
+        assert not out[~covered_global].any()
+        assert torch.equal(main[~covered], before["main"][~covered])
+    else:
+        assert torch.equal(main[~covered_global], before["main"][~covered_global])
 
 
 @needs_triton

@@ -7,11 +7,11 @@ reads the grad, the main param and both moments, and writes the main param,
 the moments and (for bf16/fp16 buffers) the model-dtype param: 30 bytes per
 element with fp32 grads, against 36 for the two passes.
 
-The work is cut into chunks of at most ``BLOCK`` elements, each inside one
-param's part of the shard; a chunk table (built once per layout) gives every
-chunk's position in the rank's local state tensors and in the global
-param/grad buffers, so padding between buckets is never touched and one launch
-covers a whole buffer for one param group.
+The work is cut into blocks of ``BLOCK`` elements on a grid aligned to each
+bucket shard's start; a table (built once per layout) lists the blocks a param
+group covers whole and, masked, the blocks its params' ragged ends share with
+another group or with padding. So each (buffer, param group) takes two launches,
+the padding is never touched, and loads and stores are vectorised.
 
 The arithmetic is torch's fused AdamW (``adam_math``) in fp32: decoupled weight
 decay, then the moments, then ``param -= (lr / bc1) * exp_avg / (sqrt(exp_avg_sq)
@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -48,19 +49,56 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def chunk_table(parts: Sequence[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
-    """``[n, 3]`` int64 rows (local start, global start, length) covering every
-    ``(local_start, global_start, numel)`` part in chunks of at most ``BLOCK``."""
-    rows = []
-    for local, glob, numel in parts:
-        if numel <= 0:
+@dataclass(frozen=True)
+class ChunkTable:
+    """Where one launch works: blocks of ``BLOCK`` elements on a grid that starts at each
+    bucket shard's first element (so, with the layout's alignment, every block starts on a
+    16-element boundary and loads and stores are vectorised).
+
+    ``full`` rows (local base, global base) are blocks that lie whole inside the launch's
+    parts; ``partial`` rows (local base, global base, lo, hi) cover ``[lo, hi)`` of a block
+    (a part's ragged ends, masked)."""
+
+    full: torch.Tensor
+    partial: torch.Tensor
+    aligned: bool
+
+
+def chunk_table(parts: Sequence[tuple[int, int, int, int]], device: torch.device) -> ChunkTable:
+    """The blocks that cover ``parts``, each ``(local_base, global_base, start, end)``: the
+    bucket shard's first element in the local state tensors and in the global buffers, and
+    the part's elements ``[start, end)`` relative to it. Parts must not overlap."""
+    full: list[torch.Tensor] = []
+    edges: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for local, glob, start, end in parts:
+        if end <= start:
             continue
-        starts = torch.arange(0, numel, BLOCK, dtype=torch.int64)
-        rows.append(torch.stack([starts + local, starts + glob,
-                                 (numel - starts).clamp(max=BLOCK)], dim=1))
-    if not rows:
-        return torch.zeros((0, 3), dtype=torch.int64, device=device)
-    return torch.cat(rows).to(device)
+        first, last = start // BLOCK, (end - 1) // BLOCK
+        for k in {first, last}:
+            base = k * BLOCK
+            lo, hi = max(start - base, 0), min(end - base, BLOCK)
+            edges.setdefault((local + base, glob + base), []).append((lo, hi))
+        if last - first > 1:
+            ks = torch.arange(first + 1, last, dtype=torch.int64) * BLOCK
+            full.append(torch.stack([ks + local, ks + glob], dim=1))
+    partial = []
+    for (local, glob), spans in edges.items():
+        spans.sort()
+        merged = [list(spans[0])]
+        for lo, hi in spans[1:]:
+            if lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        for lo, hi in merged:
+            if lo == 0 and hi == BLOCK:
+                full.append(torch.tensor([[local, glob]], dtype=torch.int64))
+            else:
+                partial.append((local, glob, lo, hi))
+    full_t = torch.cat(full) if full else torch.zeros((0, 2), dtype=torch.int64)
+    partial_t = torch.tensor(partial, dtype=torch.int64).reshape(-1, 4)
+    aligned = bool((full_t % 16 == 0).all()) and bool((partial_t[:, :2] % 16 == 0).all())
+    return ChunkTable(full_t.to(device), partial_t.to(device), aligned)
 
 
 if triton is not None:
@@ -68,23 +106,29 @@ if triton is not None:
     @triton.jit
     def _adamw_kernel(table_ptr, main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
                       scale_ptr, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
-                      MAIN_GLOBAL: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-        row = table_ptr + tl.program_id(0).to(tl.int64) * 3
+                      FULL: tl.constexpr, ALIGNED: tl.constexpr, MAIN_GLOBAL: tl.constexpr,
+                      HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        row = table_ptr + tl.program_id(0).to(tl.int64) * (2 if FULL else 4)
         local = tl.load(row)
         glob = tl.load(row + 1)
-        n = tl.load(row + 2)
+        if ALIGNED:
+            local = tl.multiple_of(local, 16)
+            glob = tl.multiple_of(glob, 16)
         offs = tl.arange(0, BLOCK)
-        mask = offs < n
+        if FULL:
+            mask = None
+        else:
+            mask = (offs >= tl.load(row + 2)) & (offs < tl.load(row + 3))
         g_idx = glob + offs
         l_idx = local + offs
         m_idx = g_idx if MAIN_GLOBAL else l_idx
-        grad = tl.load(grad_ptr + g_idx, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + g_idx, mask=mask).to(tl.float32)
         if HAS_SCALE:
             grad = tl.div_rn(grad, tl.load(scale_ptr))
-        param = tl.load(main_ptr + m_idx, mask=mask, other=0.0)
-        exp_avg = tl.load(exp_avg_ptr + l_idx, mask=mask, other=0.0)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + l_idx, mask=mask, other=0.0)
+        param = tl.load(main_ptr + m_idx, mask=mask)
+        exp_avg = tl.load(exp_avg_ptr + l_idx, mask=mask)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + l_idx, mask=mask)
         param = param - lr_wd * param
         exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
         exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
@@ -109,26 +153,26 @@ if triton is not None:
         return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-def adamw_(table: torch.Tensor, main: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
+def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
            exp_avg_sq: torch.Tensor, out: torch.Tensor | None, *, main_global: bool,
            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
            grad_scale: torch.Tensor | None) -> None:
-    """One AdamW step over the chunks of ``table`` (see :func:`chunk_table`).
+    """One AdamW step over the blocks of ``table`` (see :func:`chunk_table`).
 
     ``grads`` and ``out`` (model-dtype params, or None) are whole flat buffers indexed
     by the global column; ``exp_avg``/``exp_avg_sq`` are local state tensors indexed by
     the local column; ``main`` is either (``main_global``: the fp32 param buffer itself).
     """
-    n = table.shape[0]
-    if n == 0:
-        return
     bc1 = 1.0 - beta1 ** step
     bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    _adamw_kernel[(n,)](
-        table, main, grads, exp_avg, exp_avg_sq, out if out is not None else main,
-        grad_scale if grad_scale is not None else main,
-        lr * weight_decay, beta1, beta2, lr / bc1, bc2_sqrt, eps,
-        MAIN_GLOBAL=main_global, HAS_OUT=out is not None,
-        OUT_BF16=out is not None and out.dtype == torch.bfloat16, HAS_SCALE=grad_scale is not None,
-        BLOCK=BLOCK, num_warps=8,
-    )
+    for rows, full in ((table.full, True), (table.partial, False)):
+        if rows.shape[0] == 0:
+            continue
+        _adamw_kernel[(rows.shape[0],)](
+            rows, main, grads, exp_avg, exp_avg_sq, out if out is not None else main,
+            grad_scale if grad_scale is not None else main,
+            lr * weight_decay, beta1, beta2, lr / bc1, bc2_sqrt, eps,
+            FULL=full, ALIGNED=table.aligned, MAIN_GLOBAL=main_global,
+            HAS_OUT=out is not None, OUT_BF16=out is not None and out.dtype == torch.bfloat16,
+            HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=8,
+        )

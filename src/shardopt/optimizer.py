@@ -125,7 +125,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.step_counts = [0] * len(self.param_groups)
         self._grad_norm: torch.Tensor | None = None
         self.step_kernel = self._choose_kernel()
-        self._chunk_tables: dict[tuple[int, int], torch.Tensor] | None = None
+        self._chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
         self._group_shards = [
             [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
             for gi in range(len(self.param_groups))
@@ -293,11 +293,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _update_triton(self, grad_scale: torch.Tensor | None) -> None:
         """One kernel launch per (buffer, param group): update and write model-dtype params."""
         if self._chunk_tables is None:
-            parts: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+            parts: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
             for s in self.shards:
-                key = (s.buffer_index, self.group_of[s.fqn])
-                parts.setdefault(key, []).append(
-                    (s.range_local.start, s.range_global.start, s.range_local.size))
+                buf = self.layout.buffers[s.buffer_index]
+                local_base = buf.local_offset(s.bucket_index)
+                global_base = buf.buckets[s.bucket_index].shard_range_global(self.dp.rank).start
+                start = s.range_local.start - local_base
+                parts.setdefault((s.buffer_index, self.group_of[s.fqn]), []).append(
+                    (local_base, global_base, start, start + s.range_local.size))
             self._chunk_tables = {k: kernels.chunk_table(v, self.device) for k, v in parts.items()}
         assert self._exp_avg is not None and self._exp_avg_sq is not None
         for (bi, gi), table in self._chunk_tables.items():
@@ -429,16 +432,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """One uninitialised fp32 local tensor per buffer whose padding is zero (params' parts
         are for the caller to fill), and the page-locked host memory behind them (``host``
         with a CUDA device; exact size, see :mod:`.pinned`)."""
-        if not host:
-            out = [torch.empty(b.local_numel, dtype=torch.float32, device=self.device)
-                   for b in self.layout.buffers]
-            pinned: list[PinnedBuffer] = []
-        elif self.device.type == "cuda":
+        pinned: list[PinnedBuffer] = []
+        if host and self.device.type == "cuda":  # registering faults every page in
             pinned = [PinnedBuffer(b.local_numel, torch.float32) for b in self.layout.buffers]
             out = [p.tensor for p in pinned]
-        else:
-            out = [torch.empty(b.local_numel, dtype=torch.float32) for b in self.layout.buffers]
-            pinned = []
+        elif self.device.type == "cuda":
+            out = [torch.empty(b.local_numel, dtype=torch.float32, device=self.device)
+                   for b in self.layout.buffers]
+        else:  # pageable host memory: a memset faults pages in faster than the reads would
+            return [torch.zeros(b.local_numel, dtype=torch.float32)
+                    for b in self.layout.buffers], pinned
         for bi, t in enumerate(out):
             covered = sorted((s.range_local for s in self.shards if s.buffer_index == bi),
                              key=lambda r: r.start)
