@@ -54,8 +54,11 @@ def test_kernel_matches_torch_fused_adamw(out_dtype, clip, global_base):
     table = kernels.chunk_table(parts, DEVICE)
     assert table.aligned == (global_base % 16 == 0)
     assert table.full.shape[0] >= 1 and table.partial.shape[0] >= 2
+    sum_sq = torch.full((table.num_blocks,), float("nan"), device=DEVICE)
     kernels.adamw_(table, main, grads, exp_avg, exp_avg_sq, out,
-                   main_global=out_dtype is None, step=7, grad_scale=scale, **hp)
+                   main_global=out_dtype is None, step=7, grad_scale=scale, sum_sq=sum_sq, **hp)
+    want_sq = sum(grads[gb + a:gb + b].double().square().sum() for _, gb, a, b in parts)
+    torch.testing.assert_close(sum_sq.double().sum(), want_sq, rtol=1e-6, atol=0)
 
     covered = torch.zeros(numel, dtype=torch.bool, device=DEVICE)
     covered_global = torch.zeros(glob_numel, dtype=torch.bool, device=DEVICE)
@@ -80,13 +83,16 @@ def test_kernel_matches_torch_fused_adamw(out_dtype, clip, global_base):
 
 
 @needs_triton
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_triton_step_matches_reference(backend, world_size, tmp_path):
-    """Clipping, decay groups, accumulation, cosine LR, tied, unused and partly used params."""
+@pytest.mark.parametrize("world_size,max_grad_norm", [(1, 0.5), (2, 0.5), (3, 0.5), (2, None)],
+                         ids=["1-clip", "2-clip", "3-clip", "2-no_clip"])
+def test_triton_step_matches_reference(backend, world_size, max_grad_norm, tmp_path):
+    """Clipping, decay groups, accumulation, cosine LR, tied, unused and partly used params.
+    Without clipping the kernel also sums the squared grads for ``last_grad_norm``."""
     require_world_size(backend, world_size)
     if not kernels.available(device_for(backend, 0)):
         pytest.skip(f"no Triton for {backend}'s device here (CPU needs TRITON_INTERPRET=1)")
-    sc = Scenario(world_size=world_size, steps=5, micro_batches=2, max_grad_norm=0.5, eps=1e-3,
+    sc = Scenario(world_size=world_size, steps=5, micro_batches=2, max_grad_norm=max_grad_norm,
+                  eps=1e-3,
                   groups="lr_override", scheduler="cosine", tied=True, branch=True,
                   bucket_numel=100 + 37 * world_size, align_numel=world_size,
                   seed=world_size, step_kernel="triton")

@@ -164,9 +164,9 @@ def reference_run(sc: Scenario) -> tuple[list[dict[str, torch.Tensor]], list[flo
         for _, p in named:
             if p.grad is None:  # the sharded optimizer counts a missing grad as zero
                 p.grad = torch.zeros_like(p)
-        if sc.max_grad_norm:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                              sc.max_grad_norm)))
+        # With max_norm=inf the grads are left as they are and only the norm is returned.
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                          sc.max_grad_norm or float("inf"))))
         opt.step()
         if sched is not None:
             sched.step()
@@ -188,7 +188,7 @@ def train_rank(rank: int, world_size: int, sc: Scenario, backend: str | None) ->
     groups = [{"fqns": sorted(fqn_of[p] for p in g["params"]),
                **{k: v for k, v in g.items() if k != "params"}} for g in opt.param_groups]
     tokens, targets = sc.batches()
-    history, lrs = [], []
+    history, lrs, grad_norms = [], [], []
     for step in range(sc.steps):
         opt.zero_grad()
         for micro in range(sc.micro_batches):
@@ -200,6 +200,7 @@ def train_rank(rank: int, world_size: int, sc: Scenario, backend: str | None) ->
             else:
                 loss.backward()
         opt.step()
+        grad_norms.append(opt.last_grad_norm)
         if sched is not None:
             sched.step()
         lrs.append([g["lr"] for g in opt.param_groups])
@@ -209,6 +210,7 @@ def train_rank(rank: int, world_size: int, sc: Scenario, backend: str | None) ->
         "history": history,
         "groups": groups,
         "lrs": lrs,
+        "grad_norms": grad_norms,
         "same_param_objects": params_before == params_after,
         "tie_kept": model.head.weight is model.emb.weight if sc.tied else None,
         "dist_initialized": dist.is_initialized(),
@@ -229,8 +231,10 @@ def assert_ranks_identical(results: list[dict[str, Any]]) -> None:
 
 
 def assert_matches_reference(sc: Scenario, results: list[dict[str, Any]], tol: dict) -> None:
-    reference, _ = reference_run(sc)
+    reference, norms = reference_run(sc)
     assert_ranks_identical(results)
+    for res in results:  # last_grad_norm is the global norm before clipping, on every rank
+        torch.testing.assert_close(res["grad_norms"], norms, rtol=1e-5, atol=0)
     for step, (got, want) in enumerate(zip(results[0]["history"], reference, strict=True)):
         assert got.keys() == want.keys()
         for fqn in want:

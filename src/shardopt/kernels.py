@@ -38,6 +38,7 @@ except ImportError:  # optional: the optimizer falls back to torch's fused AdamW
     triton = None
 
 BLOCK = 4096
+NUM_WARPS = 8
 
 
 def available(device: torch.device) -> bool:
@@ -62,6 +63,10 @@ class ChunkTable:
     full: torch.Tensor
     partial: torch.Tensor
     aligned: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.full.shape[0] + self.partial.shape[0]
 
 
 def chunk_table(parts: Sequence[tuple[int, int, int, int]], device: torch.device) -> ChunkTable:
@@ -105,8 +110,8 @@ if triton is not None:
 
     @triton.jit
     def _adamw_kernel(table_ptr, main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
-                      scale_ptr, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
-                      FULL: tl.constexpr, ALIGNED: tl.constexpr, MAIN_GLOBAL: tl.constexpr,
+                      scale_ptr, sq_ptr, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
+                      FULL: tl.constexpr, SUM_SQ: tl.constexpr, ALIGNED: tl.constexpr, MAIN_GLOBAL: tl.constexpr,
                       HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, HAS_SCALE: tl.constexpr,
                       BLOCK: tl.constexpr):
         row = table_ptr + tl.program_id(0).to(tl.int64) * (2 if FULL else 4)
@@ -124,6 +129,11 @@ if triton is not None:
         l_idx = local + offs
         m_idx = g_idx if MAIN_GLOBAL else l_idx
         grad = tl.load(grad_ptr + g_idx, mask=mask).to(tl.float32)
+        if SUM_SQ:  # this block's share of the squared grad norm, one slot per block
+            if FULL:
+                tl.store(sq_ptr + tl.program_id(0), tl.sum(grad * grad))
+            else:
+                tl.store(sq_ptr + tl.program_id(0), tl.sum(tl.where(mask, grad * grad, 0.0)))
         if HAS_SCALE:
             grad = tl.div_rn(grad, tl.load(scale_ptr))
         param = tl.load(main_ptr + m_idx, mask=mask)
@@ -156,23 +166,30 @@ if triton is not None:
 def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
            exp_avg_sq: torch.Tensor, out: torch.Tensor | None, *, main_global: bool,
            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-           grad_scale: torch.Tensor | None) -> None:
+           grad_scale: torch.Tensor | None, sum_sq: torch.Tensor | None = None) -> None:
     """One AdamW step over the blocks of ``table`` (see :func:`chunk_table`).
 
     ``grads`` and ``out`` (model-dtype params, or None) are whole flat buffers indexed
     by the global column; ``exp_avg``/``exp_avg_sq`` are local state tensors indexed by
     the local column; ``main`` is either (``main_global``: the fp32 param buffer itself).
+    ``sum_sq`` (fp32, ``table.num_blocks`` elements) receives each block's sum of squared
+    grads (before ``grad_scale``), for the grad norm at no extra memory traffic.
     """
     bc1 = 1.0 - beta1 ** step
     bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    first = 0
     for rows, full in ((table.full, True), (table.partial, False)):
-        if rows.shape[0] == 0:
+        n = rows.shape[0]
+        if n == 0:
             continue
-        _adamw_kernel[(rows.shape[0],)](
+        _adamw_kernel[(n,)](
             rows, main, grads, exp_avg, exp_avg_sq, out if out is not None else main,
             grad_scale if grad_scale is not None else main,
+            sum_sq[first:first + n] if sum_sq is not None else main,
             lr * weight_decay, beta1, beta2, lr / bc1, bc2_sqrt, eps,
-            FULL=full, ALIGNED=table.aligned, MAIN_GLOBAL=main_global,
-            HAS_OUT=out is not None, OUT_BF16=out is not None and out.dtype == torch.bfloat16,
-            HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=8,
+            FULL=full, SUM_SQ=sum_sq is not None, ALIGNED=table.aligned,
+            MAIN_GLOBAL=main_global, HAS_OUT=out is not None,
+            OUT_BF16=out is not None and out.dtype == torch.bfloat16,
+            HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
+        first += n

@@ -126,6 +126,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._grad_norm: torch.Tensor | None = None
         self.step_kernel = self._choose_kernel()
         self._chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
+        self._norm_views: list[torch.Tensor] | None = None  # each bucket's own grad shard
         self._group_shards = [
             [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
             for gi in range(len(self.param_groups))
@@ -257,12 +258,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.finish_param_sync()  # the update writes into the param buffers
         self.finish_grad_sync()
-        self._grad_norm, grad_scale = self._global_norm()
+        # Clipping needs the norm before the update; otherwise the Triton update computes
+        # it from the grads it reads anyway.
+        fused_norm = self.step_kernel == "triton" and not self.config.max_grad_norm
+        grad_scale = None
+        if not fused_norm:
+            self._grad_norm, grad_scale = self._global_norm()
         self._ensure_moments()
         for gi in range(len(self.param_groups)):
             self.step_counts[gi] += 1
         if self.step_kernel == "triton":
-            self._update_triton(grad_scale)
+            sq = self._update_triton(grad_scale, fused_norm)
+            if sq is not None:
+                self._grad_norm = self._finish_norm(sq)
         else:
             self._update_torch(grad_scale)
         self._publish_params(own_written=self.step_kernel == "triton",
@@ -290,8 +298,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             f"{'' if kernels.triton is not None else ', Triton is not installed'})"
         )
 
-    def _update_triton(self, grad_scale: torch.Tensor | None) -> None:
-        """One kernel launch per (buffer, param group): update and write model-dtype params."""
+    def _update_triton(self, grad_scale: torch.Tensor | None,
+                       sum_sq: bool) -> torch.Tensor | None:
+        """Two kernel launches per (buffer, param group): update and write model-dtype
+        params. With ``sum_sq``, return the local sum of squared grads (a device scalar)."""
         if self._chunk_tables is None:
             parts: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
             for s in self.shards:
@@ -303,6 +313,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     (local_base, global_base, start, start + s.range_local.size))
             self._chunk_tables = {k: kernels.chunk_table(v, self.device) for k, v in parts.items()}
         assert self._exp_avg is not None and self._exp_avg_sq is not None
+        partials = None
+        if sum_sq:
+            partials = torch.empty(sum(t.num_blocks for t in self._chunk_tables.values()),
+                                   dtype=torch.float32, device=self.device)
+        first = 0
         for (bi, gi), table in self._chunk_tables.items():
             group = self.param_groups[gi]
             main = self._main[bi]
@@ -313,7 +328,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
                 beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
                 step=self.step_counts[gi], grad_scale=grad_scale,
+                sum_sq=None if partials is None else partials[first:first + table.num_blocks],
             )
+            first += table.num_blocks
+        return None if partials is None else partials.sum()
 
     def _update_torch(self, grad_scale: torch.Tensor | None) -> None:
         """torch's fused AdamW on the fp32 main params of each param group."""
@@ -364,21 +382,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Reads each bucket's own shard whole: its padding is zero in every rank's buffer,
         so it adds nothing, and a few large tensors are faster than one per param."""
-        shards = [self.buffers.bucket_grads(b).narrow(0, self.dp.rank * b.shard_numel,
-                                                     b.shard_numel)
-                  for buf in self.layout.buffers for b in buf.buckets]
-        if shards:
-            norms = torch._foreach_norm(shards, 2, dtype=torch.float32)
+        if self._norm_views is None:
+            self._norm_views = [
+                self.buffers.bucket_grads(b).narrow(0, self.dp.rank * b.shard_numel, b.shard_numel)
+                for buf in self.layout.buffers for b in buf.buckets]
+        if self._norm_views:
+            norms = torch._foreach_norm(self._norm_views, 2, dtype=torch.float32)
             sq = torch.stack(norms).square().sum()
         else:
             sq = torch.zeros((), device=self.device)
-        total = comm.all_reduce_sum_(sq.reshape(1), self.dp).sqrt()[0]
+        total = self._finish_norm(sq)
         max_norm = self.config.max_grad_norm
         if not max_norm:
             return total, None
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its
         # reciprocal inside the update saves a pass over the grads (no host sync either).
         return total, torch.clamp((total + 1e-6) / max_norm, min=1.0)
+
+    def _finish_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
+        """Collective. sqrt of the sum over ranks of each rank's sum of squared grads."""
+        return comm.all_reduce_sum_(local_sq.reshape(1), self.dp).sqrt()[0]
 
     @property
     def last_grad_norm(self) -> float | None:
