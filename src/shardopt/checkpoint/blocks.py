@@ -14,15 +14,16 @@ Two ways to read it with verification:
   on. It is only for tensors nothing else can see yet: on a mismatch they hold
   partial data and the caller discards them.
 
-Both overlap the read of the next piece (a worker thread; ``preadv`` releases
-the GIL) with hashing the current one (``xxhash`` releases it for large
-buffers). Host memory is bounded: two scratch buffers of one piece or block.
+Both read and hash ``READ_THREADS`` blocks at a time, on as many threads
+(``preadv`` and ``xxhash`` release the GIL), which a single reader on fast
+storage (tmpfs, NVMe) cannot saturate. Host memory is bounded: one scratch
+buffer of one piece or block per thread.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ from .format import FormatError
 # verify_blocks reads in pieces of at most this size; read_blocks handles blocks up
 # to twice the staging (``max_block_bytes``) and leaves larger ones to two passes.
 PIECE_BYTES = 4 << 20
+# Blocks read (and hashed) at once; xxhash and preadv release the GIL. Host memory is one
+# piece (verify) or one block (one-pass reads) per thread.
+READ_THREADS = 4
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:
@@ -61,19 +65,32 @@ def _mismatch(path: str, start: int, end: int) -> FormatError:
                        "(the file is damaged)")
 
 
-def _pipelined(jobs: Iterable, read: Callable, use: Callable) -> None:
-    """``read(job, slot)`` of job k+1 (in a worker thread) overlaps ``use(job, slot)`` of job k."""
-    it: Iterator = iter(jobs)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-read") as pool:
-        job = next(it, None)
-        pending = pool.submit(read, job, 0) if job is not None else None
-        k = 0
-        while pending is not None:
-            pending.result()
-            nxt = next(it, None)
-            ahead = pool.submit(read, nxt, (k + 1) % 2) if nxt is not None else None
-            use(job, k % 2)  # on error, leaving the block waits for the read in flight
-            job, pending, k = nxt, ahead, k + 1
+def _parallel(jobs: list, work: Callable, threads: int) -> None:
+    """``work(job, slot)`` for every job, on ``threads`` threads; ``slot`` is the thread's
+    index (its own scratch). Jobs are dealt round-robin, so the threads read neighbouring
+    blocks at the same time. After a failure the threads stop taking jobs; the error of the
+    earliest failed job is raised once every thread has stopped."""
+    threads = max(1, min(threads, len(jobs)))
+    errors: dict[int, BaseException] = {}
+
+    def run(slot: int) -> None:
+        for i in range(slot, len(jobs), threads):
+            if errors:
+                return
+            try:
+                work(jobs[i], slot)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
+                errors[i] = e
+                return
+
+    if threads == 1:
+        run(0)
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-read") as pool:
+            for f in [pool.submit(run, slot) for slot in range(threads)]:
+                f.result()
+    if errors:
+        raise errors[min(errors)]
 
 
 def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tuple[int, int, int]]:
@@ -82,28 +99,24 @@ def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tup
 
 def verify_blocks(fd: int, path: str, hashes: list[str], blocks: Iterable[int],
                   block_bytes: int, size: int) -> None:
-    """Hash-check ``blocks`` of the file, reading each piece once."""
-    pieces = []  # (block, start, end, piece start, piece end)
-    for b, start, end in block_ranges(blocks, block_bytes, size):
-        for pos in range(start, end, PIECE_BYTES):
-            pieces.append((b, start, end, pos, min(pos + PIECE_BYTES, end)))
-    if not pieces:
+    """Hash-check ``blocks`` of the file, reading each once (``READ_THREADS`` at a time)."""
+    jobs = block_ranges(blocks, block_bytes, size)
+    if not jobs:
         return
-    bufs = [memoryview(bytearray(min(PIECE_BYTES, size))) for _ in range(2)]
-    state = {"h": None}
+    piece = min(PIECE_BYTES, block_bytes, size)
+    bufs = [memoryview(bytearray(piece)) for _ in range(min(READ_THREADS, len(jobs)))]
 
-    def read(p, slot):
-        preadv_exact(fd, [bufs[slot][:p[4] - p[3]]], p[3], path)
-
-    def use(p, slot):
-        b, start, end, pos, stop = p
-        if pos == start:
-            state["h"] = xxhash.xxh3_64()
-        state["h"].update(bufs[slot][:stop - pos])
-        if stop == end and state["h"].hexdigest() != hashes[b]:
+    def work(job, slot):
+        b, start, end = job
+        buf, h = bufs[slot], xxhash.xxh3_64()
+        for pos in range(start, end, piece):
+            n = min(piece, end - pos)
+            preadv_exact(fd, [buf[:n]], pos, path)
+            h.update(buf[:n])
+        if h.hexdigest() != hashes[b]:
             raise _mismatch(path, start, end)
 
-    _pipelined(pieces, read, use)
+    _parallel(jobs, work, len(bufs))
 
 
 @dataclass(frozen=True)
@@ -149,10 +162,9 @@ def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
     if not jobs:
         return set()
     pin = cuda and torch.cuda.is_available()
-    scratch = [torch.empty(block_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-    events: list[torch.cuda.Event | None] = [None, None]
-    layouts: list[tuple[list[memoryview], list[tuple[torch.Tensor, torch.Tensor]]] | None] = \
-        [None, None]
+    threads = min(READ_THREADS, len(jobs))
+    scratch = [torch.empty(block_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(threads)]
+    events: list[torch.cuda.Event | None] = [None] * threads
 
     def layout(b: int, start: int, end: int, slot: int):
         """The iovecs that cover [start, end) and the staged copies to make afterwards."""
@@ -174,16 +186,13 @@ def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
             views.append(host_bytes(raw[pos - start:end - start]))
         return views, copies
 
-    def read(job, slot):
+    def work(job, slot):
+        b, start, end = job
         if events[slot] is not None:
             events[slot].synchronize()  # the scratch's previous copies to the device are done
             events[slot] = None
-        layouts[slot] = layout(*job, slot)
-        preadv_exact(fd, list(layouts[slot][0]), job[1], path)
-
-    def use(job, slot):
-        b, start, end = job
-        views, copies = layouts[slot]
+        views, copies = layout(b, start, end, slot)
+        preadv_exact(fd, list(views), start, path)
         h = xxhash.xxh3_64()
         for v in views:
             h.update(v)
@@ -191,12 +200,13 @@ def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
             raise _mismatch(path, start, end)
         for out, staged in copies:
             out.copy_(staged, non_blocking=out.is_cuda)
-        if any(out.is_cuda for out, _ in copies):
+        cuda_outs = [out for out, _ in copies if out.is_cuda]
+        if cuda_outs:
             events[slot] = torch.cuda.Event()
-            events[slot].record(torch.cuda.current_stream(copies[0][0].device))
+            events[slot].record(torch.cuda.current_stream(cuda_outs[0].device))
 
     try:
-        _pipelined(jobs, read, use)
+        _parallel(jobs, work, threads)
     finally:
         for ev in events:
             if ev is not None:
