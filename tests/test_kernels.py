@@ -11,7 +11,7 @@ import torch
 
 from _dist import device_for, require_world_size, run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig, kernels
-from test_optimizer import (CUDA_TOL, FP32_TOL, Scenario, assert_matches_reference, bits,
+from test_optimizer import (Scenario, assert_matches_reference, bits,
                             tol_for, train_rank)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,5 +113,3 @@ def test_step_kernel_is_validated():
     with pytest.raises(ValueError, match="step_kernel must be one of"):
         OptimizerConfig(step_kernel="cuda")
 
-
-__all__ = ["CUDA_TOL", "FP32_TOL"]
