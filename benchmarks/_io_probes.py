@@ -1,9 +1,12 @@
 """Measurement tools of the checkpoint benchmark: storage bandwidth, page cache, phase timers.
 
-* :func:`raw_bandwidth` (run on every rank at once): a plain sequential write of ``nbytes`` with
-  ``os.write`` from one pinned 32 MiB buffer (the size of one half of shardopt's staging) and an
-  ``fsync``, then a read back with ``os.preadv`` into the same buffer, after evicting the file from
-  the page cache. That is what one checkpoint writer thread per rank can get from the storage.
+* :func:`raw_bandwidth` (run on every rank at once), twice per rank: on one thread and on
+  ``IO_THREADS`` threads (the library's reader/writer count,
+  ``shardopt.checkpoint.transfer.IO_THREADS``). Each writes one file of ``nbytes`` whose 32 MiB
+  pieces are dealt round-robin to the threads, each writing its pieces with ``os.pwrite`` at
+  their offsets from its own (pinned, on a GPU host) buffer, one ``fsync``, then reading them
+  back with ``os.preadv`` after evicting the file from the page cache. The faster of the two is
+  what the storage can give one rank.
   Also the pinned device-to-host and host-to-device copy bandwidth of the rank's GPU.
 * :func:`evict` / :func:`cached_fraction`: ``posix_fadvise(DONTNEED)`` after the data is on disk
   (no root needed, unlike ``drop_caches``) and ``mincore`` to report how much of a checkpoint was
@@ -35,6 +38,10 @@ from typing import Any
 import torch
 
 CHUNK_BYTES = 32 << 20
+try:  # the library's reader/writer thread count, which the threaded raw test uses
+    from shardopt.checkpoint.transfer import IO_THREADS
+except ImportError:
+    IO_THREADS = 4
 
 
 # ----------------------------------------------------------------------------- files
@@ -122,52 +129,103 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def raw_bandwidth(directory: Path, rank: int, nbytes: int, cuda: bool, evict_cache: bool
-                  ) -> dict[str, Any]:
-    """Collective (barriers). Sequential write + fsync and read of ``nbytes`` by this rank."""
+def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Collective. ``fn`` between barriers: (this rank's own seconds, seconds until every rank
+    is done), both from the same start, which every rank leaves the first barrier at."""
+    _barrier()
+    t0 = time.perf_counter()
+    fn()
+    own = time.perf_counter() - t0
+    _barrier()
+    return own, time.perf_counter() - t0
+
+
+def _random_buffer(cuda: bool) -> memoryview:
     buf = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=cuda)
     buf.copy_(torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8))
-    view = memoryview(buf.numpy())
-    path = Path(directory) / f"raw-{rank:05d}.bin"
-    nbytes = (nbytes // CHUNK_BYTES) * CHUNK_BYTES
-    _barrier()
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = nbytes
-        while left:
-            mv = view[: min(left, CHUNK_BYTES)]
-            while len(mv):
-                n = os.write(fd, mv)
-                mv = mv[n:]
-                left -= n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    write_own_s = time.perf_counter() - t0
-    _barrier()
-    write_s = time.perf_counter() - t0
-    if evict_cache:
-        evict(path)
-    cached = cached_fraction(path)
-    _barrier()
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        off = 0
-        while off < nbytes:
-            n = os.preadv(fd, [view[: min(CHUNK_BYTES, nbytes - off)]], off)
-            if n <= 0:
-                raise OSError(f"short read of {path} at {off}")
-            off += n
-    finally:
-        os.close(fd)
-    read_own_s = time.perf_counter() - t0
-    _barrier()
-    read_s = time.perf_counter() - t0
+    return memoryview(buf.numpy())
+
+
+def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
+    while len(mv):
+        n = os.pwrite(fd, mv, off)
+        if n <= 0:
+            raise OSError(f"short write at {off}")
+        mv, off = mv[n:], off + n
+
+
+def _pread_all(fd: int, mv: memoryview, off: int) -> None:
+    while len(mv):
+        n = os.preadv(fd, [mv], off)
+        if n <= 0:
+            raise OSError(f"short read at {off}")
+        mv, off = mv[n:], off + n
+
+
+def _raw_pass(path: Path, pieces: int, threads: int, cuda: bool, evict_cache: bool
+              ) -> dict[str, Any]:
+    """Collective. Write ``pieces`` pieces of ``CHUNK_BYTES`` to one file on ``threads``
+    threads (thread ``t`` takes pieces ``t, t + threads, ...``, each from its own buffer, at
+    their offsets), ``fsync``, evict it when ``evict_cache``, read it back the same way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    views = [_random_buffer(cuda) for _ in range(threads)]
+
+    def on_threads(flags: int, move: Callable[[int, memoryview, int], None], sync: bool):
+        def mine(fd: int, t: int) -> None:
+            for i in range(t, pieces, threads):
+                move(fd, views[t], i * CHUNK_BYTES)
+
+        def run() -> None:
+            fd = os.open(path, flags, 0o644)
+            try:
+                if threads == 1:
+                    mine(fd, 0)
+                else:
+                    for f in [pool.submit(mine, fd, t) for t in range(threads)]:
+                        f.result()
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        return run
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raw-io") as pool:
+        started = threading.Barrier(threads)  # every thread exists before the timer starts
+        for f in [pool.submit(started.wait) for _ in range(threads)]:
+            f.result()
+        write_own, write = _timed(on_threads(os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                             _pwrite_all, True))
+        if evict_cache:
+            evict(path)
+        cached = cached_fraction(path)
+        read_own, read = _timed(on_threads(os.O_RDONLY, _pread_all, False))
     path.unlink()
-    return {"bytes": nbytes, "write_s": write_s, "read_s": read_s, "write_own_s": write_own_s,
-            "read_own_s": read_own_s, "cached_fraction_before_read": cached}
+    return {"write_s": write, "read_s": read, "write_own_s": write_own, "read_own_s": read_own,
+            "cached_fraction_before_read": cached}
+
+
+def raw_bandwidth(directory: Path, rank: int, nbytes: int, cuda: bool, evict_cache: bool,
+                  threads: int = IO_THREADS) -> dict[str, Any]:
+    """Collective (barriers). Write + fsync and read of ``nbytes`` by this rank, twice: on one
+    thread (keys without a suffix) and on ``threads`` threads (keys ending ``_threads``;
+    absent when ``threads`` is 1). Each is :func:`_raw_pass`: one file, ``CHUNK_BYTES``
+    pieces dealt round-robin to the threads, positioned writes and reads, one ``fsync``.
+
+    ``*_s``: until every rank is done (between barriers); ``*_own_s``: this rank alone. Before
+    each read the file is evicted from the page cache when ``evict_cache``, and the fraction
+    still cached is recorded.
+    """
+    pieces = nbytes // CHUNK_BYTES
+    out: dict[str, Any] = {"bytes": pieces * CHUNK_BYTES}
+    out.update(_raw_pass(Path(directory) / f"raw-{rank:05d}.bin", pieces, 1, cuda, evict_cache))
+    threads = max(1, int(threads))
+    if threads > 1:
+        multi = _raw_pass(Path(directory) / f"raw-{rank:05d}-t{threads}.bin", pieces, threads,
+                          cuda, evict_cache)
+        out["threads"] = threads
+        out.update({f"{k}_threads": v for k, v in multi.items()})
+    return out
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 3
@@ -293,7 +351,7 @@ class _TimedOs:
     """Stands in for the ``os`` module inside one module: times the I/O calls, forwards the rest."""
 
     def __init__(self, probe: Probe) -> None:
-        for name in ("write", "fsync", "pread", "preadv"):
+        for name in ("write", "fsync", "pread", "preadv", "pwritev"):
             setattr(self, name, probe.leaf(f"os.{name}", getattr(os, name)))
 
     def __getattr__(self, name: str) -> Any:
@@ -358,7 +416,7 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     from shardopt import optimizer as opt_mod
 
     mods = {}
-    for name in ("io", "storage", "blocks", "commit", "format"):
+    for name in ("io", "storage", "blocks", "transfer", "commit", "format"):
         try:
             mods[name] = importlib.import_module(f"shardopt.checkpoint.{name}")
         except ImportError:
@@ -379,6 +437,7 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
         patch(owner, attr, lambda f: probe.inclusive(name, f, sync=sync), label)
 
     io, storage, blocks = mods.get("io"), mods.get("storage"), mods.get("blocks")
+    transfer = mods.get("transfer")
     commit = mods.get("commit")
     fr = getattr(storage, "FileReader", None)
     # save
@@ -391,18 +450,18 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     phase(io, "_moment_tensors", "alloc_moments", "io._moment_tensors")
     phase(fr, "verify", "verify", "FileReader.verify")
     phase(fr, "read_fresh", "read_fresh", "FileReader.read_fresh")
-    phase(fr, "read_into", "read_into", "FileReader.read_into")
-    phase(io, "sync_staging", "read_into", "io.sync_staging")  # io calls its own import
+    phase(io, "read_segments", "read_into", "io.read_segments")  # io calls its own import
     phase(opt_mod.DistributedOptimizer, "_adopt_loaded_state", "adopt",
           "DistributedOptimizer._adopt_loaded_state", sync=True)
     # both
     phase(io, "_agree", "agree", "io._agree")
-    # leaves: system calls, hashing, worker threads (save: hashing; load: reads)
-    for label, mod in (("storage", storage), ("blocks", blocks), ("commit", commit)):
+    # leaves: system calls, hashing, worker threads (the reads and writes run on them)
+    for label, mod in (("storage", storage), ("transfer", transfer), ("commit", commit)):
         patch(mod, "os", lambda m: _TimedOs(probe), f"{label}.os")
-    for label, mod in (("format", mods.get("format")), ("blocks", blocks)):
+    for label, mod in (("format", mods.get("format")), ("blocks", blocks),
+                       ("transfer", transfer)):
         patch(mod, "xxhash", lambda m: _TimedXxhash(probe), f"{label}.xxhash")
-    for label, mod in (("storage", storage), ("blocks", blocks)):
+    for label, mod in (("transfer", transfer),):
         patch(mod, "ThreadPoolExecutor", lambda c: _timed_pool(probe, c),
               f"{label}.ThreadPoolExecutor")
     if probe.device.type == "cuda":
@@ -429,26 +488,26 @@ def _rest(whole: float, *parts: float) -> float:
 def save_phases(t: dict[str, float], total: float) -> tuple[dict[str, float], dict[str, float]]:
     """Phases of one save from a probe snapshot: (critical path, overlapped), in seconds.
 
-    The critical path is the calling thread, which writes: waiting for the device-to-host
-    copy, ``os.write``, ``fsync`` (files and directory), waiting for the hash worker to
-    finish the piece just written, the rest of file writing (staging, Python), then temp
-    dir, manifest, commit and the cross-rank agreements; ``other`` is the rest of ``total``.
-    These add up to ``total``. Overlapped: the hash worker's busy time (it runs during
-    ``os.write``; only ``hash_wait`` of it is on the critical path).
+    Critical path (the calling thread; adds up to ``total``): waiting for the writer threads
+    (``write_wait``: they copy device pieces to pinned memory, hash and ``pwritev`` them),
+    ``fsync`` (files and directory), the rest of file writing (headers, buffers, Python),
+    then temp dir, manifest, commit and the cross-rank agreements; ``other`` is the rest.
+
+    Overlapped, summed over the writer threads (so it can exceed the wall time): their busy
+    time, and within it device-to-host waits, ``pwritev`` and hashing.
     """
     files = t.get("files", 0.0)
-    out = {
-        "d2h_wait": t.get("files/cuda_event_wait", 0.0),
-        "write": t.get("files/os.write", 0.0),
-        "fsync": t.get("files/os.fsync", 0.0),
-        "hash_wait": t.get("files/worker_wait", 0.0),
-    }
+    out = {"write_wait": t.get("files/worker_wait", 0.0),
+           "fsync": t.get("files/os.fsync", 0.0)}
     out["files_other"] = _rest(files, *out.values())
     for name in ("begin", "manifest", "commit", "agree"):
         out[name] = t.get(name, 0.0)
     out["other"] = _rest(total, files, out["begin"], out["manifest"], out["commit"],
                          out["agree"])
-    overlapped = {"hash_busy": t.get("files/bg/busy", 0.0)}
+    overlapped = {"writers_busy": t.get("files/bg/busy", 0.0),
+                  "writers_d2h_wait": t.get("files/bg/cuda_event_wait", 0.0),
+                  "writers_pwritev": t.get("files/bg/os.pwritev", 0.0),
+                  "writers_hash": t.get("files/bg/hash", 0.0)}
     return out, overlapped
 
 
@@ -460,32 +519,33 @@ def load_phases(t: dict[str, float], total: float) -> tuple[dict[str, float], di
     * ``header_plan``: manifest, headers, checks, planning, reading the RNG state;
     * ``alloc_moments``: new moment tensors (a load into an optimizer without moments);
     * ``fresh_*``: the one verifying pass that reads moments into new tensors: waiting for
-      the read worker, hashing, waiting for host-to-device copies, the rest;
+      the reader threads, waiting for host-to-device copies, the rest;
     * ``verify_*``: hash-checking the blocks that go into existing tensors: waiting for the
-      read worker, hashing, the rest;
-    * ``read``, ``h2d_wait``, ``read_other``: reading into existing tensors after every rank
-      agreed (these reads are on the calling thread);
+      reader threads, the rest;
+    * ``read_wait``, ``h2d_wait``, ``read_other``: reading into existing tensors after every
+      rank agreed (on the reader threads; the caller waits for them, then for the last
+      host-to-device copies);
     * ``all_gather`` (publishing the loaded params), ``agree``, ``other``.
 
-    Overlapped: the read workers' busy time (``*_read_busy``), during the hashing.
+    Overlapped: the reader threads' busy time (``*_read_busy``, summed over threads).
     """
     prepare, alloc = t.get("prepare", 0.0), t.get("alloc_moments", 0.0)
     fresh, verify = t.get("read_fresh", 0.0), t.get("verify", 0.0)
     read_into = t.get("read_into", 0.0)
     out = {"header_plan": _rest(prepare, alloc, fresh, verify), "alloc_moments": alloc}
     for name, key in (("fresh", "read_fresh"), ("verify", "verify")):
-        parts = {f"{name}_read_wait": t.get(f"{key}/worker_wait", 0.0),
-                 f"{name}_hash": t.get(f"{key}/hash", 0.0)}
+        parts = {f"{name}_read_wait": t.get(f"{key}/worker_wait", 0.0)}
         if name == "fresh":  # verify only hashes; the one pass also copies to the device
             parts["fresh_h2d_wait"] = t.get("read_fresh/cuda_event_wait", 0.0)
         out.update(parts)
         out[f"{name}_other"] = _rest(t.get(key, 0.0), *parts.values())
-    out["read"] = t.get("read_into/os.preadv", 0.0) + t.get("read_into/os.pread", 0.0)
+    out["read_wait"] = t.get("read_into/worker_wait", 0.0)
     out["h2d_wait"] = t.get("read_into/cuda_event_wait", 0.0)
-    out["read_other"] = _rest(read_into, out["read"], out["h2d_wait"])
+    out["read_other"] = _rest(read_into, out["read_wait"], out["h2d_wait"])
     out["all_gather"] = t.get("adopt", 0.0)
     out["agree"] = t.get("agree", 0.0)
     out["other"] = _rest(total, prepare, read_into, out["all_gather"], out["agree"])
     overlapped = {"fresh_read_busy": t.get("read_fresh/bg/busy", 0.0),
-                  "verify_read_busy": t.get("verify/bg/busy", 0.0)}
+                  "verify_read_busy": t.get("verify/bg/busy", 0.0),
+                  "read_busy": t.get("read_into/bg/busy", 0.0)}
     return out, overlapped

@@ -29,7 +29,7 @@ def test_read_blocks_places_direct_and_staged_segments(tmp_path, block_bytes):
     assert blocks.one_pass_ok(segs, block_bytes, 1 << 20)
     fd = os.open(path, os.O_RDONLY)
     try:
-        done = blocks.read_blocks(fd, path, hashes, segs, block_bytes, size, cuda=False)
+        done = blocks.read_blocks(fd, path, hashes, segs, block_bytes, size)
     finally:
         os.close(fd)
     assert torch.equal(direct, data[100:3100])
@@ -49,7 +49,7 @@ def test_read_blocks_detects_damage_and_verify_blocks_too(tmp_path):
         with pytest.raises(FormatError, match="hash mismatch in bytes \\[16384, 20480\\)"):
             blocks.read_blocks(fd, path, hashes, [blocks.Segment(0, torch.zeros(10_000),
                                                                  torch.float32)],
-                               4096, size, cuda=False)
+                               4096, size)
         with pytest.raises(FormatError, match="hash mismatch"):
             blocks.verify_blocks(fd, path, hashes, range(len(hashes)), 4096, size)
         blocks.verify_blocks(fd, path, hashes, [0, 1, 2], 4096, size)  # undamaged blocks

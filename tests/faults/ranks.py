@@ -24,7 +24,7 @@ import torch.distributed as dist
 from shardopt import checkpoint
 from shardopt.checkpoint import io as ckpt_io
 from shardopt.checkpoint import commit
-from shardopt.checkpoint.storage import FileReader
+from shardopt.checkpoint import transfer
 
 from .common import (data_offset, differences, flip_byte, listing, rehash_file, snapshot,
                      train_step, trained)
@@ -37,8 +37,8 @@ class Boom(Exception):
 # ----------------------------------------------------------------- fault patches
 @contextlib.contextmanager
 def failing_writes(match: str, err: int):
-    """``os.write`` to files whose path contains ``match`` fails with ``err``."""
-    real_open, real_write = os.open, os.write
+    """``os.write`` and ``os.pwritev`` to files whose path contains ``match`` fail with ``err``."""
+    real_open, real_write, real_pwritev = os.open, os.write, os.pwritev
     paths: dict[int, str] = {}
 
     def fake_open(path, flags, *args, **kwargs):
@@ -51,7 +51,13 @@ def failing_writes(match: str, err: int):
             raise OSError(err, os.strerror(err))
         return real_write(fd, data)
 
-    with mock.patch.object(os, "open", fake_open), mock.patch.object(os, "write", fake_write):
+    def fake_pwritev(fd, buffers, offset, *args):
+        if match in paths.get(fd, ""):
+            raise OSError(err, os.strerror(err))
+        return real_pwritev(fd, buffers, offset, *args)
+
+    with (mock.patch.object(os, "open", fake_open), mock.patch.object(os, "write", fake_write),
+          mock.patch.object(os, "pwritev", fake_pwritev)):
         yield
 
 
@@ -195,9 +201,10 @@ def failed_loads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     train_step(twin_model, twin_opt, 3)
     after = differences(snapshot(model, opt, rng=False), snapshot(twin_model, twin_opt, rng=False))
 
-    # An I/O error after every check passed (the medium fails mid-read): every rank raises.
+    # An I/O error after every check passed (the medium fails mid-read, in a reader
+    # thread): every rank raises.
     read_error = None
-    with (failing_call(FileReader, "read_into", lambda *a: True, OSError(errno.EIO, "I/O error"))
+    with (failing_call(transfer, "preadv_exact", lambda *a: True, OSError(errno.EIO, "I/O error"))
           if rank == 1 else contextlib.nullcontext()):
         try:
             checkpoint.load(good, model, opt)

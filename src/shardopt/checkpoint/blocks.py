@@ -22,75 +22,25 @@ buffer of one piece or block per thread.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 import xxhash
 
 from .format import FormatError
+from .transfer import IO_THREADS, Scratch, Segment, host_bytes, preadv_exact, run_parallel
 
 # verify_blocks reads in pieces of at most this size; read_blocks handles blocks up
 # to twice the staging (``max_block_bytes``) and leaves larger ones to two passes.
 PIECE_BYTES = 4 << 20
 # Blocks read (and hashed) at once; xxhash and preadv release the GIL. Host memory is one
 # piece (verify) or one block (one-pass reads) per thread.
-READ_THREADS = 4
-
-
-def host_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-def preadv_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``views`` (in order) from consecutive bytes of ``fd`` at ``offset``."""
-    views = [v for v in views if len(v)]
-    pos = offset
-    while views:
-        n = os.preadv(fd, views, pos)
-        if n <= 0:
-            raise FormatError(f"{path}: unexpected end of file at byte {pos}")
-        pos += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+READ_THREADS = IO_THREADS
 
 
 def _mismatch(path: str, start: int, end: int) -> FormatError:
     return FormatError(f"{path}: content hash mismatch in bytes [{start}, {end}) "
                        "(the file is damaged)")
-
-
-def _parallel(jobs: list, work: Callable, threads: int) -> None:
-    """``work(job, slot)`` for every job, on ``threads`` threads; ``slot`` is the thread's
-    index (its own scratch). Jobs are dealt round-robin, so the threads read neighbouring
-    blocks at the same time. After a failure the threads stop taking jobs; the error of the
-    earliest failed job is raised once every thread has stopped."""
-    threads = max(1, min(threads, len(jobs)))
-    errors: dict[int, BaseException] = {}
-
-    def run(slot: int) -> None:
-        for i in range(slot, len(jobs), threads):
-            if errors:
-                return
-            try:
-                work(jobs[i], slot)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
-                errors[i] = e
-                return
-
-    if threads == 1:
-        run(0)
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-read") as pool:
-            for f in [pool.submit(run, slot) for slot in range(threads)]:
-                f.result()
-    if errors:
-        raise errors[min(errors)]
 
 
 def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tuple[int, int, int]]:
@@ -116,25 +66,7 @@ def verify_blocks(fd: int, path: str, hashes: list[str], blocks: Iterable[int],
         if h.hexdigest() != hashes[b]:
             raise _mismatch(path, start, end)
 
-    _parallel(jobs, work, len(bufs))
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Stored bytes at ``file_start`` (``out.numel()`` elements of ``dtype``) fill ``out`` (1-D)."""
-
-    file_start: int
-    out: torch.Tensor
-    dtype: torch.dtype
-
-    @property
-    def file_end(self) -> int:
-        return self.file_start + self.out.numel() * self.dtype.itemsize
-
-    @property
-    def direct(self) -> bool:
-        o = self.out
-        return not o.is_cuda and o.dtype == self.dtype and o.is_contiguous()
+    run_parallel(jobs, work, len(bufs))
 
 
 def one_pass_ok(segments: list[Segment], block_bytes: int, max_block_bytes: int) -> bool:
@@ -147,7 +79,7 @@ def one_pass_ok(segments: list[Segment], block_bytes: int, max_block_bytes: int)
 
 
 def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
-                block_bytes: int, size: int, cuda: bool) -> set[int]:
+                block_bytes: int, size: int) -> set[int]:
     """Read, hash-check and place every block ``segments`` touch; return those blocks.
 
     Check :func:`one_pass_ok` first. On a mismatch ``FormatError`` is raised and
@@ -161,14 +93,11 @@ def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
     jobs = block_ranges(sorted(by_block), block_bytes, size)
     if not jobs:
         return set()
-    pin = cuda and torch.cuda.is_available()
-    threads = min(READ_THREADS, len(jobs))
-    scratch = [torch.empty(block_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(threads)]
-    events: list[torch.cuda.Event | None] = [None] * threads
+    device = next((s.out.device for s in segments if s.out.is_cuda), None)
+    scratch = Scratch(min(READ_THREADS, len(jobs)), block_bytes, device)
 
-    def layout(b: int, start: int, end: int, slot: int):
+    def layout(b: int, start: int, end: int, raw: torch.Tensor):
         """The iovecs that cover [start, end) and the staged copies to make afterwards."""
-        raw = scratch[slot]
         views, copies, pos = [], [], start
         for s in by_block[b]:
             lo, hi = max(s.file_start, start), min(s.file_end, end)
@@ -188,27 +117,18 @@ def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
 
     def work(job, slot):
         b, start, end = job
-        if events[slot] is not None:
-            events[slot].synchronize()  # the scratch's previous copies to the device are done
-            events[slot] = None
-        views, copies = layout(b, start, end, slot)
+        views, copies = layout(b, start, end, scratch.take(slot))
         preadv_exact(fd, list(views), start, path)
         h = xxhash.xxh3_64()
         for v in views:
             h.update(v)
         if h.hexdigest() != hashes[b]:
             raise _mismatch(path, start, end)
-        for out, staged in copies:
-            out.copy_(staged, non_blocking=out.is_cuda)
-        cuda_outs = [out for out, _ in copies if out.is_cuda]
-        if cuda_outs:
-            events[slot] = torch.cuda.Event()
-            events[slot].record(torch.cuda.current_stream(cuda_outs[0].device))
+        if copies:
+            scratch.copy(slot, copies)
 
     try:
-        _parallel(jobs, work, threads)
+        run_parallel(jobs, work, scratch.threads)
     finally:
-        for ev in events:
-            if ev is not None:
-                ev.synchronize()
+        scratch.drain()
     return set(by_block)

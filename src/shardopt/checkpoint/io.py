@@ -50,8 +50,9 @@ from .format import (DEFAULT_BLOCK_BYTES, FORMAT_NAME, FORMAT_VERSION, LATEST, M
                      manifest_checksum, step_dir_name)
 from .manifest import check_optimizer, read_manifest, validate_manifest
 from .planner import ChunkIndex
-from .storage import (FileReader, Segment, WriteEntry, make_staging, sync_staging,
-                      write_file)
+from .storage import (FileReader, Segment, WriteEntry, read_scratch, write_file,
+                      write_scratch)
+from .transfer import read_segments
 
 
 class CheckpointError(ValueError):
@@ -210,13 +211,13 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimiz
     """Coordinator-free. Write and fsync this rank's three files; return their records."""
     r = f"{opt.dp.rank:05d}"
     records = {}
-    # One pinned staging pair for the three files (pinning memory is slow).
-    staging = make_staging(staging_bytes, True) if opt.device.type == "cuda" else None
+    # One set of pinned buffers for the three files (pinning memory is slow).
+    scratch = write_scratch(block_bytes, staging_bytes, opt.device)
     for kind, entries in (("model", state.model_entries(model, opt)),
                           ("optim", state.optim_entries(opt)),
                           ("rng", _rng_entries())):
         name = f"{kind}-{r}.safetensors"
-        rec = write_file(str(tmp / name), entries, block_bytes, staging_bytes, staging)
+        rec = write_file(str(tmp / name), entries, block_bytes, scratch)
         if kind != "rng":
             rec["chunks"] = [[e.key, e.offset, e.numel] for e in entries]
         records[name] = rec
@@ -320,13 +321,10 @@ def load(
     # Every check passed on every rank: from here on tensors are written.
     error = None
     try:
-        cuda = optimizer.device.type == "cuda"
-        staging = make_staging(staging_bytes, cuda) if cuda or plan.requests.casts else None
-        for dest, reqs in plan.requests.items:
-            t = dest.resolve(plan.moments)
-            for req, dtype in reqs:
-                plan.readers[req.file].read_into(req, t, dtype, staging)
-        sync_staging(staging)
+        segments = [plan.readers[req.file].segment(req, dest.resolve(plan.moments), dtype)
+                    for dest, reqs in plan.requests.items for req, dtype in reqs]
+        read_segments(segments, read_scratch(staging_bytes, optimizer.device,
+                                             plan.requests.casts))
     except Exception as e:  # noqa: BLE001 - the file changed after it was verified
         error = e
     finally:
@@ -400,8 +398,7 @@ def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: Distrib
                 readers.pop(name).close()
         checked: dict[str, set[int]] = {}
         if verify and fresh_moments is not None:
-            planned, checked = _read_fresh(planned, readers, fresh_moments,
-                                           opt.device.type == "cuda", staging_bytes)
+            planned, checked = _read_fresh(planned, readers, fresh_moments, staging_bytes)
         if verify:
             spans: dict[str, list[tuple[int, int]]] = {}
             for _, reqs in planned:
@@ -418,7 +415,7 @@ def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: Distrib
 
 
 def _read_fresh(planned: list, readers: dict[str, FileReader], moments: tuple,
-                cuda: bool, staging_bytes: int) -> tuple[list, dict[str, set[int]]]:
+                staging_bytes: int) -> tuple[list, dict[str, set[int]]]:
     """Read the requests into new moment tensors in one verifying pass, file by file.
     Returns the requests still to be read (in place, after the agreement) and, per
     file, the blocks already hash-checked."""
@@ -431,7 +428,7 @@ def _read_fresh(planned: list, readers: dict[str, FileReader], moments: tuple,
                     Segment(r.file_start, t.narrow(0, r.dest_start, r.numel), dtype))
     checked: dict[str, set[int]] = {}
     for name, segs in segments.items():
-        done = readers[name].read_fresh(segs, cuda, max(8, staging_bytes // 2))
+        done = readers[name].read_fresh(segs, max(8, staging_bytes // 2))
         if done is not None:
             checked[name] = done
     rest = [(d, [(r, dt) for r, dt in reqs if d.tensor is not None or r.file not in checked])

@@ -1,10 +1,11 @@
-"""Streaming file I/O for checkpoint data: bounded host staging, block hashes.
+"""Checkpoint data files: writing them with block hashes, opening and checking them for reads.
 
-Writes stream each tensor into its file piece by piece (device tensors go
-through a pair of pinned host buffers so the copy of piece ``i+1`` overlaps the
-write of piece ``i``); nothing is serialised whole in memory. Reads go
+Writes place each tensor's bytes at its offset in the file, several hash blocks
+at a time (:func:`~.transfer.write_blocks`); device tensors go through small
+pinned per-thread buffers, so nothing is serialised whole in memory. Reads go
 straight into the destination tensor when it is on the host and of the stored
-dtype, otherwise through the same bounded staging.
+dtype, otherwise through the same kind of bounded buffers
+(:func:`~.transfer.read_segments`).
 
 Files are opened for reading only if they are regular files reached without
 following a symlink, and a header is trusted only after its length is bounded
@@ -15,16 +16,17 @@ from __future__ import annotations
 
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .blocks import Segment, host_bytes, one_pass_ok, preadv_exact, read_blocks, verify_blocks
-from .format import BlockHasher, FileHeader, FormatError, StoredChunk, build_header, parse_header
+from .blocks import one_pass_ok, read_blocks, verify_blocks
+from .format import FileHeader, FormatError, StoredChunk, build_header, parse_header
 from .planner import ReadRequest
+from .transfer import (IO_THREADS, FileSegment, Part, Scratch, Segment, host_bytes,
+                       preadv_exact, write_blocks)
 
 
 @dataclass(frozen=True)
@@ -38,102 +40,45 @@ class WriteEntry:
     source: torch.Tensor | None
 
 
-class _Staging:
-    """Two pinned (when CUDA) host buffers used alternately for device <-> host copies."""
-
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        half = max(1 << 16, nbytes // 2)
-        self.buffers = [torch.empty(half, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self.events: list[torch.cuda.Event | None] = [None, None]
-        self.nbytes = half
-
-
-# Write and hash in pieces: a worker thread hashes piece k while this thread writes it
-# (both release the GIL), so the piece is read from memory once for both.
-_PIECE_BYTES = 4 << 20
-
-
-class _HashingWriter:
-    """Writes bytes to ``fd`` while a worker thread feeds them to a :class:`BlockHasher`."""
-
-    def __init__(self, fd: int, hasher: BlockHasher, pool: ThreadPoolExecutor) -> None:
-        self.fd, self.hasher, self.pool = fd, hasher, pool
-
-    def write(self, data: memoryview) -> None:
-        for start in range(0, len(data), _PIECE_BYTES):
-            piece = data[start:start + _PIECE_BYTES]
-            hashed = self.pool.submit(self.hasher.update, piece)
-            try:
-                while len(piece):
-                    piece = piece[os.write(self.fd, piece):]
-            finally:
-                hashed.result()  # the buffer may be reused once this returns
-
-
 def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
-               staging_bytes: int, staging: _Staging | None = None) -> dict:
+               scratch: Scratch | None) -> dict:
     """Write ``entries`` as one safetensors file at ``path`` and fsync it.
 
-    Device tensors go through ``staging`` (pass one to share it between the files
-    of a save; by default one of ``staging_bytes`` is made when needed).
+    Blocks are written and hashed ``IO_THREADS`` at a time; device tensors go
+    through ``scratch`` (pinned; share one between the files of a save).
     Returns ``{"size", "block_bytes", "hashes"}`` for the manifest.
     """
-    header, _ = build_header([(e.key, e.dtype, e.numel, e.offset) for e in entries])
-    hasher = BlockHasher(block_bytes)
-    if staging is None and any(e.source is not None and e.source.is_cuda for e in entries):
-        staging = _Staging(staging_bytes, pin=True)
-    zero_bytes = max(1 << 16, staging_bytes // 2)
-    zeros = torch.zeros(zero_bytes if any(e.source is None for e in entries) else 0,
-                        dtype=torch.uint8)
+    header, starts = build_header([(e.key, e.dtype, e.numel, e.offset) for e in entries])
+    parts = [Part(0, len(header), torch.frombuffer(bytearray(header), dtype=torch.uint8))]
+    for e, start in zip(entries, starts):
+        data = None
+        if e.source is not None:
+            data = e.source.detach().to(e.dtype).contiguous().view(-1)
+            if data.numel() != e.numel:
+                raise AssertionError(f"{e.key}: {data.numel()} elements, expected {e.numel}")
+            data = data.view(torch.uint8)
+        parts.append(Part(start, e.numel * e.dtype.itemsize, data))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as pool:
-            _write_entries(_HashingWriter(fd, hasher, pool), header, entries, staging, zeros)
+        hashes = write_blocks(fd, path, parts, block_bytes, scratch)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return {"size": hasher.total, "block_bytes": block_bytes, "hashes": hasher.finish()}
+    return {"size": parts[-1].end, "block_bytes": block_bytes, "hashes": hashes}
 
 
-def _write_entries(out: _HashingWriter, header: bytes, entries: Sequence[WriteEntry],
-                   staging: _Staging | None, zeros: torch.Tensor) -> None:
-    out.write(memoryview(header))
-    for e in entries:
-        if e.source is None:
-            left = e.numel * e.dtype.itemsize
-            while left:
-                take = min(left, zeros.numel())
-                out.write(host_bytes(zeros[:take]))
-                left -= take
-        elif not e.source.is_cuda:
-            out.write(host_bytes(e.source.detach().to(e.dtype).contiguous()))
-        else:
-            assert staging is not None
-            _write_device(out, e.source.detach().to(e.dtype), staging)
+def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device) -> Scratch | None:
+    """The pinned per-thread buffers a save on ``device`` stages through (None on the host)."""
+    if device.type != "cuda":
+        return None
+    return Scratch(IO_THREADS, max(1 << 16, min(block_bytes, staging_bytes // IO_THREADS)), device)
 
 
-def _write_device(out: _HashingWriter, src: torch.Tensor, staging: _Staging) -> None:
-    """Device -> pinned host -> file, copying piece i+1 while writing piece i."""
-    flat = src.contiguous().view(torch.uint8)
-    step = staging.nbytes
-    pieces = [(i, min(step, flat.numel() - i)) for i in range(0, flat.numel(), step)]
-    stream = torch.cuda.current_stream(src.device)
-
-    def launch(k: int) -> None:
-        start, n = pieces[k]
-        buf = staging.buffers[k % 2]
-        buf[:n].copy_(flat[start:start + n], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        staging.events[k % 2] = ev
-
-    if pieces:
-        launch(0)
-    for k, (_, n) in enumerate(pieces):
-        staging.events[k % 2].synchronize()
-        if k + 1 < len(pieces):
-            launch(k + 1)
-        out.write(host_bytes(staging.buffers[k % 2][:n]))
+def read_scratch(staging_bytes: int, device: torch.device, casts: bool) -> Scratch | None:
+    """The per-thread buffers that reads into ``device`` tensors (or casting reads) need."""
+    if device.type != "cuda" and not casts:
+        return None
+    return Scratch(IO_THREADS, max(1 << 16, staging_bytes // IO_THREADS), device)
 
 
 def open_regular(path: Path) -> int:
@@ -237,8 +182,7 @@ class FileReader:
         verify_blocks(self.fd, self.path, hashes, sorted(set(blocks) - skip),
                       self.record["block_bytes"], self.size)
 
-    def read_fresh(self, segments: list[Segment], cuda: bool, max_block_bytes: int
-                   ) -> set[int] | None:
+    def read_fresh(self, segments: list[Segment], max_block_bytes: int) -> set[int] | None:
         """Fill new tensors in one pass: every block the segments touch is read once, its
         hash checked, its bytes placed. Returns the checked blocks, or None (nothing read)
         when the blocks are too large or oddly sized for it (use verify + read_into)."""
@@ -246,46 +190,12 @@ class FileReader:
         bb = self.record["block_bytes"]
         if not one_pass_ok(segments, bb, max_block_bytes):
             return None
-        return read_blocks(self.fd, self.path, hashes, segments, bb, self.size, cuda)
+        return read_blocks(self.fd, self.path, hashes, segments, bb, self.size)
 
-    def read_into(self, req: ReadRequest, dest: torch.Tensor, dtype: torch.dtype,
-                  staging: _Staging | None) -> None:
-        """Fill ``dest[req.dest_start : +req.numel]`` (1-D) from the stored ``dtype`` bytes."""
-        out = dest.narrow(0, req.dest_start, req.numel)
-        if not out.is_cuda and out.dtype == dtype and out.is_contiguous():
-            self._pread_exact(host_bytes(out), req.file_start)
-            return
-        if staging is None:
-            raise AssertionError("staging buffer required for device or casting reads")
-        per = max(1, staging.nbytes // dtype.itemsize)
-        done = 0
-        k = 0
-        while done < req.numel:
-            n = min(per, req.numel - done)
-            slot = k % 2
-            if staging.events[slot] is not None:
-                staging.events[slot].synchronize()
-            buf = staging.buffers[slot][: n * dtype.itemsize]
-            self._pread_exact(host_bytes(buf), req.file_start + done * dtype.itemsize)
-            out.narrow(0, done, n).copy_(buf.view(dtype), non_blocking=out.is_cuda)
-            if out.is_cuda:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(out.device))
-                staging.events[slot] = ev
-            done += n
-            k += 1
+    def segment(self, req: ReadRequest, dest: torch.Tensor, dtype: torch.dtype) -> FileSegment:
+        """What fills ``dest[req.dest_start : +req.numel]`` (1-D) from the stored ``dtype`` bytes."""
+        return FileSegment(self.fd, self.path,
+                           Segment(req.file_start, dest.narrow(0, req.dest_start, req.numel), dtype))
 
     def _pread_exact(self, view: memoryview, offset: int) -> None:
         preadv_exact(self.fd, [view], offset, self.path)
-
-
-def make_staging(nbytes: int, cuda: bool) -> _Staging:
-    return _Staging(nbytes, pin=cuda)
-
-
-def sync_staging(staging: _Staging | None) -> None:
-    if staging is None:
-        return
-    for ev in staging.events:
-        if ev is not None:
-            ev.synchronize()

@@ -1,0 +1,273 @@
+"""Threaded data movement between one rank's checkpoint files and its tensors.
+
+Reads and writes are cut into pieces that ``IO_THREADS`` threads move at once:
+``preadv``/``pwritev`` and xxhash release the GIL, and one thread cannot keep
+tmpfs or NVMe busy. Each thread owns one host scratch buffer (pinned when
+device tensors are involved); a device piece is copied between it and the
+device on the stream that was current when the :class:`Scratch` was made, so the
+copies are ordered after the work that produced the tensors, and the thread waits
+for that copy before it uses or reuses the buffer. Host memory is bounded: one
+piece per thread.
+
+* :func:`write_blocks` writes a file's parts (header bytes, host or device
+  tensors, zeros) at their offsets, one hash block per job, and returns the
+  blocks' xxh3-64 digests: the same as hashing the file front to back in blocks.
+* :func:`read_segments` fills tensors from stored bytes: straight into host
+  tensors of the stored dtype, through the scratch otherwise. It checks nothing;
+  callers verify blocks first (see :mod:`.blocks`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .format import FormatError
+
+IO_THREADS = 4
+# Largest piece one thread moves at a time (and the size of its scratch buffer).
+PIECE_BYTES = 8 << 20
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def preadv_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``views`` (in order) from consecutive bytes of ``fd`` at ``offset``."""
+    _vectored(os.preadv, fd, views, offset, FormatError(f"{path}: unexpected end of file"))
+
+
+def pwritev_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Write ``views`` (in order) as consecutive bytes of ``fd`` at ``offset``."""
+    _vectored(os.pwritev, fd, views, offset, OSError(f"{path}: nothing written"))
+
+
+def _vectored(call: Callable, fd: int, views: list[memoryview], offset: int,
+              stuck: Exception) -> None:
+    """``call(fd, views, pos)`` until every view is done, at most IOV_MAX views at a time;
+    ``stuck`` (with the byte position added) when a call moves nothing."""
+    views = [v for v in views if len(v)]
+    pos = offset
+    while views:
+        n = call(fd, views[:_IOV_MAX], pos)
+        if n <= 0:
+            raise type(stuck)(f"{stuck} at byte {pos}")
+        pos += n
+        _advance(views, n)
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (after a short read or write)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
+
+
+def run_parallel(jobs: list, work: Callable, threads: int) -> None:
+    """``work(job, slot)`` for every job, on ``threads`` threads; ``slot`` is the thread's
+    index (its own scratch). Jobs are dealt round-robin, so the threads move neighbouring
+    pieces at the same time. After a failure the threads stop taking jobs; the error of the
+    earliest failed job is raised once every thread has stopped."""
+    threads = max(1, min(threads, len(jobs)))
+    errors: dict[int, BaseException] = {}
+
+    def run(slot: int) -> None:
+        for i in range(slot, len(jobs), threads):
+            if errors:
+                return
+            try:
+                work(jobs[i], slot)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
+                errors[i] = e
+                return
+
+    if threads == 1:
+        run(0)
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-io") as pool:
+            for f in [pool.submit(run, slot) for slot in range(threads)]:
+                f.result()
+    if errors:
+        raise errors[min(errors)]
+
+
+class Scratch:
+    """One host buffer of ``nbytes`` per thread, pinned when ``device`` is a GPU, and the
+    event of the last device copy that used each. Copies run on the stream current (in
+    the calling thread) when the scratch is made."""
+
+    def __init__(self, threads: int, nbytes: int, device: torch.device | None = None) -> None:
+        self.cuda = device is not None and device.type == "cuda"
+        self.threads = threads
+        self.nbytes = nbytes
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+                        for _ in range(threads)]
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
+        self._events: list[torch.cuda.Event | None] = [None] * threads
+
+    def take(self, slot: int) -> torch.Tensor:
+        """The thread's buffer, once no device copy uses it any more."""
+        self.wait(slot)
+        return self.buffers[slot]
+
+    def copy(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``dst.copy_(src)`` for each pair; device copies are queued, not waited for."""
+        if not self.cuda or not any(d.is_cuda or s.is_cuda for d, s in pairs):
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self._events[slot] = ev
+
+    def wait(self, slot: int) -> None:
+        ev = self._events[slot]
+        if ev is not None:
+            ev.synchronize()
+            self._events[slot] = None
+
+    def drain(self) -> None:
+        for slot in range(self.threads):
+            self.wait(slot)
+
+
+@dataclass(frozen=True)
+class Part:
+    """``nbytes`` of a file from byte ``start``: ``data`` (1-D uint8, host or device) or
+    zeros when ``data`` is None."""
+
+    start: int
+    nbytes: int
+    data: torch.Tensor | None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+
+def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
+                 scratch: Scratch | None, threads: int = IO_THREADS) -> list[str]:
+    """Write ``parts`` (sorted, contiguous from byte 0) and return the xxh3-64 digest of
+    each ``block_bytes`` block. Each job is one block: its pieces are gathered (device
+    parts through the thread's scratch), hashed in order and written with ``pwritev``."""
+    parts = [p for p in parts if p.nbytes]
+    size = parts[-1].end if parts else 0
+    starts = [p.start for p in parts]
+    piece = min(block_bytes, scratch.nbytes if scratch is not None else PIECE_BYTES)
+    zeros = torch.zeros(piece if any(p.data is None for p in parts) else 0, dtype=torch.uint8)
+    if any(p.data is not None and p.data.is_cuda for p in parts) and (
+            scratch is None or not scratch.cuda):
+        raise AssertionError("device parts need a pinned scratch")
+    jobs = [(b, b * block_bytes, min((b + 1) * block_bytes, size))
+            for b in range(-(-size // block_bytes))]
+    digests = [""] * len(jobs)
+
+    def work(job, slot):
+        b, start, end = job
+        h = xxhash.xxh3_64()
+        for pos in range(start, end, piece):
+            stop = min(pos + piece, end)
+            views, copies = [], []
+            buf = scratch.take(slot) if scratch is not None else None
+            for p in parts[max(0, bisect.bisect_right(starts, pos) - 1):]:
+                if p.start >= stop:
+                    break
+                lo, hi = max(p.start, pos), min(p.end, stop)
+                if p.data is None:
+                    views.append(host_bytes(zeros[:hi - lo]))
+                elif p.data.is_cuda:
+                    dst = buf[lo - pos:hi - pos]
+                    copies.append((dst, p.data[lo - p.start:hi - p.start]))
+                    views.append(host_bytes(dst))
+                else:
+                    views.append(host_bytes(p.data)[lo - p.start:hi - p.start])
+            if copies:
+                scratch.copy(slot, copies)
+                scratch.wait(slot)
+            for v in views:
+                h.update(v)
+            pwritev_exact(fd, views, pos, path)
+        digests[b] = h.hexdigest()
+
+    try:
+        run_parallel(jobs, work, threads)
+    finally:
+        if scratch is not None:
+            scratch.drain()
+    return digests
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Stored bytes at ``file_start`` (``out.numel()`` elements of ``dtype``) fill ``out`` (1-D)."""
+
+    file_start: int
+    out: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def file_end(self) -> int:
+        return self.file_start + self.out.numel() * self.dtype.itemsize
+
+    @property
+    def direct(self) -> bool:
+        o = self.out
+        return not o.is_cuda and o.dtype == self.dtype and o.is_contiguous()
+
+
+@dataclass(frozen=True)
+class FileSegment:
+    """A :class:`Segment` of the file open as ``fd`` (``path`` names it in errors)."""
+
+    fd: int
+    path: str
+    segment: Segment
+
+
+def read_segments(items: list[FileSegment], scratch: Scratch | None,
+                  threads: int = IO_THREADS) -> None:
+    """Fill every segment's ``out`` from its file, ``threads`` pieces at a time.
+
+    Direct segments are read straight into their tensors; the others (device or
+    casting destinations) need ``scratch``. Returns once every device copy is done.
+    """
+    piece = scratch.nbytes if scratch is not None else PIECE_BYTES
+    jobs = []
+    for it in items:
+        s = it.segment
+        size = s.dtype.itemsize
+        per = max(1, piece // size)
+        for first in range(0, s.out.numel(), per):
+            n = min(per, s.out.numel() - first)
+            jobs.append((it, s.file_start + first * size, s.out.narrow(0, first, n)))
+    if scratch is None and any(not it.segment.direct for it in items):
+        raise AssertionError("device or casting reads need a scratch")
+
+    def work(job, slot):
+        it, file_start, out = job
+        dtype = it.segment.dtype
+        if not out.is_cuda and out.dtype == dtype and out.is_contiguous():
+            preadv_exact(it.fd, [host_bytes(out)], file_start, it.path)
+            return
+        buf = scratch.take(slot)[:out.numel() * dtype.itemsize]
+        preadv_exact(it.fd, [host_bytes(buf)], file_start, it.path)
+        scratch.copy(slot, [(out, buf.view(dtype))])
+
+    try:
+        run_parallel(jobs, work, threads)
+    finally:
+        if scratch is not None:
+            scratch.drain()
