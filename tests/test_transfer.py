@@ -9,8 +9,6 @@ import xxhash
 from shardopt.checkpoint import transfer
 from shardopt.checkpoint.transfer import FileSegment, Part, Scratch, Segment
 
-CUDA = torch.cuda.is_available()
-
 
 def _parts(device: str) -> tuple[list[Part], bytes]:
     """A header, tensors on ``device`` and zero runs, contiguous from byte 0; and the bytes."""
@@ -50,8 +48,7 @@ def _write(tmp_path, parts, block_bytes, scratch, threads):
 
 @pytest.mark.parametrize("block_bytes,piece,threads", [(4096, 1024, 3), (1 << 20, 1 << 16, 4),
                                                        (1000, 1 << 16, 1)])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_write_blocks_writes_the_bytes_and_their_block_hashes(tmp_path, device, block_bytes,
                                                               piece, threads):
     parts, raw = _parts(device)
@@ -64,8 +61,7 @@ def test_write_blocks_writes_the_bytes_and_their_block_hashes(tmp_path, device, 
                        for i in range(0, len(raw), block_bytes)]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_read_segments_fills_direct_staged_and_casting_destinations(tmp_path, device):
     data = torch.randn(50_000)
     path = tmp_path / "f.bin"
