@@ -2,11 +2,11 @@
 
 * :func:`raw_bandwidth` (run on every rank at once), twice per rank: on one thread and on
   ``IO_THREADS`` threads (the library's reader/writer count,
-  ``shardopt.checkpoint.transfer.IO_THREADS``). Each writes one file of ``nbytes`` whose 32 MiB
-  pieces are dealt round-robin to the threads, each writing its pieces with ``os.pwrite`` at
-  their offsets from its own (pinned, on a GPU host) buffer, one ``fsync``, then reading them
-  back with ``os.preadv`` after evicting the file from the page cache. The faster of the two is
-  what the storage can give one rank.
+  ``shardopt.checkpoint.transfer.IO_THREADS``). The ``nbytes``, in 32 MiB pieces, are dealt
+  round-robin to the threads; each thread writes its pieces to its own file (the kernel lets a
+  file take one writer at a time) with ``os.pwrite`` from its own (pinned, on a GPU host)
+  buffer and ``fsync`` s it, then reads them back with ``os.preadv`` after the files are evicted
+  from the page cache. The faster of the two is what the storage can give one rank.
   Also the pinned device-to-host and host-to-device copy bandwidth of the rank's GPU.
 * :func:`evict` / :func:`cached_fraction`: ``posix_fadvise(DONTNEED)`` after the data is on disk
   (no root needed, unlike ``drop_caches``) and ``mincore`` to report how much of a checkpoint was
@@ -164,30 +164,34 @@ def _pread_all(fd: int, mv: memoryview, off: int) -> None:
 
 def _raw_pass(path: Path, pieces: int, threads: int, cuda: bool, evict_cache: bool
               ) -> dict[str, Any]:
-    """Collective. Write ``pieces`` pieces of ``CHUNK_BYTES`` to one file on ``threads``
-    threads (thread ``t`` takes pieces ``t, t + threads, ...``, each from its own buffer, at
-    their offsets), ``fsync``, evict it when ``evict_cache``, read it back the same way."""
+    """Collective. Write ``pieces`` pieces of ``CHUNK_BYTES`` on ``threads`` threads, each
+    thread its own file (``path`` itself for one thread; a file takes one writer at a time)
+    and its own buffer, ``fsync`` each file, evict them when ``evict_cache``, and read them
+    back the same way."""
     from concurrent.futures import ThreadPoolExecutor
 
     views = [_random_buffer(cuda) for _ in range(threads)]
+    files = [path] if threads == 1 else [path.with_name(f"{path.stem}-{t}{path.suffix}")
+                                         for t in range(threads)]
+    counts = [len(range(t, pieces, threads)) for t in range(threads)]
 
     def on_threads(flags: int, move: Callable[[int, memoryview, int], None], sync: bool):
-        def mine(fd: int, t: int) -> None:
-            for i in range(t, pieces, threads):
-                move(fd, views[t], i * CHUNK_BYTES)
-
-        def run() -> None:
-            fd = os.open(path, flags, 0o644)
+        def mine(t: int) -> None:
+            fd = os.open(files[t], flags, 0o644)
             try:
-                if threads == 1:
-                    mine(fd, 0)
-                else:
-                    for f in [pool.submit(mine, fd, t) for t in range(threads)]:
-                        f.result()
+                for i in range(counts[t]):
+                    move(fd, views[t], i * CHUNK_BYTES)
                 if sync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
+
+        def run() -> None:
+            if threads == 1:
+                mine(0)
+            else:
+                for f in [pool.submit(mine, t) for t in range(threads)]:
+                    f.result()
         return run
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raw-io") as pool:
@@ -197,20 +201,23 @@ def _raw_pass(path: Path, pieces: int, threads: int, cuda: bool, evict_cache: bo
         write_own, write = _timed(on_threads(os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
                                              _pwrite_all, True))
         if evict_cache:
-            evict(path)
-        cached = cached_fraction(path)
+            for f in files:
+                evict(f)
+        cached = [cached_fraction(f) for f in files]
         read_own, read = _timed(on_threads(os.O_RDONLY, _pread_all, False))
-    path.unlink()
+    for f in files:
+        f.unlink()
+    known = [c for c in cached if c is not None]
     return {"write_s": write, "read_s": read, "write_own_s": write_own, "read_own_s": read_own,
-            "cached_fraction_before_read": cached}
+            "cached_fraction_before_read": sum(known) / len(known) if known else None}
 
 
 def raw_bandwidth(directory: Path, rank: int, nbytes: int, cuda: bool, evict_cache: bool,
                   threads: int = IO_THREADS) -> dict[str, Any]:
     """Collective (barriers). Write + fsync and read of ``nbytes`` by this rank, twice: on one
     thread (keys without a suffix) and on ``threads`` threads (keys ending ``_threads``;
-    absent when ``threads`` is 1). Each is :func:`_raw_pass`: one file, ``CHUNK_BYTES``
-    pieces dealt round-robin to the threads, positioned writes and reads, one ``fsync``.
+    absent when ``threads`` is 1). Each is :func:`_raw_pass`: ``CHUNK_BYTES`` pieces dealt
+    round-robin to the threads, each thread writing and reading back its own file.
 
     ``*_s``: until every rank is done (between barriers); ``*_own_s``: this rank alone. Before
     each read the file is evicted from the page cache when ``evict_cache``, and the fraction
@@ -333,8 +340,9 @@ class Probe:
     def task(self, fn: Callable) -> Callable:
         """``fn`` as run by a worker thread: timed as overlapping the caller's current phase
         (call this in the thread that submits the task)."""
-        phase = self._stack()[-1] if self._stack() else "-"
         local = self._local
+        # A task submitted by a worker (a pool inside a pool) overlaps the same phase.
+        phase = getattr(local, "bg_phase", None) or (self._stack()[-1] if self._stack() else "-")
 
         def run(*args, **kwargs):
             local.bg_phase = phase
@@ -489,12 +497,13 @@ def save_phases(t: dict[str, float], total: float) -> tuple[dict[str, float], di
     """Phases of one save from a probe snapshot: (critical path, overlapped), in seconds.
 
     Critical path (the calling thread; adds up to ``total``): waiting for the writer threads
-    (``write_wait``: they copy device pieces to pinned memory, hash and ``pwritev`` them),
-    ``fsync`` (files and directory), the rest of file writing (headers, buffers, Python),
-    then temp dir, manifest, commit and the cross-rank agreements; ``other`` is the rest.
+    (``write_wait``: a thread per file, with helpers; they copy device pieces to pinned memory,
+    hash and ``pwritev`` them and ``fsync`` the files), the directory's ``fsync``, the rest of
+    file writing (entries, buffers, Python), then temp dir, manifest, commit and the cross-rank
+    agreements; ``other`` is the rest.
 
-    Overlapped, summed over the writer threads (so it can exceed the wall time): their busy
-    time, and within it device-to-host waits, ``pwritev`` and hashing.
+    Overlapped, summed over the writer threads (so it can exceed the wall time): their
+    device-to-host waits, ``pwritev`` and hashing.
     """
     files = t.get("files", 0.0)
     out = {"write_wait": t.get("files/worker_wait", 0.0),
@@ -504,8 +513,7 @@ def save_phases(t: dict[str, float], total: float) -> tuple[dict[str, float], di
         out[name] = t.get(name, 0.0)
     out["other"] = _rest(total, files, out["begin"], out["manifest"], out["commit"],
                          out["agree"])
-    overlapped = {"writers_busy": t.get("files/bg/busy", 0.0),
-                  "writers_d2h_wait": t.get("files/bg/cuda_event_wait", 0.0),
+    overlapped = {"writers_d2h_wait": t.get("files/bg/cuda_event_wait", 0.0),
                   "writers_pwritev": t.get("files/bg/os.pwritev", 0.0),
                   "writers_hash": t.get("files/bg/hash", 0.0)}
     return out, overlapped

@@ -22,7 +22,7 @@ Checkpoint systems (each saves the full training state of the ``1b`` preset afte
 Targets: ``shm`` (/dev/shm) and ``disk`` (a directory on local disk). Before any checkpoint, the raw
 bandwidth of each target is measured with the same number of writer processes (one per rank), each
 rank once with one thread (sequential writes) and once with ``--raw-threads`` threads (default
-shardopt's ``IO_THREADS``; positioned writes and reads of disjoint pieces of one file): see
+shardopt's ``IO_THREADS``; each thread writes and reads its own file): see
 ``_io_probes.raw_bandwidth``. "vs raw" is against the faster of the two, per operation (write for
 a save, read for a load), and ``raw_basis`` says which. Before every load on ``disk`` the
 checkpoint's pages are evicted from the page cache (``posix_fadvise``) and the cached fraction is

@@ -319,7 +319,8 @@ def test_every_file_is_safetensors_or_json(saved3):
     locks = {n for n in names if n.startswith(".") and "/" not in n}
     assert all((saved3.root / n).stat().st_size == 0 for n in locks)
     expected = {"latest", "step_00000002/manifest.json"} | {
-        f"step_00000002/{kind}-{r:05d}.safetensors" for kind in ("model", "optim", "rng")
+        f"step_00000002/{kind}-{r:05d}.safetensors"
+        for kind in ("model", "optim", "exp_avg", "exp_avg_sq", "rng")
         for r in range(3)}
     assert names - locks == expected  # one file per kind and writing rank; no world size
     assert (saved3.root / "latest").read_text() == "step_00000002\n"
@@ -348,7 +349,7 @@ def test_every_file_is_safetensors_or_json(saved3):
 
 def test_manifest_fields_chunks_and_block_hashes(saved3):
     m = json.loads((saved3.path / "manifest.json").read_text())
-    assert m["format"] == "shardopt" and m["version"] == 1
+    assert m["format"] == "shardopt" and m["version"] == 2
     assert (m["step"], m["dp_size"], m["extra"]) == (2, 3, {"data": [1, 2]})
     assert m["config"]["bucket_numel"] == 97 and m["config"]["betas"] == [0.9, 0.95]
     assert set(m["params"]) == set(saved3.params)
@@ -449,13 +450,13 @@ def test_format_doc_snippet_reassembles_every_tensor(saved3, tmp_path):
 def test_inspect_and_verify(saved3, tmp_path):
     info = checkpoint.inspect(saved3.root)  # a root means its latest checkpoint
     assert Path(info["path"]) == saved3.path
-    assert (info["step"], info["dp_size"], info["format_version"]) == (2, 3, 1)
+    assert (info["step"], info["dp_size"], info["format_version"]) == (2, 3, 2)
     assert info["extra"] == {"data": [1, 2]}
     rows = {r["fqn"]: r for r in info["params"]}
     assert set(rows) == set(saved3.params)
     assert rows["up.weight"]["shape"] == [HIDDEN, DIM] and rows["up.weight"]["dtype"] == "bfloat16"
     assert rows["pos"]["trainable"] is False and rows["router.bias"]["dtype"] == "float32"
-    assert info["num_files"] == 9
+    assert info["num_files"] == 15
     assert checkpoint.verify(saved3.path)["step"] == 2
 
     def damaged(name: str) -> Path:
@@ -522,9 +523,9 @@ MISMATCHES = {
     "missing": (dict(extra_layer=True), "'extra."),
     "unexpected": (dict(down_bias=False), "'down.bias'"),
     "shape": (dict(experts=4), "'router."),
-    "corrupt": ({}, "optim-00001.safetensors"),
+    "corrupt": ({}, "exp_avg_sq-00001.safetensors"),
     "no_file": ({}, "model-00000.safetensors"),
-    "corrupt_fresh": ({}, "optim-00001.safetensors"),  # no step taken: moments unallocated
+    "corrupt_fresh": ({}, "exp_avg_sq-00001.safetensors"),  # no step taken: no moments yet
 }
 
 
@@ -534,7 +535,7 @@ def failed_load_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     good = Path(checkpoint.save(f"{root}/good", model, opt, step=2))
     if rank == 0:
         shutil.copytree(good, f"{root}/corrupt/{good.name}")
-        flip_byte(Path(f"{root}/corrupt/{good.name}/optim-00001.safetensors"), -3)
+        flip_byte(Path(f"{root}/corrupt/{good.name}/exp_avg_sq-00001.safetensors"), -3)
         shutil.copytree(good, f"{root}/no_file/{good.name}")
         os.remove(f"{root}/no_file/{good.name}/model-00000.safetensors")
     dist.barrier()

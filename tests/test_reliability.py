@@ -34,7 +34,8 @@ from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
 from shardopt.checkpoint import commit
 from shardopt.checkpoint.format import FormatError
 
-FILES = ("model-00000.safetensors", "optim-00000.safetensors", "rng-00000.safetensors")
+FILES = ("model-00000.safetensors", "optim-00000.safetensors", "exp_avg-00000.safetensors",
+         "exp_avg_sq-00000.safetensors", "rng-00000.safetensors")
 
 
 @pytest.fixture
@@ -90,11 +91,32 @@ def _check_root(root: Path) -> list[Path]:
 
 # ------------------------------------------------------------------------ integrity
 def test_roundtrip_baseline(saved: Path) -> None:
-    assert checkpoint.verify(saved)["files"] == 3
+    assert checkpoint.verify(saved)["files"] == len(FILES)
     model, opt = trained(2)
     info = checkpoint.load(saved.parent, model, opt)
     assert (info.step, info.extra) == (1, {"pos": 5})
     _check_state(str(saved), 1)
+
+
+def test_version_1_checkpoints_still_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """Version 1 kept all optimizer state in ``optim-RRRRR``: three files per rank."""
+    from shardopt.checkpoint import io as ckpt_io
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt_io, "FORMAT_VERSION", 1)
+        model, opt = trained(1)
+        path = Path(checkpoint.save(tmp_path / "root", model, opt, step=1))
+    assert sorted(p.name for p in path.iterdir()) == [
+        "manifest.json", "model-00000.safetensors", "optim-00000.safetensors",
+        "rng-00000.safetensors"]
+    assert read_json(path)["version"] == 1
+    _check_state(str(path), 1)
+    # A version-1 manifest that lists version-2 files is refused.
+    m = read_json(path)
+    m["files"]["exp_avg-00000.safetensors"] = m["files"].pop("optim-00000.safetensors")
+    write_manifest(path, m)
+    _assert_refused(path, "a version 1 save by 1 ranks writes 3 .*missing optim-00000")
 
 
 def _damage(path: Path, name: str, how: str) -> None:
@@ -103,7 +125,8 @@ def _damage(path: Path, name: str, how: str) -> None:
         flip_byte(file, header_length(file) // 2)
     elif how == "flip-data":  # a byte that a single-process load reads
         kind = name.split("-")[0]
-        key = {"model": "scale", "optim": "out.bias.exp_avg_sq", "rng": "torch_cpu"}[kind]
+        key = {"model": "scale", "optim": "out.bias.master_param", "exp_avg": "out.bias.exp_avg",
+               "exp_avg_sq": "out.bias.exp_avg_sq", "rng": "torch_cpu"}[kind]
         flip_byte(file, data_offset(file, key) + 1)
     elif how == "truncate":
         os.truncate(file, os.path.getsize(file) - 1)

@@ -107,7 +107,7 @@ def test_load_every_saved_size(saved, load_size, tmp_path):
             _manifest(saved.base / f"resaved-{n}-at-{m}")
         assert after["params"] == before["params"], what  # shapes, dtypes, steps, groups
         assert after["aliases"] == before["aliases"] == {"head.weight": "emb.weight"}
-        assert (after["dp_size"], len(after["files"])) == (m, 3 * m)
+        assert (after["dp_size"], len(after["files"])) == (m, 5 * m)
 
         # Training continues: every rank holds the same params, and they track the run
         # that continued at N (different reduction order: rounding differences only).
@@ -154,8 +154,9 @@ def test_ranks_without_shards_save_empty_files_and_reshard(tmp_path):
     base = tmp_path / "ckpt"
     saved = run_distributed(tiny_rank, 4, str(base), True, tmp_path=tmp_path)
     path = base / "saved" / "step_00000001"
-    assert len(list(path.glob("*.safetensors"))) == 12
-    assert load_file_keys(path / "optim-00003.safetensors") == []
+    assert len(list(path.glob("*.safetensors"))) == 20
+    for kind in ("model", "optim", "exp_avg", "exp_avg_sq"):
+        assert load_file_keys(path / f"{kind}-00003.safetensors") == []
     checkpoint.verify(path)
     state = exported(path, tmp_path / "export")
     assert sorted(state) == sorted(["a.weight", "a.bias", "b.weight"] +

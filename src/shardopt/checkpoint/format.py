@@ -19,11 +19,20 @@ import torch
 import xxhash
 
 FORMAT_NAME = "shardopt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
-DATA_FILE = re.compile(r"^(model|optim|rng)-(\d{5})\.safetensors$")
+DATA_FILE = re.compile(r"^(model|optim|exp_avg|exp_avg_sq|rng)-(\d{5})\.safetensors$")
+# The data files every rank writes, by format version. Version 2 gives each Adam moment its
+# own file, so that a rank writes its files at once (a file takes one writer at a time).
+FILE_KINDS: dict[int, tuple[str, ...]] = {1: ("model", "optim", "rng"),
+                                          2: ("model", "optim", "exp_avg", "exp_avg_sq", "rng")}
+
+
+def state_file_kind(name: str, version: int) -> str:
+    """The file kind that holds optimizer state ``name`` in format ``version``."""
+    return "optim" if version == 1 or name == "master_param" else name
 SHARDING_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024

@@ -6,9 +6,10 @@ Save schedule (collective over the optimizer's DP group):
    stale temporary directories and creates ``root/.tmp-step_XXXXXXXX-<id>``
    (:mod:`.commit`). Exchange: every rank learns the directory, or every
    rank raises.
-2. Every rank streams its own chunks into ``model-RRRRR``, ``optim-RRRRR`` and
-   ``rng-RRRRR`` safetensors files there (hashing fixed-size blocks as it
-   writes), fsyncs them and the directory. Exchange: file records (sizes,
+2. Every rank writes its own chunks into its ``model``, ``optim`` (main
+   params), ``exp_avg``, ``exp_avg_sq`` and ``rng`` safetensors files there,
+   all at once (hashing fixed-size blocks as it writes), fsyncs them and the
+   directory. Exchange: file records (sizes,
    block hashes, chunk lists), or every rank raises and rank 0 removes the
    temporary directory.
 3. Rank 0 writes ``manifest.json`` and commits: rename to ``step_XXXXXXXX``,
@@ -45,14 +46,15 @@ from ..config import GROUP_KEYS
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from ..pinned import PinnedBuffer
 from . import commit, state
-from .format import (DEFAULT_BLOCK_BYTES, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST,
-                     MAX_BLOCK_BYTES, OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES, FormatError, StoredChunk,
-                     manifest_checksum, step_dir_name)
+from .format import (DEFAULT_BLOCK_BYTES, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, LATEST,
+                     MANIFEST, MAX_BLOCK_BYTES, OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES,
+                     FormatError, StoredChunk, manifest_checksum, state_file_kind,
+                     step_dir_name)
 from .manifest import check_optimizer, read_manifest, validate_manifest
 from .planner import ChunkIndex
-from .storage import (FileReader, Segment, WriteEntry, read_scratch, write_file,
-                      write_scratch)
-from .transfer import read_segments
+from .storage import (FILE_THREADS, FileReader, Segment, WriteEntry, read_scratch,
+                      write_file, write_scratch)
+from .transfer import read_segments, run_parallel
 
 
 class CheckpointError(ValueError):
@@ -208,21 +210,32 @@ def save(
 
 def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimizer,
                       block_bytes: int, staging_bytes: int) -> dict[str, dict]:
-    """Coordinator-free. Write and fsync this rank's three files; return their records."""
+    """Coordinator-free. Write and fsync this rank's files, all at once; return their records.
+
+    A file takes one writer at a time (the kernel locks it for each write), so the files
+    are written side by side, each by ``FILE_THREADS`` threads (one hashes or copies from
+    the device while the other writes).
+    """
     r = f"{opt.dp.rank:05d}"
-    records = {}
-    # One set of pinned buffers for the three files (pinning memory is slow).
-    scratch = write_scratch(block_bytes, staging_bytes, opt.device)
-    for kind, entries in (("model", state.model_entries(model, opt)),
-                          ("optim", state.optim_entries(opt)),
-                          ("rng", _rng_entries())):
-        name = f"{kind}-{r}.safetensors"
-        rec = write_file(str(tmp / name), entries, block_bytes, scratch)
-        if kind != "rng":
+    contents = {"model": state.model_entries(model, opt), "rng": _rng_entries()}
+    for name in STATE_NAMES:
+        kind = state_file_kind(name, FORMAT_VERSION)
+        contents.setdefault(kind, []).extend(state.optim_entries(opt, name))
+    jobs = [(f"{kind}-{r}.safetensors", contents[kind]) for kind in FILE_KINDS[FORMAT_VERSION]]
+    scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), opt.device,
+                             threads=FILE_THREADS) for _ in jobs]
+    records: dict[str, dict] = {}
+
+    def write(job, slot):
+        name, entries = job
+        rec = write_file(str(tmp / name), entries, block_bytes, scratch[slot], FILE_THREADS)
+        if not name.startswith("rng-"):
             rec["chunks"] = [[e.key, e.offset, e.numel] for e in entries]
         records[name] = rec
+
+    run_parallel(jobs, write, len(jobs))
     commit.fsync_dir(tmp)  # the directory entries, so the rename publishes whole files
-    return records
+    return {name: records[name] for name, _ in jobs}
 
 
 def _manifest_text(model: torch.nn.Module, opt: DistributedOptimizer, step: int,

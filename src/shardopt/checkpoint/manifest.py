@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .format import (DATA_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_BLOCK_BYTES,
+from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_BLOCK_BYTES,
                      MAX_MANIFEST_BYTES, TORCH_DTYPE_NAMES, FormatError, manifest_checksum,
                      parse_json_object)
 from .storage import open_regular
@@ -123,9 +123,17 @@ def _validate_fields(m: dict[str, Any], file: Path) -> None:
                     raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
                 _int(c[1], f"chunk offset in {name}", file)
                 _int(c[2], f"chunk length in {name}", file)
-    if len(files) != 3 * dp_size:
-        raise FormatError(f"{file}: lists {len(files)} data files; a save by {dp_size} ranks "
-                          f"writes {3 * dp_size} (model, optim and rng files per rank)")
+    kinds = FILE_KINDS.get(m["version"])
+    if kinds is None:
+        raise FormatError(f"{file}: unknown format version {m['version']}")
+    what = (f"{file}: lists {len(files)} data files; a version {m['version']} save by "
+            f"{dp_size} ranks writes {len(kinds) * dp_size} ({', '.join(kinds)} per rank)")
+    if len(files) != len(kinds) * dp_size:  # before building names: dp_size may be absurd
+        raise FormatError(what)
+    missing = sorted({f"{k}-{r:05d}.safetensors" for r in range(dp_size) for k in kinds}
+                     - set(files))
+    if missing:
+        raise FormatError(f"{what}; missing {', '.join(missing[:4])}")
 
 
 def unknown_files(path: Path, m: dict[str, Any]) -> list[str]:

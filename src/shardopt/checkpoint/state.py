@@ -106,14 +106,13 @@ def model_entries(model: torch.nn.Module, opt: DistributedOptimizer) -> list[Wri
     return out
 
 
-def optim_entries(opt: DistributedOptimizer) -> list[WriteEntry]:
-    """Optimizer state this rank writes; moments are zeros before the first step."""
+def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
+    """Optimizer state ``name`` this rank writes; moments are zeros before the first step."""
     out = []
     for s in opt.shards:
-        for name in STATE_NAMES:
-            src = opt.state_view(name, s) if (name == "master_param" or opt.has_moments) else None
-            out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, s.range_param.size,
-                                  s.range_param.start, src))
+        src = opt.state_view(name, s) if (name == "master_param" or opt.has_moments) else None
+        out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, s.range_param.size,
+                              s.range_param.start, src))
     return out
 
 

@@ -40,12 +40,17 @@ class WriteEntry:
     source: torch.Tensor | None
 
 
+# Threads per file of a save: writes to one file are serialised by the kernel, so a second
+# thread only overlaps hashing and device copies with the other's writes.
+FILE_THREADS = 2
+
+
 def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
-               scratch: Scratch | None) -> dict:
+               scratch: Scratch | None, threads: int = FILE_THREADS) -> dict:
     """Write ``entries`` as one safetensors file at ``path`` and fsync it.
 
-    Blocks are written and hashed ``IO_THREADS`` at a time; device tensors go
-    through ``scratch`` (pinned; share one between the files of a save).
+    Blocks are written and hashed ``threads`` at a time; device tensors go
+    through ``scratch`` (pinned, one buffer per thread).
     Returns ``{"size", "block_bytes", "hashes"}`` for the manifest.
     """
     header, starts = build_header([(e.key, e.dtype, e.numel, e.offset) for e in entries])
@@ -60,18 +65,20 @@ def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
         parts.append(Part(start, e.numel * e.dtype.itemsize, data))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        hashes = write_blocks(fd, path, parts, block_bytes, scratch)
+        hashes = write_blocks(fd, path, parts, block_bytes, scratch, threads)
         os.fsync(fd)
     finally:
         os.close(fd)
     return {"size": parts[-1].end, "block_bytes": block_bytes, "hashes": hashes}
 
 
-def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device) -> Scratch | None:
-    """The pinned per-thread buffers a save on ``device`` stages through (None on the host)."""
+def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device,
+                  threads: int = FILE_THREADS) -> Scratch | None:
+    """The pinned per-thread buffers (``staging_bytes`` in all) that the writes of one file
+    from ``device`` stage through (None on the host)."""
     if device.type != "cuda":
         return None
-    return Scratch(IO_THREADS, max(1 << 16, min(block_bytes, staging_bytes // IO_THREADS)), device)
+    return Scratch(threads, max(1 << 16, min(block_bytes, staging_bytes // threads)), device)
 
 
 def read_scratch(staging_bytes: int, device: torch.device, casts: bool) -> Scratch | None:
