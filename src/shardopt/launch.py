@@ -48,7 +48,9 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int) -> Any:
     """
     if under_torchrun() or nproc == 1:
         try:
-            return fn(*args)
+            result = fn(*args)
+            _finish_together()
+            return result
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -87,9 +89,18 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int) -> Any:
     return results[0]
 
 
+def _finish_together() -> None:
+    """Collective. After a rank's work succeeded: wait for every rank before the process group
+    is torn down, so that no rank closes its connections while a peer still uses them."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def _worker(fn: Callable[..., Any], error_dir: str, *args: Any) -> Any:
     try:
-        return fn(*args)
+        result = fn(*args)
+        _finish_together()
+        return result
     except USER_ERRORS as exc:
         rank = os.environ.get("RANK", "0")
         Path(error_dir, f"rank{rank}.txt").write_text(str(exc))
