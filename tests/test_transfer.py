@@ -124,3 +124,32 @@ def test_many_views_are_written_and_read_past_iov_max(tmp_path, monkeypatch):
     finally:
         os.close(fd)
     assert [bytes(b) for b in back] == [bytes(v) for v in views]
+
+
+def test_a_rank_writes_its_files_side_by_side(tmp_path, monkeypatch):
+    """A file takes one writer at a time, so a save writes a rank's files concurrently."""
+    import threading
+    import time
+
+    from faults.common import trained
+    from shardopt import checkpoint
+
+    real, lock, active, most = os.pwritev, threading.Lock(), set(), [0]
+
+    def slow_pwritev(fd, buffers, offset):
+        with lock:
+            active.add(fd)
+            most[0] = max(most[0], len(active))
+        time.sleep(0.2)
+        try:
+            return real(fd, buffers, offset)
+        finally:
+            with lock:
+                active.discard(fd)
+
+    model, opt = trained(1)
+    monkeypatch.setattr(os, "pwritev", slow_pwritev)
+    path = checkpoint.save(tmp_path / "root", model, opt, step=1)
+    monkeypatch.undo()
+    assert most[0] >= 4  # model, optim, exp_avg and exp_avg_sq at once (rng is a few bytes)
+    checkpoint.verify(path)
