@@ -111,6 +111,7 @@ def test_version_1_checkpoints_still_load(tmp_path: Path, monkeypatch: pytest.Mo
         "manifest.json", "model-00000.safetensors", "optim-00000.safetensors",
         "rng-00000.safetensors"]
     assert read_json(path)["version"] == 1
+    assert checkpoint.verify(path)["files"] == 3
     _check_state(str(path), 1)
     # A version-1 manifest that lists version-2 files is refused.
     m = read_json(path)
