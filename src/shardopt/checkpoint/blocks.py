@@ -1,6 +1,6 @@
 """Hash-verified block reads: check stored blocks, or read, check and place them in one pass.
 
-A data file is hashed in fixed-size blocks (:class:`~.format.BlockHasher`).
+A data file is hashed in fixed-size blocks (xxh3-64 of each; :func:`~.transfer.write_blocks`).
 Two ways to read it with verification:
 
 * :func:`verify_blocks` reads blocks only to hash them (the bytes are then read

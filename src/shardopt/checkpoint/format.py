@@ -161,36 +161,6 @@ def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int,
     return FileHeader(8 + n, tuple(chunks))
 
 
-class BlockHasher:
-    """xxh3-64 of consecutive fixed-size blocks of a byte stream."""
-
-    def __init__(self, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
-        self.digests: list[str] = []
-        self._h = xxhash.xxh3_64()
-        self._filled = 0
-        self.total = 0
-
-    def update(self, data: memoryview | bytes) -> None:
-        mv = memoryview(data).cast("B")
-        self.total += len(mv)
-        while len(mv):
-            take = min(len(mv), self.block_bytes - self._filled)
-            self._h.update(mv[:take])
-            self._filled += take
-            mv = mv[take:]
-            if self._filled == self.block_bytes:
-                self.digests.append(self._h.hexdigest())
-                self._h = xxhash.xxh3_64()
-                self._filled = 0
-
-    def finish(self) -> list[str]:
-        if self._filled:
-            self.digests.append(self._h.hexdigest())
-            self._filled = 0
-        return self.digests
-
-
 def manifest_checksum(manifest: dict) -> str:
     """xxh3-64 of the manifest's canonical JSON without its ``checksum`` field.
 
