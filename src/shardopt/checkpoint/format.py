@@ -28,11 +28,6 @@ DATA_FILE = re.compile(r"^(model|optim|exp_avg|exp_avg_sq|rng)-(\d{5})\.safetens
 # own file, so that a rank writes its files at once (a file takes one writer at a time).
 FILE_KINDS: dict[int, tuple[str, ...]] = {1: ("model", "optim", "rng"),
                                           2: ("model", "optim", "exp_avg", "exp_avg_sq", "rng")}
-
-
-def state_file_kind(name: str, version: int) -> str:
-    """The file kind that holds optimizer state ``name`` in format ``version``."""
-    return "optim" if version == 1 or name == "master_param" else name
 SHARDING_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
@@ -159,6 +154,11 @@ def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int,
             raise FormatError(f"{file}: header entry {key!r} is inconsistent with the file")
         chunks.append(StoredChunk(key, file, offset, numel, dtype, 8 + n + begin))
     return FileHeader(8 + n, tuple(chunks))
+
+
+def state_file_kind(name: str, version: int) -> str:
+    """The file kind that holds optimizer state ``name`` in format ``version``."""
+    return "optim" if version == 1 or name == "master_param" else name
 
 
 def manifest_checksum(manifest: dict) -> str:

@@ -9,9 +9,8 @@ Save schedule (collective over the optimizer's DP group):
 2. Every rank writes its own chunks into its ``model``, ``optim`` (main
    params), ``exp_avg``, ``exp_avg_sq`` and ``rng`` safetensors files there,
    all at once (hashing fixed-size blocks as it writes), fsyncs them and the
-   directory. Exchange: file records (sizes,
-   block hashes, chunk lists), or every rank raises and rank 0 removes the
-   temporary directory.
+   directory. Exchange: file records (sizes, block hashes, chunk lists), or
+   every rank raises and rank 0 removes the temporary directory.
 3. Rank 0 writes ``manifest.json`` and commits: rename to ``step_XXXXXXXX``,
    point ``latest`` at it, apply retention. Exchange: every rank learns
    whether the commit happened.

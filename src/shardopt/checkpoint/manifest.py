@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_BLOCK_BYTES,
-                     MAX_MANIFEST_BYTES, TORCH_DTYPE_NAMES, FormatError, manifest_checksum,
-                     parse_json_object)
+from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
+                     MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, TORCH_DTYPE_NAMES, FormatError,
+                     manifest_checksum, parse_json_object)
 from .storage import open_regular
 
 _HASH = re.compile(r"^[0-9a-f]{16}$")

@@ -200,9 +200,9 @@ class FileReader:
         return read_blocks(self.fd, self.path, hashes, segments, bb, self.size)
 
     def segment(self, req: ReadRequest, dest: torch.Tensor, dtype: torch.dtype) -> FileSegment:
-        """What fills ``dest[req.dest_start : +req.numel]`` (1-D) from the stored ``dtype`` bytes."""
-        return FileSegment(self.fd, self.path,
-                           Segment(req.file_start, dest.narrow(0, req.dest_start, req.numel), dtype))
+        """What fills ``dest[req.dest_start : +req.numel]`` (1-D) from stored ``dtype`` bytes."""
+        out = dest.narrow(0, req.dest_start, req.numel)
+        return FileSegment(self.fd, self.path, Segment(req.file_start, out, dtype))
 
     def _pread_exact(self, view: memoryview, offset: int) -> None:
         preadv_exact(self.fd, [view], offset, self.path)
