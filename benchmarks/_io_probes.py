@@ -121,6 +121,19 @@ def cached_fraction(path: Path) -> float | None:
         return None
 
 
+def mount_of(path: Path) -> dict[str, str]:
+    """Filesystem type and source of the mount holding ``path`` (longest /proc/mounts prefix)."""
+    best = {"mount": "", "fstype": "?", "source": "?"}
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            source, mount, fstype = line.split()[:3]
+            if str(path).startswith(mount) and len(mount) >= len(best["mount"]):
+                best = {"mount": mount, "fstype": fstype, "source": source}
+    except OSError:
+        pass
+    return best
+
+
 # ----------------------------------------------------------------------------- raw bandwidth
 def _barrier() -> None:
     import torch.distributed as dist

@@ -438,19 +438,6 @@ def _raw_worker(rank: int, world: int, a: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- parent
-def _mount_of(path: Path) -> dict[str, str]:
-    """Filesystem type and source of the mount holding ``path`` (longest /proc/mounts prefix)."""
-    best = {"mount": "", "fstype": "?", "source": "?"}
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            source, mount, fstype = line.split()[:3]
-            if str(path).startswith(mount) and len(mount) >= len(best["mount"]):
-                best = {"mount": mount, "fstype": fstype, "source": source}
-    except OSError:
-        pass
-    return best
-
-
 def _checkpoint_bytes(args: argparse.Namespace) -> int:
     """About what shardopt writes: model-dtype weights + 3 fp32 states per param."""
     from shardopt.model import GPT, model_config
@@ -474,7 +461,7 @@ def _targets(args: argparse.Namespace) -> list[dict]:
         d = Path(base) / f"shardopt-ckpt-bench-{os.getpid()}"
         d.mkdir(parents=True, exist_ok=True)
         out.append({"name": name, "dir": str(d), "evict": name != "shm",
-                    "free_bytes": shutil.disk_usage(d).free, **_mount_of(d.resolve())})
+                    "free_bytes": shutil.disk_usage(d).free, **_io_probes.mount_of(d.resolve())})
     return out
 
 
