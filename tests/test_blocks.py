@@ -30,13 +30,43 @@ def test_read_blocks_places_direct_and_staged_segments(tmp_path, block_bytes):
     assert blocks.one_pass_ok(segs, block_bytes, 1 << 20)
     fd = os.open(path, os.O_RDONLY)
     try:
-        done = blocks.read_blocks(fd, path, hashes, segs, block_bytes, size)
+        [done] = blocks.read_blocks([(blocks.BlockFile(fd, path, hashes, block_bytes, size),
+                                      segs)], threads=3)
     finally:
         os.close(fd)
     assert torch.equal(direct, data[100:3100])
     assert torch.equal(cast, data[5000:7500].double())
     assert done == {b for s in segs for b in range(s.file_start // block_bytes,
                                                       (s.file_end - 1) // block_bytes + 1)}
+
+
+def test_one_pass_and_verify_take_several_files_at_once(tmp_path):
+    """Blocks of several files (different block sizes) in one call: each file's bytes land
+    in its own segments, and damage is reported with the damaged file's name."""
+    datas = [torch.randn(5000), torch.randn(7000)]
+    files, fds = [], []
+    for i, (data, bb) in enumerate(zip(datas, [256, 4096])):
+        d = tmp_path / str(i)
+        d.mkdir()
+        path, hashes, size = _file(d, data, bb)
+        fds.append(os.open(path, os.O_RDONLY))
+        files.append(blocks.BlockFile(fds[-1], path, hashes, bb, size))
+    try:
+        outs = [torch.zeros(4000), torch.zeros(6000, dtype=torch.float64)]
+        done = blocks.read_blocks([(f, [blocks.Segment(400, out, torch.float32)])
+                                   for f, out in zip(files, outs)], threads=4)
+        assert torch.equal(outs[0], datas[0][100:4100])
+        assert torch.equal(outs[1], datas[1][100:6100].double())
+        assert done == [set(range(1, 64 + 1)), set(range(0, 5 + 1))]
+        blocks.verify_blocks([(f, range(len(f.hashes))) for f in files], threads=4)
+        with open(files[1].path, "r+b") as f:
+            f.seek(27_000)
+            f.write(b"\xff")
+        with pytest.raises(FormatError, match=f"{files[1].path}: content hash mismatch"):
+            blocks.verify_blocks([(f, range(len(f.hashes))) for f in files], threads=4)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_read_blocks_detects_damage_and_verify_blocks_too(tmp_path):
@@ -46,14 +76,14 @@ def test_read_blocks_detects_damage_and_verify_blocks_too(tmp_path):
         f.seek(20_000)
         f.write(b"\xff")
     fd = os.open(path, os.O_RDONLY)
+    f = blocks.BlockFile(fd, path, hashes, 4096, size)
     try:
         with pytest.raises(FormatError, match="hash mismatch in bytes \\[16384, 20480\\)"):
-            blocks.read_blocks(fd, path, hashes, [blocks.Segment(0, torch.zeros(10_000),
-                                                                 torch.float32)],
-                               4096, size)
+            blocks.read_blocks([(f, [blocks.Segment(0, torch.zeros(10_000), torch.float32)])],
+                               threads=2)
         with pytest.raises(FormatError, match="hash mismatch"):
-            blocks.verify_blocks(fd, path, hashes, range(len(hashes)), 4096, size)
-        blocks.verify_blocks(fd, path, hashes, [0, 1, 2], 4096, size)  # undamaged blocks
+            blocks.verify_blocks([(f, range(len(hashes)))], threads=2)
+        blocks.verify_blocks([(f, [0, 1, 2])], threads=2)  # undamaged blocks
     finally:
         os.close(fd)
 

@@ -98,26 +98,33 @@ def test_roundtrip_baseline(saved: Path) -> None:
     _check_state(str(saved), 1)
 
 
-def test_version_1_checkpoints_still_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                          ) -> None:
-    """Version 1 kept all optimizer state in ``optim-RRRRR``: three files per rank."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_versions_still_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   version: int) -> None:
+    """Version 1 kept all optimizer state in ``optim-RRRRR`` (three files per rank);
+    version 2 gave each moment its own file but never split a kind into parts."""
     from shardopt.checkpoint import io as ckpt_io
 
     with monkeypatch.context() as patch:
-        patch.setattr(ckpt_io, "FORMAT_VERSION", 1)
+        patch.setattr(ckpt_io, "FORMAT_VERSION", version)
         model, opt = trained(1)
         path = Path(checkpoint.save(tmp_path / "root", model, opt, step=1))
-    assert sorted(p.name for p in path.iterdir()) == [
+    names = ["manifest.json", *FILES] if version == 2 else [
         "manifest.json", "model-00000.safetensors", "optim-00000.safetensors",
         "rng-00000.safetensors"]
-    assert read_json(path)["version"] == 1
-    assert checkpoint.verify(path)["files"] == 3
+    assert sorted(p.name for p in path.iterdir()) == sorted(names)
+    assert read_json(path)["version"] == version
+    assert checkpoint.verify(path)["files"] == len(names) - 1
     _check_state(str(path), 1)
-    # A version-1 manifest that lists version-2 files is refused.
     m = read_json(path)
-    m["files"]["exp_avg-00000.safetensors"] = m["files"].pop("optim-00000.safetensors")
-    write_manifest(path, m)
-    _assert_refused(path, "a version 1 save by 1 ranks writes 3 .*missing optim-00000")
+    if version == 1:  # a version-1 manifest that lists version-2 files is refused
+        m["files"]["exp_avg-00000.safetensors"] = m["files"].pop("optim-00000.safetensors")
+        write_manifest(path, m)
+        _assert_refused(path, "a version 1 checkpoint has no file exp_avg-00000")
+    else:  # parts came with version 3
+        m["files"]["exp_avg-00000-p1.safetensors"] = m["files"].pop("exp_avg-00000.safetensors")
+        write_manifest(path, m)
+        _assert_refused(path, "a version 2 checkpoint has no file exp_avg-00000-p1")
 
 
 def _damage(path: Path, name: str, how: str) -> None:

@@ -31,10 +31,15 @@ def _manifest(path: Path) -> dict:
 
 
 def save_rank(rank: int, world_size: int, backend: str, base: str) -> None:
+    from shardopt.checkpoint import storage
+
     model, opt = build(0, device_for(backend, rank), tied=True)
     train(model, opt, range(SAVE_STEP), rank, world_size)
+    # Tiny parts: each rank's state is split over 8 files, chunks cut across them.
+    storage.MIN_PART_BYTES = 64
     checkpoint.save(f"{base}/saved-{world_size}", model, opt, step=SAVE_STEP,
-                    extra={"saved_by": world_size})
+                    extra={"saved_by": world_size}, io_threads=8)
+    storage.MIN_PART_BYTES = 64 << 20
     train(model, opt, range(SAVE_STEP, END_STEP), rank, world_size)
     checkpoint.save(f"{base}/continued-{world_size}", model, opt, step=END_STEP)
 
@@ -69,6 +74,8 @@ def saved(request, tmp_path_factory) -> Saved:
     sizes = [n for n in SIZES if backend != "nccl" or n <= torch.cuda.device_count()]
     for n in sizes:
         run_distributed(save_rank, n, backend, str(base), backend=backend, tmp_path=base / "runs")
+    for n in sizes:  # saved in parts; every other save below is not
+        assert len(_manifest(base / f"saved-{n}")["files"]) == 9 * n
     state = {n: exported(base / f"saved-{n}", base / f"export-saved-{n}") for n in sizes}
     continued = {n: exported(base / f"continued-{n}", base / f"export-continued-{n}")
                  for n in sizes}

@@ -78,7 +78,7 @@ def test_read_segments_fills_direct_staged_and_casting_destinations(tmp_path, de
                 FileSegment(fd, str(path), Segment(0, empty, torch.float32))]
         transfer.read_segments(segs, Scratch(3, 4096, torch.device(device)), threads=3)
         with pytest.raises(AssertionError, match="need a scratch"):
-            transfer.read_segments(segs[2:3], None)
+            transfer.read_segments(segs[2:3], None, threads=2)
     finally:
         os.close(fd)
     assert torch.equal(direct, data[10:12_355])

@@ -14,28 +14,38 @@ Two ways to read it with verification:
   on. It is only for tensors nothing else can see yet: on a mismatch they hold
   partial data and the caller discards them.
 
-Both read and hash ``READ_THREADS`` blocks at a time, on as many threads
-(``preadv`` and ``xxhash`` release the GIL), which a single reader on fast
-storage (tmpfs, NVMe) cannot saturate. Host memory is bounded: one scratch
+Both take many files at once and read and hash a given number of blocks at a time,
+on as many threads (``preadv`` and ``xxhash`` release the GIL), which a single reader
+on fast storage (tmpfs, NVMe) cannot saturate. Host memory is bounded: one scratch
 buffer of one piece or block per thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from .format import FormatError
-from .transfer import IO_THREADS, Scratch, Segment, host_bytes, preadv_exact, run_parallel
+from .transfer import Scratch, Segment, host_bytes, preadv_exact, run_parallel
 
 # verify_blocks reads in pieces of at most this size; read_blocks handles blocks up
 # to twice the staging (``max_block_bytes``) and leaves larger ones to two passes.
 PIECE_BYTES = 4 << 20
-# Blocks read (and hashed) at once; xxhash and preadv release the GIL. Host memory is one
-# piece (verify) or one block (one-pass reads) per thread.
-READ_THREADS = IO_THREADS
+
+
+@dataclass(frozen=True)
+class BlockFile:
+    """An open data file (``fd``; ``path`` names it in errors) of ``size`` bytes, hashed in
+    blocks of ``block_bytes`` whose digests the manifest lists as ``hashes``."""
+
+    fd: int
+    path: str
+    hashes: list[str]
+    block_bytes: int
+    size: int
 
 
 def _mismatch(path: str, start: int, end: int) -> FormatError:
@@ -47,24 +57,24 @@ def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tup
     return [(b, b * block_bytes, min((b + 1) * block_bytes, size)) for b in blocks]
 
 
-def verify_blocks(fd: int, path: str, hashes: list[str], blocks: Iterable[int],
-                  block_bytes: int, size: int) -> None:
-    """Hash-check ``blocks`` of the file, reading each once (``READ_THREADS`` at a time)."""
-    jobs = block_ranges(blocks, block_bytes, size)
+def verify_blocks(items: list[tuple[BlockFile, Iterable[int]]], threads: int) -> None:
+    """Hash-check the given blocks of each file, reading each once, ``threads`` at a time."""
+    jobs = [(f, b, start, end) for f, blocks in items
+            for b, start, end in block_ranges(blocks, f.block_bytes, f.size)]
     if not jobs:
         return
-    piece = min(PIECE_BYTES, block_bytes, size)
-    bufs = [memoryview(bytearray(piece)) for _ in range(min(READ_THREADS, len(jobs)))]
+    piece = min(PIECE_BYTES, max(end - start for _, _, start, end in jobs))
+    bufs = [memoryview(bytearray(piece)) for _ in range(min(threads, len(jobs)))]
 
     def work(job, slot):
-        b, start, end = job
+        f, b, start, end = job
         buf, h = bufs[slot], xxhash.xxh3_64()
         for pos in range(start, end, piece):
             n = min(piece, end - pos)
-            preadv_exact(fd, [buf[:n]], pos, path)
+            preadv_exact(f.fd, [buf[:n]], pos, f.path)
             h.update(buf[:n])
-        if h.hexdigest() != hashes[b]:
-            raise _mismatch(path, start, end)
+        if h.hexdigest() != f.hashes[b]:
+            raise _mismatch(f.path, start, end)
 
     run_parallel(jobs, work, len(bufs))
 
@@ -78,28 +88,32 @@ def one_pass_ok(segments: list[Segment], block_bytes: int, max_block_bytes: int)
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
-def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
-                block_bytes: int, size: int) -> set[int]:
-    """Read, hash-check and place every block ``segments`` touch; return those blocks.
+def read_blocks(items: list[tuple[BlockFile, list[Segment]]], threads: int) -> list[set[int]]:
+    """Read, hash-check and place every block the segments of each file touch, ``threads``
+    blocks at a time; return, per file, those blocks.
 
     Check :func:`one_pass_ok` first. On a mismatch ``FormatError`` is raised and
     the segments' tensors hold partial data.
     """
-    segments = sorted((s for s in segments if s.out.numel()), key=lambda s: s.file_start)
-    by_block: dict[int, list[Segment]] = {}
-    for s in segments:
-        for b in range(s.file_start // block_bytes, (s.file_end - 1) // block_bytes + 1):
-            by_block.setdefault(b, []).append(s)
-    jobs = block_ranges(sorted(by_block), block_bytes, size)
+    jobs, touched = [], []
+    for f, segs in items:
+        segs = sorted((s for s in segs if s.out.numel()), key=lambda s: s.file_start)
+        by_block: dict[int, list[Segment]] = {}
+        for s in segs:
+            for b in range(s.file_start // f.block_bytes, (s.file_end - 1) // f.block_bytes + 1):
+                by_block.setdefault(b, []).append(s)
+        jobs += [(f, by_block[b], b, start, end)
+                 for b, start, end in block_ranges(sorted(by_block), f.block_bytes, f.size)]
+        touched.append(set(by_block))
     if not jobs:
-        return set()
-    device = next((s.out.device for s in segments if s.out.is_cuda), None)
-    scratch = Scratch(min(READ_THREADS, len(jobs)), block_bytes, device)
+        return touched
+    device = next((s.out.device for _, segs in items for s in segs if s.out.is_cuda), None)
+    scratch = Scratch(min(threads, len(jobs)), max(f.block_bytes for f, _ in items), device)
 
-    def layout(b: int, start: int, end: int, raw: torch.Tensor):
+    def layout(segs: list[Segment], start: int, end: int, raw: torch.Tensor):
         """The iovecs that cover [start, end) and the staged copies to make afterwards."""
         views, copies, pos = [], [], start
-        for s in by_block[b]:
+        for s in segs:
             lo, hi = max(s.file_start, start), min(s.file_end, end)
             if lo > pos:
                 views.append(host_bytes(raw[pos - start:lo - start]))
@@ -116,14 +130,14 @@ def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
         return views, copies
 
     def work(job, slot):
-        b, start, end = job
-        views, copies = layout(b, start, end, scratch.take(slot))
-        preadv_exact(fd, list(views), start, path)
+        f, segs, b, start, end = job
+        views, copies = layout(segs, start, end, scratch.take(slot))
+        preadv_exact(f.fd, list(views), start, f.path)
         h = xxhash.xxh3_64()
         for v in views:
             h.update(v)
-        if h.hexdigest() != hashes[b]:
-            raise _mismatch(path, start, end)
+        if h.hexdigest() != f.hashes[b]:
+            raise _mismatch(f.path, start, end)
         if copies:
             scratch.copy(slot, copies)
 
@@ -131,4 +145,4 @@ def read_blocks(fd: int, path: str, hashes: list[str], segments: list[Segment],
         run_parallel(jobs, work, scratch.threads)
     finally:
         scratch.drain()
-    return set(by_block)
+    return touched

@@ -24,7 +24,7 @@ from .io import CheckpointError, resolve
 from .manifest import read_manifest, unknown_files, validate_manifest
 from .planner import ChunkIndex
 from .storage import FileReader
-from .transfer import read_segments
+from .transfer import io_threads, read_segments
 
 
 def _open(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
@@ -66,7 +66,7 @@ class _Store:
     def read(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(numel, dtype=dtype)
         read_segments([self.readers[req.file].segment(req, out, dtype)
-                       for req in self.index.plan(key, Range(0, numel))], None)
+                       for req in self.index.plan(key, Range(0, numel))], None, io_threads())
         return out
 
     def close(self) -> None:

@@ -19,15 +19,20 @@ import torch
 import xxhash
 
 FORMAT_NAME = "shardopt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
-DATA_FILE = re.compile(r"^(model|optim|exp_avg|exp_avg_sq|rng)-(\d{5})\.safetensors$")
-# The data files every rank writes, by format version. Version 2 gives each Adam moment its
-# own file, so that a rank writes its files at once (a file takes one writer at a time).
+DATA_FILE = re.compile(
+    r"^(model|optim|exp_avg|exp_avg_sq|rng)-(\d{5})(?:-p([1-9]\d{0,2}))?\.safetensors$")
+# The kinds of data file every rank writes, by format version. Version 2 gives each Adam
+# moment its own file, so that a rank writes its files at once (a file takes one writer at a
+# time); version 3 may continue a kind in further parts (``-pN``) of about equal size.
 FILE_KINDS: dict[int, tuple[str, ...]] = {1: ("model", "optim", "rng"),
-                                          2: ("model", "optim", "exp_avg", "exp_avg_sq", "rng")}
+                                          2: ("model", "optim", "exp_avg", "exp_avg_sq", "rng"),
+                                          3: ("model", "optim", "exp_avg", "exp_avg_sq", "rng")}
+# Parts a kind may have in version 3 (the file name's -pN has at most three digits).
+MAX_PARTS = 1000
 SHARDING_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
@@ -154,6 +159,11 @@ def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int,
             raise FormatError(f"{file}: header entry {key!r} is inconsistent with the file")
         chunks.append(StoredChunk(key, file, offset, numel, dtype, 8 + n + begin))
     return FileHeader(8 + n, tuple(chunks))
+
+
+def data_file_name(kind: str, rank: int, part: int = 0) -> str:
+    """``model-00003.safetensors``; later parts of a kind: ``model-00003-p1.safetensors``."""
+    return f"{kind}-{rank:05d}{f'-p{part}' if part else ''}.safetensors"
 
 
 def state_file_kind(name: str, version: int) -> str:

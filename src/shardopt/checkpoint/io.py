@@ -7,9 +7,10 @@ Save schedule (collective over the optimizer's DP group):
    (:mod:`.commit`). Exchange: every rank learns the directory, or every
    rank raises.
 2. Every rank writes its own chunks into its ``model``, ``optim`` (main
-   params), ``exp_avg``, ``exp_avg_sq`` and ``rng`` safetensors files there,
-   all at once (hashing fixed-size blocks as it writes), fsyncs them and the
-   directory. Exchange: file records (sizes, block hashes, chunk lists), or
+   params), ``exp_avg``, ``exp_avg_sq`` and ``rng`` safetensors files there
+   (large kinds split into parts of about equal size, up to ``io_threads``
+   files in all), all at once (hashing fixed-size blocks as it writes), fsyncs
+   them and the directory. Exchange: file records (sizes, block hashes, chunk lists), or
    every rank raises and rank 0 removes the temporary directory.
 3. Rank 0 writes ``manifest.json`` and commits: rename to ``step_XXXXXXXX``,
    point ``latest`` at it, apply retention. Exchange: every rank learns
@@ -45,15 +46,20 @@ from ..config import GROUP_KEYS
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from ..pinned import PinnedBuffer
 from . import commit, state
-from .format import (DEFAULT_BLOCK_BYTES, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, LATEST,
+from .blocks import read_blocks, verify_blocks
+from .format import (DEFAULT_BLOCK_BYTES, FORMAT_NAME, FORMAT_VERSION, LATEST,
                      MANIFEST, MAX_BLOCK_BYTES, OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES,
-                     FormatError, StoredChunk, manifest_checksum, state_file_kind,
-                     step_dir_name)
+                     FormatError, StoredChunk, data_file_name, manifest_checksum,
+                     state_file_kind, step_dir_name)
 from .manifest import check_optimizer, read_manifest, validate_manifest
 from .planner import ChunkIndex
-from .storage import (FILE_THREADS, FileReader, Segment, WriteEntry, read_scratch,
-                      write_file, write_scratch)
+from .storage import (FILE_THREADS, FileReader, Segment, WriteEntry, entry_bytes, part_counts,
+                      read_scratch, split_entries, write_file, write_scratch)
+from .transfer import io_threads as resolve_threads
 from .transfer import read_segments, run_parallel
+
+# Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
+STAGING_BYTES = 128 << 20
 
 
 class CheckpointError(ValueError):
@@ -156,14 +162,17 @@ def save(
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-    staging_bytes: int = 64 << 20,
+    staging_bytes: int = STAGING_BYTES,
+    io_threads: int | None = None,
 ) -> str:
     """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.
 
     ``extra`` must be JSON-serialisable (data position, scheduler state, ...).
     ``keep_last`` deletes older committed checkpoints beyond the newest ``k``
-    (never the one just saved). On any failure of any rank every rank raises
-    :class:`CheckpointError` and nothing is committed.
+    (never the one just saved). ``io_threads`` (default: this process's share of
+    the node's CPUs, 2-16) is how many files of about equal size each rank's data
+    is split into and written at once. On any failure of any rank every rank
+    raises :class:`CheckpointError` and nothing is committed.
     """
     dp = optimizer.dp
     optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
@@ -171,9 +180,10 @@ def save(
     what = f"saving step {step!r} to {root}"
     staged: commit.Staged | None = None
     try:
-        error, extra_obj = None, None
+        error, extra_obj, threads = None, None, 1
         try:
             extra_obj = _check_save_args(step, extra, keep_last, block_bytes)
+            threads = resolve_threads(io_threads)
             if dp.rank == 0:
                 staged = commit.begin(root, step_dir_name(step))
         except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
@@ -187,7 +197,8 @@ def save(
 
         records, error = {}, None
         try:
-            records = _write_rank_files(tmp, model, optimizer, block_bytes, staging_bytes)
+            records = _write_rank_files(tmp, model, optimizer, block_bytes, staging_bytes,
+                                        threads)
         except Exception as e:  # noqa: BLE001
             error = e
         all_records = _agree(dp, error, what, records)
@@ -208,19 +219,26 @@ def save(
 
 
 def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimizer,
-                      block_bytes: int, staging_bytes: int) -> dict[str, dict]:
+                      block_bytes: int, staging_bytes: int, threads: int) -> dict[str, dict]:
     """Coordinator-free. Write and fsync this rank's files, all at once; return their records.
 
-    A file takes one writer at a time (the kernel locks it for each write), so the files
-    are written side by side, each by ``FILE_THREADS`` threads (one hashes or copies from
-    the device while the other writes).
+    A file takes one writer at a time (the kernel locks it for each write), so the data is
+    split into up to ``threads`` files of about equal size (a kind into parts where it is
+    larger than the others), written side by side, each by ``FILE_THREADS`` threads (one
+    hashes or copies from the device while the other writes).
     """
-    r = f"{opt.dp.rank:05d}"
-    contents = {"model": state.model_entries(model, opt), "rng": _rng_entries()}
+    r = opt.dp.rank
+    contents = {"model": state.model_entries(model, opt)}
     for name in STATE_NAMES:
         kind = state_file_kind(name, FORMAT_VERSION)
         contents.setdefault(kind, []).extend(state.optim_entries(opt, name))
-    jobs = [(f"{kind}-{r}.safetensors", contents[kind]) for kind in FILE_KINDS[FORMAT_VERSION]]
+    counts = part_counts({k: entry_bytes(v) for k, v in contents.items()},
+                         threads if FORMAT_VERSION >= 3 else 0)  # parts came with version 3
+    jobs = [(data_file_name("rng", r), _rng_entries())]
+    for kind, entries in contents.items():
+        runs = split_entries(entries, counts[kind]) or [[]]
+        jobs += [(data_file_name(kind, r, p), run) for p, run in enumerate(runs)]
+    jobs.sort(key=lambda job: -entry_bytes(job[1]))  # the largest files start first
     scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), opt.device,
                              threads=FILE_THREADS) for _ in jobs]
     records: dict[str, dict] = {}
@@ -234,7 +252,7 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimiz
 
     run_parallel(jobs, write, len(jobs))
     commit.fsync_dir(tmp)  # the directory entries, so the rename publishes whole files
-    return {name: records[name] for name, _ in jobs}
+    return {name: records[name] for name in sorted(records)}
 
 
 def _manifest_text(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
@@ -303,23 +321,26 @@ def load(
     optimizer: DistributedOptimizer,
     low_memory_resume: bool | None = None,
     verify: bool = True,
-    staging_bytes: int = 64 << 20,
+    staging_bytes: int = STAGING_BYTES,
+    io_threads: int | None = None,
 ) -> LoadInfo:
     """Collective. Restore ``model`` and ``optimizer`` from a checkpoint saved at any DP size.
 
     ``low_memory_resume`` (default: the optimizer config's) keeps the Adam moments
     in host memory until the first ``step()``. ``verify`` checks the content hash
-    of every block read. On any error every rank raises a :class:`CheckpointError`
-    and model and optimizer are left as they were.
+    of every block read. ``io_threads`` (default as for :func:`save`) is how many
+    blocks a rank reads at once. On any error every rank raises a
+    :class:`CheckpointError` and model and optimizer are left as they were.
     """
     dp = optimizer.dp
     optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
     if low_memory_resume is None:
         low_memory_resume = optimizer.config.low_memory_resume
     host = bool(low_memory_resume)
-    plan, error = None, None
+    plan, error, threads = None, None, 1
     try:
-        plan = _prepare(root_or_path, model, optimizer, verify, host, staging_bytes)
+        threads = resolve_threads(io_threads)
+        plan = _prepare(root_or_path, model, optimizer, verify, host, staging_bytes, threads)
     except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
         error = e
     try:
@@ -336,7 +357,7 @@ def load(
         segments = [plan.readers[req.file].segment(req, dest.resolve(plan.moments), dtype)
                     for dest, reqs in plan.requests.items for req, dtype in reqs]
         read_segments(segments, read_scratch(staging_bytes, optimizer.device,
-                                             plan.requests.casts))
+                                             plan.requests.casts, threads), threads)
     except Exception as e:  # noqa: BLE001 - the file changed after it was verified
         error = e
     finally:
@@ -356,7 +377,7 @@ def load(
 
 def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
              opt: DistributedOptimizer, verify: bool, host: bool,
-             staging_bytes: int) -> _Plan:
+             staging_bytes: int, threads: int) -> _Plan:
     """Coordinator-free. Every check of a load, and everything it reads before writing."""
     path = resolve(root_or_path)
     manifest = read_manifest(path)
@@ -367,7 +388,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     hparams = _group_hyperparameters(manifest, opt)
     moments, pinned, fresh = _moment_tensors(opt, host)
     readers, requests = _plan_reads(path, manifest, model, opt, verify,
-                                    moments if fresh else None, staging_bytes)
+                                    moments if fresh else None, staging_bytes, threads)
     try:
         rng = None
         if manifest["dp_size"] == opt.dp.size:
@@ -381,7 +402,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
 
 def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: DistributedOptimizer,
                 verify: bool, fresh_moments: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
-                staging_bytes: int) -> tuple[dict[str, FileReader], _Requests]:
+                staging_bytes: int, threads: int) -> tuple[dict[str, FileReader], _Requests]:
     """Coordinator-free. Open files, cross-check headers, plan and verify this rank's reads.
 
     With ``fresh_moments`` (new tensors nobody else sees) and ``verify``, the moments
@@ -410,15 +431,16 @@ def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: Distrib
                 readers.pop(name).close()
         checked: dict[str, set[int]] = {}
         if verify and fresh_moments is not None:
-            planned, checked = _read_fresh(planned, readers, fresh_moments, staging_bytes)
+            planned, checked = _read_fresh(planned, readers, fresh_moments, staging_bytes,
+                                           threads)
         if verify:
             spans: dict[str, list[tuple[int, int]]] = {}
             for _, reqs in planned:
                 for r, dtype in reqs:
                     spans.setdefault(r.file, []).append(
                         (r.file_start, r.file_start + r.numel * dtype.itemsize))
-            for name, sp in spans.items():
-                readers[name].verify(sp, skip=checked.get(name, set()))
+            verify_blocks([readers[name].to_verify(sp, skip=checked.get(name, set()))
+                           for name, sp in spans.items()], threads)
     except BaseException:
         for r in readers.values():
             r.close()
@@ -427,10 +449,10 @@ def _plan_reads(path: Path, manifest: dict, model: torch.nn.Module, opt: Distrib
 
 
 def _read_fresh(planned: list, readers: dict[str, FileReader], moments: tuple,
-                staging_bytes: int) -> tuple[list, dict[str, set[int]]]:
-    """Read the requests into new moment tensors in one verifying pass, file by file.
-    Returns the requests still to be read (in place, after the agreement) and, per
-    file, the blocks already hash-checked."""
+                staging_bytes: int, threads: int) -> tuple[list, dict[str, set[int]]]:
+    """Read the requests into new moment tensors in one verifying pass over all their files.
+    Returns the requests still to be read (in place, after the agreement) and, per file,
+    the blocks already hash-checked."""
     segments: dict[str, list[Segment]] = {}
     for d, reqs in planned:
         if d.tensor is None:
@@ -438,11 +460,15 @@ def _read_fresh(planned: list, readers: dict[str, FileReader], moments: tuple,
             for r, dtype in reqs:
                 segments.setdefault(r.file, []).append(
                     Segment(r.file_start, t.narrow(0, r.dest_start, r.numel), dtype))
+    items = {name: readers[name].to_read_fresh(segs, max(8, staging_bytes // 2))
+             for name, segs in segments.items()}
+    items = {name: item for name, item in items.items() if item is not None}
     checked: dict[str, set[int]] = {}
-    for name, segs in segments.items():
-        done = readers[name].read_fresh(segs, max(8, staging_bytes // 2))
-        if done is not None:
-            checked[name] = done
+    if items:
+        # One block per thread is staged: at most ``staging_bytes`` in all.
+        block = max(f.block_bytes for f, _ in items.values())
+        done = read_blocks(list(items.values()), max(1, min(threads, staging_bytes // block)))
+        checked = dict(zip(items, done))
     rest = [(d, [(r, dt) for r, dt in reqs if d.tensor is not None or r.file not in checked])
             for d, reqs in planned]
     return [(d, reqs) for d, reqs in rest if reqs], checked

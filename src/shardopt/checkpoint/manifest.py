@@ -16,7 +16,7 @@ from typing import Any
 
 from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                      MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, TORCH_DTYPE_NAMES, FormatError,
-                     manifest_checksum, parse_json_object)
+                     data_file_name, manifest_checksum, parse_json_object)
 from .storage import open_regular
 
 _HASH = re.compile(r"^[0-9a-f]{16}$")
@@ -123,17 +123,36 @@ def _validate_fields(m: dict[str, Any], file: Path) -> None:
                     raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
                 _int(c[1], f"chunk offset in {name}", file)
                 _int(c[2], f"chunk length in {name}", file)
-    kinds = FILE_KINDS.get(m["version"])
+    _check_file_set(m["version"], dp_size, files, file)
+
+
+def _check_file_set(version: int, dp_size: int, files: dict, file: str) -> None:
+    """Every rank's file of every kind, and (version 3) a kind's parts numbered without gaps."""
+    kinds = FILE_KINDS.get(version)
     if kinds is None:
-        raise FormatError(f"{file}: unknown format version {m['version']}")
-    what = (f"{file}: lists {len(files)} data files; a version {m['version']} save by "
-            f"{dp_size} ranks writes {len(kinds) * dp_size} ({', '.join(kinds)} per rank)")
-    if len(files) != len(kinds) * dp_size:  # before building names: dp_size may be absurd
+        raise FormatError(f"{file}: unknown format version {version}")
+    least = len(kinds) * dp_size
+    what = (f"{file}: lists {len(files)} data files; a version {version} save by "
+            f"{dp_size} ranks writes {'at least ' if version >= 3 else ''}{least} "
+            f"({', '.join(kinds)} per rank)")
+    if len(files) < least or (version < 3 and len(files) != least):  # dp_size may be absurd
         raise FormatError(what)
-    missing = sorted({f"{k}-{r:05d}.safetensors" for r in range(dp_size) for k in kinds}
+    parts: dict[tuple[str, int], set[int]] = {}
+    for name in files:
+        kind, rank, part = DATA_FILE.fullmatch(name).groups()
+        if kind not in kinds or (part and (version < 3 or kind == "rng")):
+            raise FormatError(f"{file}: a version {version} checkpoint has no file {name}")
+        parts.setdefault((kind, int(rank)), set()).add(int(part or 0))
+    missing = sorted({data_file_name(k, r) for r in range(dp_size) for k in kinds}
                      - set(files))
     if missing:
         raise FormatError(f"{what}; missing {', '.join(missing[:4])}")
+    for (kind, rank), got in sorted(parts.items()):
+        gap = min(set(range(len(got) + 1)) - got)
+        if gap < len(got):
+            raise FormatError(f"{file}: lists parts of {data_file_name(kind, rank)} up to "
+                              f"{data_file_name(kind, rank, max(got))} but not "
+                              f"{data_file_name(kind, rank, gap)}")
 
 
 def unknown_files(path: Path, m: dict[str, Any]) -> list[str]:

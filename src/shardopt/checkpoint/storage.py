@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-from .blocks import one_pass_ok, read_blocks, verify_blocks
+from .blocks import BlockFile, one_pass_ok, verify_blocks
 from .format import FileHeader, FormatError, StoredChunk, build_header, parse_header
 from .planner import ReadRequest
-from .transfer import (IO_THREADS, FileSegment, Part, Scratch, Segment, host_bytes,
-                       preadv_exact, write_blocks)
+from .transfer import FileSegment, Part, Scratch, Segment, host_bytes, preadv_exact, write_blocks
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,58 @@ class WriteEntry:
     numel: int
     offset: int
     source: torch.Tensor | None
+
+
+# A save splits a kind's bytes over several files (to write them side by side) only into
+# files of at least this size.
+MIN_PART_BYTES = 64 << 20
+
+
+def entry_bytes(entries: Sequence[WriteEntry]) -> int:
+    return sum(e.numel * e.dtype.itemsize for e in entries)
+
+
+def part_counts(sizes: dict[str, int], files: int, min_part: int | None = None
+                ) -> dict[str, int]:
+    """Into how many files to split each kind's ``sizes`` bytes: the largest file as small
+    as ``files`` files in all allow (a save takes as long as its largest file), with no
+    more files than that needs, none under ``min_part`` bytes (default
+    :data:`MIN_PART_BYTES`) once split, and one file at least per kind."""
+    least = max(1, MIN_PART_BYTES if min_part is None else min_part)
+
+    def counts(largest: int) -> dict[str, int]:
+        return {k: max(1, min(-(-s // largest), s // least)) for k, s in sizes.items()}
+
+    for largest in sorted({-(-s // n) for s in sizes.values() if s
+                           for n in range(1, files + 1)}):
+        c = counts(largest)
+        if sum(c.values()) <= files:
+            return c
+    return dict.fromkeys(sizes, 1)
+
+
+def split_entries(entries: Sequence[WriteEntry], parts: int) -> list[list[WriteEntry]]:
+    """``entries`` in ``parts`` runs of about equal bytes, in order; a chunk that straddles
+    a boundary is cut between two elements into two chunks. Runs are never empty."""
+    total = entry_bytes(entries)
+    out: list[list[WriteEntry]] = [[] for _ in range(parts)]
+    i, filled = 0, 0
+    for e in entries:
+        size, first = e.dtype.itemsize, 0
+        if e.numel == 0:
+            out[i].append(e)
+        while first < e.numel:
+            room = e.numel - first
+            if i < parts - 1:
+                room = min(room, ((i + 1) * total // parts - filled) // size)
+                if room <= 0:
+                    i += 1
+                    continue
+            src = None if e.source is None else e.source.narrow(0, first, room)
+            out[i].append(WriteEntry(e.key, e.dtype, room, e.offset + first, src))
+            first += room
+            filled += room * size
+    return [run for run in out if run]
 
 
 # Threads per file of a save: writes to one file are serialised by the kernel, so a second
@@ -81,11 +132,13 @@ def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device,
     return Scratch(threads, max(1 << 16, min(block_bytes, staging_bytes // threads)), device)
 
 
-def read_scratch(staging_bytes: int, device: torch.device, casts: bool) -> Scratch | None:
-    """The per-thread buffers that reads into ``device`` tensors (or casting reads) need."""
+def read_scratch(staging_bytes: int, device: torch.device, casts: bool,
+                 threads: int) -> Scratch | None:
+    """The per-thread buffers (``staging_bytes`` in all) that reads into ``device`` tensors
+    (or casting reads) on ``threads`` threads need."""
     if device.type != "cuda" and not casts:
         return None
-    return Scratch(IO_THREADS, max(1 << 16, staging_bytes // IO_THREADS), device)
+    return Scratch(threads, max(1 << 16, staging_bytes // threads), device)
 
 
 def open_regular(path: Path) -> int:
@@ -164,12 +217,13 @@ class FileReader:
         self._pread_exact(host_bytes(out), found[0].data_start)
         return out
 
-    def _check_hash_count(self) -> list[str]:
+    def blocks(self) -> BlockFile:
+        """The file as :mod:`.blocks` reads it, once its hash count fits its size."""
         bb, hashes = self.record["block_bytes"], self.record["hashes"]
         if len(hashes) != -(-self.size // bb):
             raise FormatError(f"{self.path}: manifest lists {len(hashes)} block hashes, "
                               f"the file has {-(-self.size // bb)} blocks")
-        return hashes
+        return BlockFile(self.fd, self.path, hashes, bb, self.size)
 
     def blocks_of(self, spans: Iterable[tuple[int, int]]) -> set[int]:
         """Blocks that byte spans ``[start, end)`` touch, and those of the header."""
@@ -180,24 +234,27 @@ class FileReader:
                 wanted.update(range(start // bb, (end - 1) // bb + 1))
         return wanted
 
-    def verify(self, spans: Iterable[tuple[int, int]] | None = None,
-               skip: set[int] | frozenset[int] = frozenset()) -> None:
-        """Check the hashes of every block that byte spans ``[start, end)`` touch (all if
-        None), except blocks in ``skip`` (already checked)."""
-        hashes = self._check_hash_count()
-        blocks = range(len(hashes)) if spans is None else self.blocks_of(spans)
-        verify_blocks(self.fd, self.path, hashes, sorted(set(blocks) - skip),
-                      self.record["block_bytes"], self.size)
+    def to_verify(self, spans: Iterable[tuple[int, int]] | None = None,
+                  skip: set[int] | frozenset[int] = frozenset()) -> tuple[BlockFile, list[int]]:
+        """The blocks to hash-check for byte spans ``[start, end)`` (all if None), less
+        those in ``skip`` (already checked): an item of :func:`~.blocks.verify_blocks`."""
+        f = self.blocks()
+        blocks = range(len(f.hashes)) if spans is None else self.blocks_of(spans)
+        return f, sorted(set(blocks) - skip)
 
-    def read_fresh(self, segments: list[Segment], max_block_bytes: int) -> set[int] | None:
-        """Fill new tensors in one pass: every block the segments touch is read once, its
-        hash checked, its bytes placed. Returns the checked blocks, or None (nothing read)
-        when the blocks are too large or oddly sized for it (use verify + read_into)."""
-        hashes = self._check_hash_count()
-        bb = self.record["block_bytes"]
-        if not one_pass_ok(segments, bb, max_block_bytes):
+    def verify(self, threads: int = 2) -> None:
+        """Hash-check the whole file."""
+        verify_blocks([self.to_verify()], threads)
+
+    def to_read_fresh(self, segments: list[Segment], max_block_bytes: int
+                      ) -> tuple[BlockFile, list[Segment]] | None:
+        """An item of :func:`~.blocks.read_blocks`, which fills new tensors in one pass:
+        every block the segments touch is read once, its hash checked, its bytes placed.
+        None when the blocks are too large or oddly sized for it (verify, then read)."""
+        f = self.blocks()
+        if not one_pass_ok(segments, f.block_bytes, max_block_bytes):
             return None
-        return read_blocks(self.fd, self.path, hashes, segments, bb, self.size)
+        return f, segments
 
     def segment(self, req: ReadRequest, dest: torch.Tensor, dtype: torch.dtype) -> FileSegment:
         """What fills ``dest[req.dest_start : +req.numel]`` (1-D) from stored ``dtype`` bytes."""

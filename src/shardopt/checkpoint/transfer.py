@@ -1,8 +1,8 @@
 """Threaded data movement between one rank's checkpoint files and its tensors.
 
-Reads and writes are cut into pieces that ``IO_THREADS`` threads move at once:
-``preadv``/``pwritev`` and xxhash release the GIL, and one thread cannot keep
-tmpfs or NVMe busy. Each thread owns one host scratch buffer (pinned when
+Reads and writes are cut into pieces that several threads move at once
+(:func:`io_threads`): ``preadv``/``pwritev`` and xxhash release the GIL, and one
+thread cannot keep tmpfs or NVMe busy. Each thread owns one host scratch buffer (pinned when
 device tensors are involved); a device piece is copied between it and the
 device on the stream that was current when the :class:`Scratch` was made, so the
 copies are ordered after the work that produced the tensors, and the thread waits
@@ -30,10 +30,30 @@ import xxhash
 
 from .format import FormatError
 
-IO_THREADS = 4
+# Most threads a rank moves checkpoint data on by default (io_threads()).
+MAX_IO_THREADS = 16
 # Largest piece one thread moves at a time (and the size of its scratch buffer).
 PIECE_BYTES = 8 << 20
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def io_threads(requested: int | None = None) -> int:
+    """Threads a rank reads on, and files it writes at once: ``requested``, or by default
+    the CPUs this process may run on shared among the node's ranks (``LOCAL_WORLD_SIZE``,
+    as torchrun sets it), between 2 and :data:`MAX_IO_THREADS`. On tmpfs the bandwidth
+    grows with every thread up to 16 (``benchmarks/storage_scaling.py``); a disk saturates
+    with a few, and more cost little."""
+    if requested is not None:
+        if not (isinstance(requested, int) and not isinstance(requested, bool)
+                and requested >= 1):
+            raise ValueError(f"io_threads must be an int >= 1, got {requested!r}")
+        return requested
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(2, min(MAX_IO_THREADS, (cpus or 1) // local))
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:
@@ -159,7 +179,7 @@ class Part:
 
 
 def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
-                 scratch: Scratch | None, threads: int = IO_THREADS) -> list[str]:
+                 scratch: Scratch | None, threads: int) -> list[str]:
     """Write ``parts`` (sorted, contiguous from byte 0) and return the xxh3-64 digest of
     each ``block_bytes`` block. Each job is one block: its pieces are gathered (device
     parts through the thread's scratch), hashed in order and written with ``pwritev``."""
@@ -237,8 +257,7 @@ class FileSegment:
     segment: Segment
 
 
-def read_segments(items: list[FileSegment], scratch: Scratch | None,
-                  threads: int = IO_THREADS) -> None:
+def read_segments(items: list[FileSegment], scratch: Scratch | None, threads: int) -> None:
     """Fill every segment's ``out`` from its file, ``threads`` pieces at a time.
 
     Direct segments are read straight into their tensors; the others (device or
