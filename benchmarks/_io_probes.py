@@ -1,8 +1,8 @@
 """Measurement tools of the checkpoint benchmark: storage bandwidth, page cache, phase timers.
 
 * :func:`raw_bandwidth` (run on every rank at once), twice per rank: on one thread and on
-  ``IO_THREADS`` threads (the library's reader/writer count,
-  ``shardopt.checkpoint.transfer.IO_THREADS``). The ``nbytes``, in 32 MiB pieces, are dealt
+  as many threads as the library reads on and writes files at once
+  (``shardopt.checkpoint.transfer.io_threads()``). The ``nbytes``, in 32 MiB pieces, are dealt
   round-robin to the threads; each thread writes its pieces to its own file (the kernel lets a
   file take one writer at a time) with ``os.pwrite`` from its own (pinned, on a GPU host)
   buffer and ``fsync`` s it, then reads them back with ``os.preadv`` after the files are evicted
@@ -38,10 +38,11 @@ from typing import Any
 import torch
 
 CHUNK_BYTES = 32 << 20
-try:  # the library's reader/writer thread count, which the threaded raw test uses
-    from shardopt.checkpoint.transfer import IO_THREADS
+try:  # the library's thread count (files written at once), which the threaded raw test uses
+    from shardopt.checkpoint.transfer import io_threads
 except ImportError:
-    IO_THREADS = 4
+    def io_threads() -> int:
+        return 4
 
 
 # ----------------------------------------------------------------------------- files
@@ -226,7 +227,7 @@ def _raw_pass(path: Path, pieces: int, threads: int, cuda: bool, evict_cache: bo
 
 
 def raw_bandwidth(directory: Path, rank: int, nbytes: int, cuda: bool, evict_cache: bool,
-                  threads: int = IO_THREADS) -> dict[str, Any]:
+                  threads: int | None = None) -> dict[str, Any]:
     """Collective (barriers). Write + fsync and read of ``nbytes`` by this rank, twice: on one
     thread (keys without a suffix) and on ``threads`` threads (keys ending ``_threads``;
     absent when ``threads`` is 1). Each is :func:`_raw_pass`: ``CHUNK_BYTES`` pieces dealt
@@ -239,7 +240,7 @@ def raw_bandwidth(directory: Path, rank: int, nbytes: int, cuda: bool, evict_cac
     pieces = nbytes // CHUNK_BYTES
     out: dict[str, Any] = {"bytes": pieces * CHUNK_BYTES}
     out.update(_raw_pass(Path(directory) / f"raw-{rank:05d}.bin", pieces, 1, cuda, evict_cache))
-    threads = max(1, int(threads))
+    threads = max(1, int(io_threads() if threads is None else threads))
     if threads > 1:
         multi = _raw_pass(Path(directory) / f"raw-{rank:05d}-t{threads}.bin", pieces, threads,
                           cuda, evict_cache)
@@ -469,8 +470,9 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     # load
     phase(io, "_prepare", "prepare", "io._prepare")
     phase(io, "_moment_tensors", "alloc_moments", "io._moment_tensors")
-    phase(fr, "verify", "verify", "FileReader.verify")
-    phase(fr, "read_fresh", "read_fresh", "FileReader.read_fresh")
+    phase(io, "verify_blocks", "verify", "io.verify_blocks")
+    phase(fr, "verify", "verify", "FileReader.verify")  # the RNG file
+    phase(io, "read_blocks", "read_fresh", "io.read_blocks")
     phase(io, "read_segments", "read_into", "io.read_segments")  # io calls its own import
     phase(opt_mod.DistributedOptimizer, "_adopt_loaded_state", "adopt",
           "DistributedOptimizer._adopt_loaded_state", sync=True)

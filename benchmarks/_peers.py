@@ -64,6 +64,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, backend: st
            run_dir: str, timeout_s: float, args: tuple) -> None:
     run = Path(run_dir)
     os.setsid()  # own process group: the parent can end helpers this rank starts (writer workers)
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # as torchrun sets them
     try:
         kw: dict[str, Any] = {}
         if backend == "nccl":

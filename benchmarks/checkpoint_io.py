@@ -21,8 +21,9 @@ Checkpoint systems (each saves the full training state of the ``1b`` preset afte
 
 Targets: ``shm`` (/dev/shm) and ``disk`` (a directory on local disk). Before any checkpoint, the raw
 bandwidth of each target is measured with the same number of writer processes (one per rank), each
-rank once with one thread (sequential writes) and once with ``--raw-threads`` threads (default
-shardopt's ``IO_THREADS``; each thread writes and reads its own file): see
+rank once with one thread (sequential writes) and once with ``--raw-threads`` threads (default:
+shardopt's ``io_threads()`` in that rank, the files a save writes at once; each thread writes and
+reads its own file): see
 ``_io_probes.raw_bandwidth``. "vs raw" is against the faster of the two, per operation (write for
 a save, read for a load), and ``raw_basis`` says which. Before every load on ``disk`` the
 checkpoint's pages are evicted from the page cache (``posix_fadvise``) and the cached fraction is
@@ -578,8 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-repeats", type=int, default=1)
     p.add_argument("--raw-mib", type=int, default=4096, help="raw bandwidth test size per rank")
     p.add_argument("--raw-repeats", type=int, default=2, help="raw tests per target (best kept)")
-    p.add_argument("--raw-threads", type=int, default=_io_probes.IO_THREADS,
-                   help="threads per rank of the threaded raw test (1: one-thread test only)")
+    p.add_argument("--raw-threads", type=int, default=None,
+                   help="threads per rank of the threaded raw test (default: as many as "
+                   "shardopt's io_threads() gives each rank; 1: one-thread test only)")
     p.add_argument("--budget", type=float, default=270.0,
                    help="seconds for all checkpoint groups; peers beyond it are skipped")
     p.add_argument("--disk-systems", default="shardopt,torch_save,dcp_fsdp2,megatron",
