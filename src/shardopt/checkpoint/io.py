@@ -224,8 +224,8 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimiz
 
     A file takes one writer at a time (the kernel locks it for each write), so the data is
     split into up to ``threads`` files of about equal size (a kind into parts where it is
-    larger than the others), written side by side, each by ``FILE_THREADS`` threads (one
-    hashes or copies from the device while the other writes).
+    larger than the others), written side by side, each by ``FILE_THREADS`` thread(s)
+    that copy blocks from the device, hash and write them.
     """
     r = opt.dp.rank
     contents = {"model": state.model_entries(model, opt)}
