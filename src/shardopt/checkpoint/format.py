@@ -31,7 +31,7 @@ DATA_FILE = re.compile(
 FILE_KINDS: dict[int, tuple[str, ...]] = {1: ("model", "optim", "rng"),
                                           2: ("model", "optim", "exp_avg", "exp_avg_sq", "rng"),
                                           3: ("model", "optim", "exp_avg", "exp_avg_sq", "rng")}
-# Parts a kind may have in version 3 (the file name's -pN has at most three digits).
+# Files a kind may have in version 3: the first and parts -p1 to -p999.
 MAX_PARTS = 1000
 SHARDING_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER_BYTES = 100 * 1024 * 1024

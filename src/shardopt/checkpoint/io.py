@@ -47,8 +47,8 @@ from ..optimizer import STATE_NAMES, DistributedOptimizer
 from ..pinned import PinnedBuffer
 from . import commit, state
 from .blocks import read_blocks, verify_blocks
-from .format import (DEFAULT_BLOCK_BYTES, FORMAT_NAME, FORMAT_VERSION, LATEST,
-                     MANIFEST, MAX_BLOCK_BYTES, OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES,
+from .format import (DEFAULT_BLOCK_BYTES, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST,
+                     MAX_BLOCK_BYTES, MAX_PARTS, OPTIMIZER_KIND, STEP_DIR, TORCH_DTYPE_NAMES,
                      FormatError, StoredChunk, data_file_name, manifest_checksum,
                      state_file_kind, step_dir_name)
 from .manifest import check_optimizer, read_manifest, validate_manifest
@@ -232,8 +232,8 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimiz
     for name in STATE_NAMES:
         kind = state_file_kind(name, FORMAT_VERSION)
         contents.setdefault(kind, []).extend(state.optim_entries(opt, name))
-    counts = part_counts({k: entry_bytes(v) for k, v in contents.items()},
-                         threads if FORMAT_VERSION >= 3 else 0)  # parts came with version 3
+    counts = part_counts({k: entry_bytes(v) for k, v in contents.items()},  # parts: version 3
+                         min(threads, MAX_PARTS) if FORMAT_VERSION >= 3 else 0)
     jobs = [(data_file_name("rng", r), _rng_entries())]
     for kind, entries in contents.items():
         runs = split_entries(entries, counts[kind]) or [[]]
