@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,16 @@ def test_a_gap_in_the_parts_is_refused_by_name(split_save: Path, edit, needle):
     with pytest.raises(ValueError, match=needle):
         checkpoint.load(split_save, model, opt)
     assert differences(snapshot(model, opt), before) == []
+
+
+def test_parts_per_kind_stay_within_what_file_names_allow(tmp_path, monkeypatch):
+    from shardopt.checkpoint import io as ckpt_io
+
+    monkeypatch.setattr(storage, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(ckpt_io, "MAX_PARTS", 3)  # as if -p1, -p2 were the last names
+    model, opt = trained(1, width=64)
+    path = Path(checkpoint.save(tmp_path / "root", model, opt, step=1, io_threads=40))
+    names = sorted(read_json(path)["files"])
+    per_kind = collections.Counter(n.split("-")[0] for n in names)
+    assert max(per_kind.values()) <= 3, per_kind  # 40 files would need up to 16 per kind
+    assert checkpoint.verify(path)["files"] == len(names)
