@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from faults.common import differences, read_json, snapshot, trained, write_manifest
-from shardopt import checkpoint
+from faults.common import Net, config, differences, read_json, snapshot, trained, write_manifest
+from shardopt import DistributedOptimizer, checkpoint
 from shardopt.checkpoint import storage
 from shardopt.checkpoint.storage import WriteEntry, entry_bytes, part_counts, split_entries
 from shardopt.checkpoint.transfer import io_threads
@@ -89,10 +89,9 @@ def test_a_split_save_loads_exactly_in_place_and_into_a_new_optimizer(split_save
     assert checkpoint.verify(split_save)["files"] == len(names)
     expected = snapshot(*trained(1, width=64), rng=False)
     for how in ("in place", "new optimizer"):
-        model, opt = trained(7, width=64)
-        if how == "new optimizer":
-            from faults.common import Net, config
-            from shardopt import DistributedOptimizer
+        if how == "in place":
+            model, opt = trained(7, width=64)
+        else:  # no step taken: no moments yet, so they are read in one verifying pass
             torch.manual_seed(7)
             model = Net(64, False)
             opt = DistributedOptimizer(model, config())
