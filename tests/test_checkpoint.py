@@ -546,7 +546,7 @@ def failed_load_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
             train(model, opt, range(5, 6), rank, world_size)
         source = f"{root}/{case}" if case.startswith(("corrupt", "no_file")) else f"{root}/good"
         source = source.removesuffix("_fresh")
-        before = snapshot(model), opt.memory_bytes(), list(opt.step_counts)
+        before = snapshot(model), opt.memory_bytes(), dict(opt.param_steps)
         checkpoint.save(f"{root}/before-{case}", model, opt, step=0)
         try:
             checkpoint.load(source, model, opt)
@@ -554,7 +554,7 @@ def failed_load_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
         except CheckpointError as e:
             error = str(e)
         checkpoint.save(f"{root}/after-{case}", model, opt, step=0)
-        after = snapshot(model), opt.memory_bytes(), list(opt.step_counts)
+        after = snapshot(model), opt.memory_bytes(), dict(opt.param_steps)
         out[case] = {"error": error, "before": before, "after": after}
     return out
 

@@ -3,6 +3,7 @@
 from . import checkpoint
 from .config import OptimizerConfig
 from .optimizer import DistributedOptimizer
+from .param_watch import ParamMovedError
 
-__all__ = ["DistributedOptimizer", "OptimizerConfig", "checkpoint"]
+__all__ = ["DistributedOptimizer", "OptimizerConfig", "ParamMovedError", "checkpoint"]
 __version__ = "0.1.0"

@@ -10,11 +10,15 @@ in launch order, which every rank shares):
   asynchronously. Buckets are launched strictly in order, so ranks whose
   hooks fire in different orders (unused params, MoE experts without
   tokens) still issue identical collectives.
-* Phase 2, ``step()``: launch whatever was not launched (params that got no
-  gradient count as zero), wait for all reductions, all-reduce the squared
-  norm of the local grad shard for clipping, run fused AdamW on the local
-  shard (fp32 main params, lazily allocated moments) and copy the result
-  into the rank's shard of the model-dtype param buffer.
+* Phase 2, ``step()``: re-seed the fp32 main params of params the user wrote
+  since the last step (:mod:`.param_watch`), launch whatever was not launched
+  (a param without a gradient on this rank counts as zero in the average),
+  wait for all reductions, all-reduce the squared norm of the local grad shard
+  for clipping together with one "got a gradient here" flag per param (params
+  that got none on any rank are not updated and keep their step count, as in
+  ``torch.optim.AdamW``: :mod:`.step_plan`), run fused AdamW on the local
+  shard (fp32 main params, lazily allocated moments) and copy the result into
+  the rank's shard of the model-dtype param buffer.
 * Phase 3, still in ``step()``: all-gather every param bucket, so each rank
   again holds the full updated params.
 
@@ -27,15 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from . import comm, kernels
+from . import comm, kernels, step_plan
 from .buffers import FlatBuffers
 from .config import GROUP_KEYS, OptimizerConfig
 from .layout import Bucket, Layout, ParamShard, ParamSpec, Range, build_layout
+from .param_watch import ParamWatch
 from .pinned import PinnedBuffer
 
 STATE_NAMES = ("master_param", "exp_avg", "exp_avg_sq")
@@ -54,6 +59,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     model; it does not communicate. ``param_group_fn(fqn, param)`` returns
     per-param overrides of ``lr``, ``betas``, ``eps`` and ``weight_decay``;
     params with equal overrides share one entry of ``param_groups``.
+
+    Weights the user writes in place after construction (``model.load_state_dict``,
+    ``p.zero_()``, ``nn.init.*``, ``p.copy_(ema)``) are noticed by the next ``step()``,
+    which re-seeds their fp32 main params from them before updating; writes through
+    ``p.data`` are not, call :meth:`reload_model_params` after those. Every rank must
+    write the same weights (as with DDP): each rank re-seeds only the part it owns,
+    and the all-gather spreads the owners' parts. Casting or moving the model after
+    construction (``model.float()``, ``.to(...)``) makes ``step()`` raise
+    :class:`~shardopt.param_watch.ParamMovedError`.
     """
 
     def __init__(
@@ -122,15 +136,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Their page-locked host memory, unlocked once the copies to the device are done.
         self._staged_pinned: list[PinnedBuffer] = []
         self._unpin_after: tuple[torch.cuda.Event, list[PinnedBuffer]] | None = None
-        self.step_counts = [0] * len(self.param_groups)
+        # Updates applied to each param (torch's state[p]["step"]): a param that got no
+        # gradient on any rank in a step is not updated and its count stays.
+        self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
+        self._group_fqns = [[self.fqn_of[p] for p in g["params"]] for g in self.param_groups]
+        self._fqns = tuple(fqn for fqn, _ in named)  # order of the grad-presence flags
+        self._all_present: torch.Tensor | None = None  # flags of a rank that has every grad
         self._grad_norm: torch.Tensor | None = None
         self.step_kernel = self._choose_kernel()
         self._chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
+        self._subset_tables: dict[tuple[int, ...], kernels.ChunkTable] = {}
         self._norm_views: list[torch.Tensor] | None = None  # each bucket's own grad shard
         self._group_shards = [
             [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
             for gi in range(len(self.param_groups))
         ]
+        self._shards_of: dict[str, list[int]] = {}
+        for i, s in enumerate(self.shards):
+            self._shards_of.setdefault(s.fqn, []).append(i)
 
         self._launch_order = _launch_order(self.layout, named)
         position = {(b.buffer_index, b.index): i for i, b in enumerate(self._launch_order)}
@@ -139,8 +162,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for fqn, slot in self.layout.slots.items()
         }
         self._bucket_pending: list[int] = []
-        # Params whose grad-buffer region holds this iteration's gradient; the others hold stale
-        # values and are overwritten by their first gradient or zeroed when their bucket launches.
+        # Params that got a gradient on this rank since the last step or zero_grad (their
+        # grad-buffer region holds it); the others hold stale values and are overwritten by
+        # their first gradient or zeroed when their bucket launches.
         self._written: set[str] = set()
         self._next_launch = 0
         self._views: list[list[list[torch.Tensor]]] | None = None  # reset when moments move
@@ -161,6 +185,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if keys:
                     self._hooks.append(module.register_forward_pre_hook(
                         lambda _m, _args, keys=tuple(keys): self._wait_params(keys)))
+            # model.load_state_dict writes the params: no gather may still be writing them.
+            self._hooks.append(model.register_load_state_dict_pre_hook(
+                lambda *_: self.finish_param_sync()))
+        self._watch = ParamWatch(self._fqns, [p for _, p in named],
+                                 [(p.dtype, p.device) for _, p in named], self.dp.rank)
 
     # ------------------------------------------------------------------ grads
     def _reset_readiness(self) -> None:
@@ -196,9 +225,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _launch_next(self) -> None:
         bucket = self._launch_order[self._next_launch]
         for fqn in bucket.param_fqns:
-            if fqn not in self._written:  # no gradient this iteration: it counts as zero
+            if fqn not in self._written:  # no gradient here this iteration: it counts as zero
                 self.buffers.grad_views[fqn].zero_()
-                self._written.add(fqn)
         self._handles.append(
             comm.reduce_scatter_avg_(self.buffers.bucket_grads(bucket), self.dp, async_op=True)
         )
@@ -257,24 +285,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_param_sync()  # the update writes into the param buffers
+        self._reseed(self._watch.written())  # before any collective: a moved param raises
         self.finish_grad_sync()
         # Clipping needs the norm before the update; otherwise the Triton update computes
         # it from the grads it reads anyway.
         fused_norm = self.step_kernel == "triton" and not self.config.max_grad_norm
         grad_scale = None
-        if not fused_norm:
-            self._grad_norm, grad_scale = self._global_norm()
+        if fused_norm:
+            got = self._agree(None)[1]
+        else:
+            self._grad_norm, grad_scale, got = self._global_norm()
         self._ensure_moments()
-        for gi in range(len(self.param_groups)):
-            self.step_counts[gi] += 1
+        steps = step_plan.next_steps(self.param_steps, self._group_fqns, got)
         if self.step_kernel == "triton":
-            sq = self._update_triton(grad_scale, fused_norm)
+            sq = self._update_triton(grad_scale, fused_norm, steps, got)
             if sq is not None:
                 self._grad_norm = self._finish_norm(sq)
         else:
-            self._update_torch(grad_scale)
+            self._update_torch(grad_scale, steps, got)
+        step_plan.advance(self.param_steps, self._group_fqns, got, steps)
         self._publish_params(own_written=self.step_kernel == "triton",
                              wait=not self.config.overlap_param_gather)
+        self._watch.record()  # the update's own writes are not the user's
         self._reset_readiness()
         self._written.clear()  # step() consumes the gradients
         if self._unpin_after is not None:
@@ -298,27 +330,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
             f"{'' if kernels.triton is not None else ', Triton is not installed'})"
         )
 
-    def _update_triton(self, grad_scale: torch.Tensor | None,
-                       sum_sq: bool) -> torch.Tensor | None:
-        """Two kernel launches per (buffer, param group): update and write model-dtype
-        params. With ``sum_sq``, return the local sum of squared grads (a device scalar)."""
+    def _update_triton(self, grad_scale: torch.Tensor | None, sum_sq: bool,
+                       steps: list[int | None], got: frozenset[str] | None
+                       ) -> torch.Tensor | None:
+        """Two kernel launches per (buffer, param group), or per (buffer, param group, step
+        count) for a group that is not updated whole at one count (``steps``, ``got``: see
+        :mod:`.step_plan`): update and write model-dtype params. With ``sum_sq``, return
+        the local sum of squared grads (a device scalar)."""
         if self._chunk_tables is None:
-            parts: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-            for s in self.shards:
-                buf = self.layout.buffers[s.buffer_index]
-                local_base = buf.local_offset(s.bucket_index)
-                global_base = buf.buckets[s.bucket_index].shard_range_global(self.dp.rank).start
-                start = s.range_local.start - local_base
-                parts.setdefault((s.buffer_index, self.group_of[s.fqn]), []).append(
-                    (local_base, global_base, start, start + s.range_local.size))
-            self._chunk_tables = {k: kernels.chunk_table(v, self.device) for k, v in parts.items()}
+            ids: dict[tuple[int, int], list[int]] = {}
+            for i, s in enumerate(self.shards):
+                ids.setdefault((s.buffer_index, self.group_of[s.fqn]), []).append(i)
+            self._chunk_tables = {k: self._chunk_table(v) for k, v in ids.items()}
+        launches = [(bi, gi, steps[gi], table) for (bi, gi), table in self._chunk_tables.items()
+                    if steps[gi] is not None]
+        for gi, n in enumerate(steps):
+            if n is None:
+                parts = step_plan.split(self._group_shards[gi], self.shards, self.param_steps, got)
+                launches += [(bi, gi, count, self._subset_table(tuple(ids)))
+                             for (bi, count), ids in parts.items()]
         assert self._exp_avg is not None and self._exp_avg_sq is not None
         partials = None
         if sum_sq:
-            partials = torch.empty(sum(t.num_blocks for t in self._chunk_tables.values()),
+            partials = torch.empty(sum(t.num_blocks for *_, t in launches),
                                    dtype=torch.float32, device=self.device)
         first = 0
-        for (bi, gi), table in self._chunk_tables.items():
+        for bi, gi, count, table in launches:
             group = self.param_groups[gi]
             main = self._main[bi]
             params = self.buffers.param_buffers[bi]
@@ -327,30 +364,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._exp_avg[bi], self._exp_avg_sq[bi], None if main is None else params,
                 main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
                 beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-                step=self.step_counts[gi], grad_scale=grad_scale,
+                step=count, grad_scale=grad_scale,
                 sum_sq=None if partials is None else partials[first:first + table.num_blocks],
             )
             first += table.num_blocks
         return None if partials is None else partials.sum()
 
-    def _update_torch(self, grad_scale: torch.Tensor | None) -> None:
-        """torch's fused AdamW on the fp32 main params of each param group."""
+    def _chunk_table(self, shard_ids: tuple[int, ...] | list[int]) -> kernels.ChunkTable:
+        """The Triton launch table of ``self.shards[i]`` for ``i`` in ``shard_ids`` (one buffer)."""
+        parts = []
+        for i in shard_ids:
+            s = self.shards[i]
+            buf = self.layout.buffers[s.buffer_index]
+            local_base = buf.local_offset(s.bucket_index)
+            global_base = buf.buckets[s.bucket_index].shard_range_global(self.dp.rank).start
+            start = s.range_local.start - local_base
+            parts.append((local_base, global_base, start, start + s.range_local.size))
+        return kernels.chunk_table(parts, self.device)
+
+    def _subset_table(self, shard_ids: tuple[int, ...]) -> kernels.ChunkTable:
+        """Cached: once a param skipped a step its group splits in every later step too."""
+        table = self._subset_tables.get(shard_ids)
+        if table is None:
+            if len(self._subset_tables) >= 256:  # patterns that keep changing (MoE): bounded
+                self._subset_tables.clear()
+            table = self._subset_tables[shard_ids] = self._chunk_table(shard_ids)
+        return table
+
+    def _update_torch(self, grad_scale: torch.Tensor | None, steps: list[int | None],
+                      got: frozenset[str] | None) -> None:
+        """torch's fused AdamW on the fp32 main params of each param group (only the params
+        this step updates, each at its own step count: ``steps``, ``got``, :mod:`.step_plan`)."""
         grads = self._grad_shards()
         views = self._state_views()
         for gi, group in enumerate(self.param_groups):
             idx = self._group_shards[gi]
-            if not idx:
+            main, exp_avg, exp_avg_sq = views[gi]
+            grad = [grads[i] for i in idx]
+            if steps[gi] is not None:
+                counts = [steps[gi]] * len(idx)
+            else:
+                keep = [k for k, i in enumerate(idx) if got is None or self.shards[i].fqn in got]
+                main, exp_avg, exp_avg_sq, grad = ([t[k] for k in keep]
+                                                   for t in (main, exp_avg, exp_avg_sq, grad))
+                counts = [self.param_steps[self.shards[idx[k]].fqn] + 1 for k in keep]
+            if not counts:
                 continue
             beta1, beta2 = group["betas"]
-            step = torch.tensor(float(self.step_counts[gi]), device=self.device)
-            main, exp_avg, exp_avg_sq = views[gi]
+            step_of = {n: torch.tensor(float(n), device=self.device) for n in set(counts)}
             torch._fused_adamw_(
                 main,
-                [grads[i] for i in idx],
+                grad,
                 exp_avg,
                 exp_avg_sq,
                 [],
-                [step] * len(idx),
+                [step_of[n] for n in counts],
                 lr=float(group["lr"]),
                 beta1=beta1,
                 beta2=beta2,
@@ -376,9 +444,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grads = [g.float() for g in grads]
         return grads
 
-    def _global_norm(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model) and,
-        when clipping, the divisor the update applies to the grads in the same pass.
+    def _global_norm(self) -> tuple[torch.Tensor, torch.Tensor | None, frozenset[str] | None]:
+        """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model), when
+        clipping the divisor the update applies to the grads in the same pass, and which
+        params got a gradient (see :meth:`_agree`).
 
         Reads each bucket's own shard whole: its padding is zero in every rank's buffer,
         so it adds nothing, and a few large tensors are faster than one per param."""
@@ -391,17 +460,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
             sq = torch.stack(norms).square().sum()
         else:
             sq = torch.zeros((), device=self.device)
-        total = self._finish_norm(sq)
+        total, got = self._agree(sq)
+        assert total is not None
         max_norm = self.config.max_grad_norm
         if not max_norm:
-            return total, None
+            return total, None, got
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its
         # reciprocal inside the update saves a pass over the grads (no host sync either).
-        return total, torch.clamp((total + 1e-6) / max_norm, min=1.0)
+        return total, torch.clamp((total + 1e-6) / max_norm, min=1.0), got
 
     def _finish_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
         """Collective. sqrt of the sum over ranks of each rank's sum of squared grads."""
         return comm.all_reduce_sum_(local_sq.reshape(1), self.dp).sqrt()[0]
+
+    def _agree(self, local_sq: torch.Tensor | None
+               ) -> tuple[torch.Tensor | None, frozenset[str] | None]:
+        """Collective (one all-reduce; none with ``dp_size == 1``). The params that got a
+        gradient on some rank in this step (None: every param) and, given this rank's sum
+        of squared grads ``local_sq``, the global grad norm.
+
+        A rank that got every gradient itself knows the answer (None) and sends ones
+        without reading the result back: only a rank that misses some syncs the host."""
+        missing = len(self._written) < len(self._fqns)
+        local = frozenset(self._written) if missing else None
+        if self.dp.size == 1:
+            return (None if local_sq is None else local_sq.sqrt()), local
+        if missing:
+            flags = torch.tensor([f in self._written for f in self._fqns],
+                                 dtype=torch.float32).to(self.device)
+        else:
+            if self._all_present is None:
+                self._all_present = torch.ones(len(self._fqns), device=self.device)
+            flags = self._all_present
+        sums = torch.cat([local_sq.reshape(1), flags]) if local_sq is not None else flags.clone()
+        comm.all_reduce_sum_(sums, self.dp)
+        norm = None if local_sq is None else sums[0].sqrt()
+        if not missing:
+            return norm, None
+        counts = sums[len(sums) - len(self._fqns):].tolist()
+        got = frozenset(f for f, c in zip(self._fqns, counts) if c > 0)
+        return norm, (None if len(got) == len(self._fqns) else got)
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -496,11 +594,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return moments[shard.buffer_index][shard.range_local.as_slice()]
 
     def _adopt_loaded_state(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]],
-                            on_host: bool, step_counts: list[int],
+                            on_host: bool, param_steps: dict[str, int],
                             pinned: list[PinnedBuffer] | None = None) -> None:
         """Collective. Take loaded moments (on the host: with their page-locked memory) and
-        step counts; rebuild params from the loaded master shards and all-gather them.
-        Called by ``checkpoint.load`` only."""
+        per-param step counts; rebuild params from the loaded master shards and all-gather
+        them. Called by ``checkpoint.load`` only."""
         for buf in self._staged_pinned:  # moments staged by an earlier load are replaced
             buf.release()
         if on_host:
@@ -509,9 +607,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             (self._exp_avg, self._exp_avg_sq), self._staged_moments = moments, None
             self._staged_pinned = []
-        self.step_counts = list(step_counts)
+        self.param_steps.update(param_steps)
         self._views = None
         self._publish_params()
+        self._watch.record()  # the loaded weights replace whatever the user wrote before
+
+    def reload_model_params(self) -> None:
+        """Re-seed every fp32 main param this rank holds from the model's current params.
+
+        ``step()`` notices in-place writes to params by their version counters and
+        re-seeds those params itself: ``model.load_state_dict``, ``p.zero_()``,
+        ``p.copy_(x)``, ``nn.init.*`` and every other in-place op on the param or on
+        ``p.detach()``. Writes that bypass the counter need this call before the next
+        ``step()``: through ``p.data`` (``p.data.copy_(x)``), through another tensor
+        that shares the storage, or from outside PyTorch (DLPack, CUDA kernels).
+        fp32 params need neither: their main param is the param.
+
+        Call it on every rank, after every rank set the same weights (as with DDP); each
+        rank re-seeds the part it owns and the next ``step()`` all-gathers them. The
+        fp32 digits below the model dtype's precision are dropped for every param.
+        """
+        self.finish_param_sync()  # an all-gather in flight would overwrite the user's weights
+        self._watch.written()  # only to raise if a param was moved out of the buffer
+        self._reseed(self._fqns)
+
+    def _reseed(self, fqns: Iterable[str]) -> None:
+        """Copy the model-dtype params of ``fqns`` into this rank's fp32 main params."""
+        for fqn in fqns:
+            for i in self._shards_of.get(fqn, ()):
+                s = self.shards[i]
+                if self._main[s.buffer_index] is not None:  # fp32: the param is the main
+                    self.state_view("master_param", s).copy_(self.buffers.shard_params(s))
 
     def state_dict(self) -> dict[str, Any]:  # noqa: D102
         raise TypeError(

@@ -66,7 +66,7 @@ def snapshot(model: nn.Module, opt: DistributedOptimizer,
         for name in STATE_NAMES:
             if name == "master_param" or opt.has_moments:
                 out[f"{s.fqn}.{name}@{s.range_param.start}"] = opt.state_view(name, s).clone()
-    out["step_counts"] = torch.tensor(opt.step_counts)
+    out["param_steps"] = torch.tensor([opt.param_steps[f] for f in sorted(opt.param_steps)])
     if rng:
         out["rng"] = torch.get_rng_state()
     return out

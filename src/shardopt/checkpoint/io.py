@@ -304,7 +304,7 @@ class _Plan:
     manifest: dict[str, Any]
     readers: dict[str, FileReader]
     requests: _Requests
-    steps: list[int]
+    steps: dict[str, int]  # per param FQN
     hparams: list[dict[str, Any]]
     rng: dict[str, torch.Tensor] | None
     moments: tuple[list[torch.Tensor], list[torch.Tensor]]
@@ -384,7 +384,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     validate_manifest(manifest, path)
     check_optimizer(manifest, OPTIMIZER_KIND, STATE_NAMES)
     _check_compatible(manifest["params"], model, opt)
-    steps = _group_steps(manifest, opt)
+    steps = {fqn: manifest["params"][fqn]["step"] for fqn in opt.layout.slots}
     hparams = _group_hyperparameters(manifest, opt)
     moments, pinned, fresh = _moment_tensors(opt, host)
     readers, requests = _plan_reads(path, manifest, model, opt, verify,
@@ -548,18 +548,6 @@ def _group_hyperparameters(manifest: dict, opt: DistributedOptimizer) -> list[di
             values[key] = v
         out.append(values)
     return out
-
-
-def _group_steps(manifest: dict, opt: DistributedOptimizer) -> list[int]:
-    steps: list[int | None] = [None] * len(opt.param_groups)
-    for fqn, gi in opt.group_of.items():
-        s = manifest["params"][fqn]["step"]
-        if steps[gi] is None:
-            steps[gi] = s
-        elif steps[gi] != s:
-            raise CheckpointError(f"param {fqn!r} was saved at optimizer step {s} but others in "
-                                  f"its param group at step {steps[gi]}")
-    return [s or 0 for s in steps]
 
 
 def _check_compatible(params: dict, model: torch.nn.Module, opt: DistributedOptimizer) -> None:

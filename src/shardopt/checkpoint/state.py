@@ -64,13 +64,12 @@ def describe(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, dic
     """Manifest ``params`` table: shape, dtype, trainable, step and hyperparameters per FQN."""
     table: dict[str, dict] = {}
     for fqn, slot in opt.layout.slots.items():
-        gi = opt.group_of[fqn]
-        group = opt.param_groups[gi]
+        group = opt.param_groups[opt.group_of[fqn]]
         table[fqn] = {
             "shape": list(slot.shape),
             "dtype": dtype_name(opt.layout.buffers[slot.buffer_index].dtype),
             "trainable": True,
-            "step": opt.step_counts[gi],
+            "step": opt.param_steps[fqn],
             "group": {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
                       if k in ("lr", "betas", "eps", "weight_decay")},
         }

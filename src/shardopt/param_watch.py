@@ -1,0 +1,83 @@
+"""Notice what happened to the model's params between two optimizer steps.
+
+After construction every trainable param is a view of the optimizer's flat
+param buffer, and bf16/fp16 params have an fp32 main copy that the update
+reads. Two things a user may do to a param behind the optimizer's back:
+
+* write it in place (``model.load_state_dict``, ``p.zero_()``, ``nn.init.*``,
+  ``p.copy_(ema)``): the main copy is stale and the next update would revert
+  the write. Each of those bumps the param's own version counter (a Parameter
+  keeps its own counter after ``p.data = view``; writes the optimizer makes
+  through the buffer never bump it), so comparing ``p._version`` with the value
+  recorded after the optimizer's last write finds them. Writes through
+  ``p.data`` (``p.data.copy_(x)``) bump no counter at all and need
+  ``DistributedOptimizer.reload_model_params()``.
+* replace its storage (``model.float()``, ``.to(dtype or device)``,
+  ``.cuda()``, ``.half()``): the param no longer lives in the buffer, so
+  training would silently stop reaching it. Its ``data_ptr()`` differs from the
+  recorded one.
+
+Both checks are a C-level ``map`` over the params, about 0.1 us per param
+(see ``benchmarks/param_watch.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter
+
+import torch
+
+_version = attrgetter("_version")
+_data_ptr = torch.Tensor.data_ptr
+
+
+class ParamMovedError(RuntimeError):
+    """A trainable param no longer lives in the optimizer's flat buffer.
+
+    A RuntimeError rather than a ValueError: no argument of the failing call is
+    wrong; the model was changed after the optimizer took hold of its params,
+    and only rebuilding the optimizer (after moving the model) fixes it.
+    """
+
+
+class ParamWatch:
+    """Recorded storage address and version counter of each param, in ``fqns`` order."""
+
+    def __init__(self, fqns: Sequence[str], params: Sequence[torch.nn.Parameter],
+                 expected: Sequence[tuple[torch.dtype, torch.device]], dp_rank: int) -> None:
+        self.fqns = tuple(fqns)
+        self.params = list(params)
+        self._expected = list(expected)
+        self._dp_rank = dp_rank
+        self._ptrs = list(map(_data_ptr, self.params))
+        self._versions = list(map(_version, self.params))
+
+    def record(self) -> None:
+        """Call after every write of the optimizer to the params: they are in sync now."""
+        self._versions = list(map(_version, self.params))
+
+    def written(self) -> list[str]:
+        """FQNs of the params written in place since :meth:`record`; raises
+        :class:`ParamMovedError` if a param was moved out of the buffer. Records the
+        current versions (the caller re-seeds from the params it gets)."""
+        if list(map(_data_ptr, self.params)) != self._ptrs:
+            self._raise_moved()
+        now = list(map(_version, self.params))
+        if now == self._versions:
+            return []
+        out = [f for f, a, b in zip(self.fqns, now, self._versions) if a != b]
+        self._versions = now
+        return out
+
+    def _raise_moved(self) -> None:
+        for fqn, p, ptr, (dtype, device) in zip(self.fqns, self.params, self._ptrs,
+                                                self._expected):
+            if p.data_ptr() != ptr:
+                raise ParamMovedError(
+                    f"[dp rank {self._dp_rank}] param {fqn!r} no longer lives in the optimizer's "
+                    f"buffer: it is {p.dtype} on {p.device}, the optimizer holds it as {dtype} on "
+                    f"{device}. The model was cast or moved (model.float(), .half(), .to(...), "
+                    ".cuda(), or param.data = ...) after DistributedOptimizer(model) was built, "
+                    "so training would no longer reach it. Cast and move the model first, then "
+                    "build the optimizer.")

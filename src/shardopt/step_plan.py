@@ -1,0 +1,58 @@
+"""Which params one optimizer step updates, and at which step count.
+
+As ``torch.optim.AdamW`` does, a param that got no gradient on any DP rank in a
+step is left alone (no decay, no moment update) and its own step count stays;
+bias correction uses each param's own count. So step counts are per param
+(``DistributedOptimizer.param_steps``, FQN -> updates applied).
+
+The common case keeps the update's fast path, one launch per (buffer, param
+group): every param of a group got a gradient and the group's params share one
+count. :func:`next_steps` says per group whether that holds; groups where it
+does not are split into (buffer, step count) subsets by :func:`split`.
+
+``got`` below is the set of FQNs that got a gradient on some rank in this step,
+or None when every param did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import repeat
+
+from .layout import ParamShard
+
+
+def next_steps(param_steps: dict[str, int], group_fqns: Sequence[Sequence[str]],
+               got: frozenset[str] | None) -> list[int | None]:
+    """Per param group: the count all its params reach in this step, when every one of
+    them is updated and they share a count now; else None (the group takes subsets)."""
+    out: list[int | None] = []
+    for fqns in group_fqns:
+        counts = list(map(param_steps.__getitem__, fqns))
+        uniform = bool(counts) and counts.count(counts[0]) == len(counts)
+        out.append(counts[0] + 1 if uniform and (got is None or got.issuperset(fqns)) else None)
+    return out
+
+
+def advance(param_steps: dict[str, int], group_fqns: Sequence[Sequence[str]],
+            got: frozenset[str] | None, steps: Sequence[int | None]) -> None:
+    """Count this step for every param it updated (``steps`` from :func:`next_steps`)."""
+    for fqns, n in zip(group_fqns, steps):
+        if n is not None:
+            param_steps.update(zip(fqns, repeat(n)))
+            continue
+        for fqn in fqns:
+            if got is None or fqn in got:
+                param_steps[fqn] += 1
+
+
+def split(shard_ids: Sequence[int], shards: Sequence[ParamShard], param_steps: dict[str, int],
+          got: frozenset[str] | None) -> dict[tuple[int, int], list[int]]:
+    """(buffer index, count after this step) -> the ids among ``shard_ids`` (indices into
+    ``shards``) of the shards this step updates, in order."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for i in shard_ids:
+        fqn = shards[i].fqn
+        if got is None or fqn in got:
+            out.setdefault((shards[i].buffer_index, param_steps[fqn] + 1), []).append(i)
+    return out

@@ -1,0 +1,407 @@
+"""DistributedOptimizer in ordinary PyTorch use, against ``torch.optim.AdamW``.
+
+* Weights written after construction (``load_state_dict``, ``zero_``, ``nn.init``, EMA
+  copy-back; ``p.data.copy_`` with ``reload_model_params()``) are kept: a step at lr=0
+  leaves them bit for bit, and training continues from them with the moments kept.
+* Casting or moving the model after construction is a clear error naming the param.
+* A param with no gradient on any rank (unused, frozen later) is not updated: weights,
+  moments and its own step count stay, as ``torch.optim.AdamW`` does with ``grad=None``;
+  one unused on some ranks only is averaged with zero.
+
+The reference is ``torch.optim.AdamW`` on fp32 master copies of a full replica that sees
+the whole global batch (each rank's loss / world size), written back to the
+bf16/fp16/fp32 params after every step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from _dist import run_distributed
+from shardopt import DistributedOptimizer, OptimizerConfig, ParamMovedError, checkpoint, kernels
+from test_optimizer import bits
+
+TRITON = pytest.mark.skipif(not kernels.available(torch.device("cpu")),
+                            reason="Triton is not installed")
+# bf16 params: a last-bit difference in the fp32 sums flips a bf16 rounding now and then.
+TOL = dict(rtol=2e-2, atol=2e-3)
+
+
+class Net(nn.Module):
+    """bf16 and fp16 Linears, fp32 LayerNorm and Linear; ``skip`` leaves modules out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(8)
+        self.b = nn.Linear(8, 8).to(torch.bfloat16)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 1).to(torch.float16)
+
+    def forward(self, x: torch.Tensor, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        h = self.norm(self.a(x.to(self.a.weight.dtype)).to(self.norm.weight.dtype))
+        if "b" not in skip:
+            h = h + self.b(h.to(self.b.weight.dtype)).to(h.dtype)
+        if "c" not in skip:
+            h = torch.tanh(self.c(h.to(self.c.weight.dtype)))
+        return self.d(h.to(self.d.weight.dtype)).float().squeeze(-1)
+
+
+def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    x = torch.randn(5, 6, generator=g)
+    return x, torch.sin(x.sum(-1))
+
+
+def loss_of(model: Net, step: int, rank: int, micro: int, skip: frozenset[str]) -> torch.Tensor:
+    x, y = batch(step, rank, micro)
+    return F.mse_loss(model(x, skip), y)
+
+
+def config(kernel: str, clip: float | None = None) -> OptimizerConfig:
+    return OptimizerConfig(lr=2e-2, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=clip,
+                           bucket_numel=90, align_numel=4, step_kernel=kernel)
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
+
+
+class Reference:
+    """torch.optim.AdamW on fp32 masters of a full replica; ``skips[step][rank]`` as the ranks."""
+
+    def __init__(self, cfg: OptimizerConfig) -> None:
+        torch.manual_seed(0)
+        self.model = Net()
+        self.params = dict(self.model.named_parameters())
+        self.masters = {f: p.detach().float().clone().requires_grad_(True)
+                        for f, p in self.params.items()}
+        self.cfg = cfg
+        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=cfg.lr, betas=cfg.betas,
+                                     eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+    def step(self, step: int, world_size: int, micro_batches: int,
+             skips: list[list[frozenset[str]]]) -> None:
+        grads: dict[str, torch.Tensor] = {}
+        for rank in range(world_size):
+            for micro in range(micro_batches):
+                for p in self.params.values():
+                    p.grad = None
+                loss = loss_of(self.model, step, rank, micro, skips[rank][micro])
+                (loss / micro_batches).backward()
+                for f, p in self.params.items():
+                    if p.grad is not None:
+                        grads[f] = grads.get(f, 0) + p.grad.float() / world_size
+        for f, m in self.masters.items():
+            m.grad = grads.get(f)  # None on every rank: torch leaves the param alone
+        if self.cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(list(self.masters.values()), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.copy_back()
+
+    def copy_back(self) -> None:
+        with torch.no_grad():
+            for f, p in self.params.items():
+                p.copy_(self.masters[f])
+
+    def steps(self) -> dict[str, int]:
+        return {f: int(self.opt.state[m]["step"]) if m in self.opt.state else 0
+                for f, m in self.masters.items()}
+
+
+def train_step(model: Net, opt: DistributedOptimizer, step: int, rank: int,
+               skips: list[frozenset[str]]) -> None:
+    """One step; micro-batches but the last run under ``no_sync``."""
+    for micro, skip in enumerate(skips):
+        loss = loss_of(model, step, rank, micro, skip) / len(skips)
+        if micro < len(skips) - 1:
+            with opt.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# ------------------------------------------------------------- written weights
+
+def write_weights(model: Net, how: str, opt: DistributedOptimizer) -> None:
+    """Set new weights the ways users do (the same on every rank)."""
+    torch.manual_seed(123)
+    fresh = Net()
+    if how == "data":  # invisible to version counters: needs reload_model_params()
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            p.data.copy_(q.data)
+        opt.reload_model_params()
+        return
+    model.load_state_dict(fresh.state_dict())
+    ema = {f: p.detach() * 0.5 + 0.25 for f, p in model.c.named_parameters()}
+    with torch.no_grad():
+        model.a.weight.zero_()
+        nn.init.normal_(model.b.weight, std=0.3)
+        model.d.bias.fill_(0.75)
+        for f, p in model.c.named_parameters():
+            p.copy_(ema[f])  # EMA copy-back
+
+
+def written_weights_rank(rank: int, world_size: int, kernel: str, how: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, config(kernel))
+    no_skip = [frozenset()]
+    for step in range(2):  # main params now hold more than the bf16 weights do
+        train_step(model, opt, step, rank, no_skip)
+    write_weights(model, how, opt)
+    written = snapshot(model)
+    for g in opt.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    train_step(model, opt, 2, rank, no_skip)
+    kept = snapshot(model)
+    for g in opt.param_groups:
+        g["lr"], g["weight_decay"] = 2e-2, 0.1
+    history = []
+    for step in range(3, 6):
+        train_step(model, opt, step, rank, no_skip)
+        history.append(snapshot(model))
+    return {"written": written, "kept": kept, "history": history,
+            "steps": dict(opt.param_steps)}
+
+
+@pytest.mark.parametrize("world_size,kernel,how", [
+    (1, "torch", "inplace"), (2, "torch", "inplace"), (3, "torch", "inplace"),
+    (2, "triton", "inplace"), (2, "torch", "data"), (3, "triton", "data")])
+def test_weights_written_after_construction_are_kept(world_size, kernel, how, tmp_path):
+    if kernel == "triton" and not kernels.available(torch.device("cpu")):
+        pytest.skip("Triton is not installed")
+    results = run_distributed(written_weights_rank, world_size, kernel, how, tmp_path=tmp_path)
+    for res in results:
+        for fqn, want in res["written"].items():
+            assert torch.equal(bits(res["kept"][fqn]), bits(want)), (
+                f"{fqn}: a step at lr=0 changed the weight the user wrote")
+            assert torch.equal(bits(res["history"][-1][fqn]), bits(results[0]["history"][-1][fqn]))
+        assert set(res["steps"].values()) == {6}
+    if how == "inplace":
+        assert not results[0]["written"]["a.weight"].any()
+
+    ref = Reference(config(kernel))
+    for step in range(2):
+        ref.step(step, world_size, 1, [[frozenset()]] * world_size)
+    with torch.no_grad():  # what the ranks wrote, into the masters (moments are kept)
+        for f, m in ref.masters.items():
+            m.copy_(results[0]["written"][f])
+    ref.copy_back()
+    lr = [g["lr"] for g in ref.opt.param_groups]
+    for g in ref.opt.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    ref.step(2, world_size, 1, [[frozenset()]] * world_size)
+    for g, old in zip(ref.opt.param_groups, lr):
+        g["lr"], g["weight_decay"] = old, 0.1
+    for i, step in enumerate(range(3, 6)):
+        ref.step(step, world_size, 1, [[frozenset()]] * world_size)
+        for fqn, p in ref.params.items():
+            torch.testing.assert_close(results[0]["history"][i][fqn], p.detach(), **TOL,
+                                       msg=lambda m, f=fqn, s=step: f"{f} after step {s}: {m}")
+
+
+# ----------------------------------------------------------------- moved model
+
+@pytest.mark.parametrize("move", ["float", "double", "half"])
+def test_cast_model_is_a_clear_error_naming_the_param(move):
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, config("torch"))
+    train_step(model, opt, 0, 0, [frozenset()])
+    held = [t.clone() for t in opt.buffers.param_buffers + [m for m in opt._main if m is not None]]
+    steps = dict(opt.param_steps)
+    {"float": model.float, "double": lambda: model.to(torch.float64), "half": model.half}[move]()
+    loss_of(model, 1, 0, 0, frozenset()).backward()
+    opt.zero_grad()  # allowed: it does not depend on where the params live
+    loss_of(model, 1, 0, 0, frozenset()).backward()
+    with pytest.raises(ParamMovedError, match=r"param 'a\.weight' no longer lives in the "
+                       r"optimizer's buffer.*then build the optimizer"):
+        opt.step()
+    with pytest.raises(ParamMovedError, match=r"'a\.weight'"):
+        opt.reload_model_params()
+    assert opt.param_steps == steps  # the failed step changed nothing
+    now = opt.buffers.param_buffers + [m for m in opt._main if m is not None]
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, now))
+
+
+def test_fp32_model_float_is_a_no_op_and_keeps_training():
+    model = nn.Linear(4, 3)
+    opt = DistributedOptimizer(model, OptimizerConfig(lr=0.1))
+    model.float()  # already fp32: same storage, nothing moved
+    model(torch.ones(2, 4)).sum().backward()
+    before = model.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model.weight.detach(), before)
+
+
+# ---------------------------------------------------------- params without grads
+
+STEPS = 5
+
+
+def skips_for(step: int, world_size: int, micro_batches: int) -> list[list[frozenset[str]]]:
+    """Per rank and micro-batch, the modules left out of forward.
+
+    step 1: ``b`` unused on every rank; step 2: ``c`` unused on rank 0 only (so it is
+    averaged with zero when there are more ranks); step 3: ``b`` used only in rank 1's
+    first micro-batch, under ``no_sync`` (it counts)."""
+    out = [[frozenset()] * micro_batches for _ in range(world_size)]
+    if step == 1:
+        out = [[frozenset({"b"})] * micro_batches for _ in range(world_size)]
+    elif step == 2:
+        out[0] = [frozenset({"c"})] * micro_batches
+    elif step == 3:
+        out = [[frozenset({"b"})] * micro_batches for _ in range(world_size)]
+        out[min(1, world_size - 1)][0] = frozenset()
+    return out
+
+
+def no_grad_rank(rank: int, world_size: int, kernel: str, clip: float | None,
+                 micro_batches: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, config(kernel, clip))
+    history, moments, steps = [], [], []
+    for step in range(STEPS):
+        if step == 3:
+            model.norm.requires_grad_(False)  # frozen after construction: never updated again
+        train_step(model, opt, step, rank, skips_for(step, world_size, micro_batches)[rank])
+        history.append(snapshot(model))
+        moments.append({f"{s.fqn}@{s.range_param.start}": (opt.state_view("exp_avg", s).clone(),
+                                                             opt.state_view("exp_avg_sq", s).clone())
+                        for s in opt.shards})
+        steps.append(dict(opt.param_steps))
+    return {"history": history, "moments": moments, "steps": steps}
+
+
+@pytest.mark.parametrize("world_size,kernel,clip,micro", [
+    (1, "torch", 0.5, 1), (2, "torch", 0.5, 2), (3, "torch", None, 1), (2, "triton", None, 2),
+    (3, "triton", 0.5, 1), (1, "triton", None, 1)])
+def test_param_without_grad_on_every_rank_is_left_alone(world_size, kernel, clip, micro,
+                                                        tmp_path):
+    if kernel == "triton" and not kernels.available(torch.device("cpu")):
+        pytest.skip("Triton is not installed")
+    results = run_distributed(no_grad_rank, world_size, kernel, clip, micro, tmp_path=tmp_path)
+    ref = Reference(config(kernel, clip))
+    for step in range(STEPS):
+        if step == 3:
+            for f in ("norm.weight", "norm.bias"):
+                ref.masters[f].grad = None
+                ref.model.norm.requires_grad_(False)
+        ref.step(step, world_size, micro, skips_for(step, world_size, micro))
+        for res in results:
+            assert res["steps"][step] == ref.steps(), f"step counts after step {step}"
+            for fqn, p in ref.params.items():
+                torch.testing.assert_close(res["history"][step][fqn], p.detach(), **TOL,
+                                           msg=lambda m, f=fqn, s=step: f"{f} after {s}: {m}")
+    untouched = {1: ("b.weight", "b.bias"), 3: ("norm.weight", "norm.bias"),
+                 4: ("norm.weight", "norm.bias")}
+    for res in results:
+        for step, fqns in untouched.items():
+            for fqn in fqns:  # bit for bit: weights and this rank's moments
+                assert torch.equal(bits(res["history"][step][fqn]),
+                                   bits(res["history"][step - 1][fqn])), f"{fqn} at step {step}"
+                for key, (m, v) in res["moments"][step].items():
+                    if key.startswith(fqn + "@"):
+                        old_m, old_v = res["moments"][step - 1][key]
+                        assert torch.equal(m, old_m) and torch.equal(v, old_v), (fqn, step)
+        assert res["steps"][-1]["b.weight"] == STEPS - 1
+        assert res["steps"][-1]["norm.weight"] == 3
+        assert res["steps"][-1]["c.weight"] == STEPS - (world_size == 1)  # rank 0 is all ranks
+        for step in range(STEPS):
+            for fqn, t in res["history"][step].items():
+                assert torch.equal(bits(t), bits(results[0]["history"][step][fqn]))
+
+
+def count_step_all_reduces(rank: int, world_size: int, kernel: str,
+                           clip: float | None) -> list[int]:
+    """``dist.all_reduce`` calls inside ``step()`` once the grads are reduced, per step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, config(kernel, clip))
+    calls = {"n": 0}
+    original = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    out = []
+    for step in range(3):
+        skip = frozenset({"b"}) if step == 1 and rank == 0 else frozenset()
+        loss_of(model, step, rank, 0, skip).backward()
+        opt.finish_grad_sync()
+        dist.all_reduce = counted
+        calls["n"] = 0
+        try:
+            opt.step()
+        finally:
+            dist.all_reduce = original
+        opt.zero_grad()
+        out.append(calls["n"])
+    return out
+
+
+@pytest.mark.parametrize("kernel,clip,expected", [("torch", 1.0, 1), ("torch", None, 1),
+                                                  ("triton", None, 2)])
+def test_grad_presence_rides_on_the_norm_all_reduce(kernel, clip, expected, tmp_path):
+    """With the norm computed before the update, one all-reduce carries it and the flags;
+    the Triton step without clipping sums the norm in the update, so the flags go first."""
+    if kernel == "triton" and not kernels.available(torch.device("cpu")):
+        pytest.skip("Triton is not installed")
+    for res in run_distributed(count_step_all_reduces, 2, kernel, clip, tmp_path=tmp_path):
+        assert res == [expected] * 3
+
+
+# -------------------------------------------------------------------- checkpoints
+
+def resume_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Per-param step counts differ (a skipped step) when saved; resume is bit-identical."""
+    def build() -> tuple[Net, DistributedOptimizer]:
+        torch.manual_seed(0)
+        model = Net()
+        return model, DistributedOptimizer(model, config("torch", 0.5))
+
+    def skips(step: int) -> list[frozenset[str]]:
+        return skips_for(step, world_size, 1)[rank]
+
+    model, opt = build()
+    for step in range(3):
+        train_step(model, opt, step, rank, skips(step))
+    saved_steps = dict(opt.param_steps)
+    checkpoint.save(root, model, opt, step=3)
+    for step in range(3, 5):
+        train_step(model, opt, step, rank, skips(step))
+    model2, opt2 = build()
+    with torch.no_grad():  # written before the load: the loaded weights win
+        model2.a.weight.zero_()
+    checkpoint.load(root, model2, opt2)
+    loaded_steps = dict(opt2.param_steps)
+    for step in range(3, 5):
+        train_step(model2, opt2, step, rank, skips(step))
+    return {"saved": saved_steps, "loaded": loaded_steps, "a": snapshot(model),
+            "b": snapshot(model2), "steps": (dict(opt.param_steps), dict(opt2.param_steps))}
+
+
+def test_checkpoint_round_trip_keeps_per_param_steps(tmp_path):
+    root = tmp_path / "ckpt"
+    results = run_distributed(resume_rank, 2, str(root), tmp_path=tmp_path)
+    for res in results:
+        assert res["saved"]["b.weight"] == 2 and res["saved"]["a.weight"] == 3
+        assert res["loaded"] == res["saved"]
+        assert res["steps"][0] == res["steps"][1]
+        for fqn, t in res["a"].items():
+            assert torch.equal(bits(t), bits(res["b"][fqn])), fqn
+    params = json.loads((Path(checkpoint.latest(root)) / "manifest.json").read_text())["params"]
+    assert {f: params[f]["step"] for f in results[0]["saved"]} == results[0]["saved"]
