@@ -136,7 +136,7 @@ def free(device: torch.device) -> None:
 def _step_with_grads(opt: DistributedOptimizer) -> None:
     """``step()`` as after a backward whose hooks wrote every param's gradient: the grads
     were written straight into the buffers, so mark them written (else the optimizer
-    counts them as missing and zeroes them, as it does for params without a gradient)."""
+    takes them for params without a gradient: it zeroes them and skips their update)."""
     opt._written.update(opt.layout.fqns)
     opt.step()
 

@@ -17,8 +17,9 @@ reads. Two things a user may do to a param behind the optimizer's back:
   training would silently stop reaching it. Its ``data_ptr()`` differs from the
   recorded one.
 
-Both checks are a C-level ``map`` over the params, about 0.1 us per param
-(see ``benchmarks/param_watch.py``).
+Both checks are a C-level ``map`` over the params: 0.08 us per param per
+step on the 2-core CI machine, 0.04 more to record the versions after the step
+(``benchmarks/step_bookkeeping.py``).
 """
 
 from __future__ import annotations
