@@ -408,3 +408,32 @@ def test_checkpoint_round_trip_keeps_per_param_steps(tmp_path):
             assert torch.equal(bits(t), bits(res["b"][fqn])), fqn
     params = json.loads((Path(checkpoint.latest(root)) / "manifest.json").read_text())["params"]
     assert {f: params[f]["step"] for f in results[0]["saved"]} == results[0]["saved"]
+
+
+@TRITON
+def test_every_param_with_a_grad_keeps_one_launch_per_buffer_and_group(monkeypatch):
+    """The fast path stays the common case; a skipped param splits its group by step count
+    (one launch per count), and the split tables are built once."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, config("triton"))
+    counts: list[int] = []
+    real = kernels.adamw_
+
+    def counted(*args, **kwargs):
+        counts.append(kwargs["step"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "adamw_", counted)
+    train_step(model, opt, 0, 0, [frozenset()])
+    assert len(opt._chunk_tables) == 3 and counts == [1, 1, 1]  # bf16, fp32, fp16 buffers
+    assert not opt._subset_tables
+    counts.clear()
+    train_step(model, opt, 1, 0, [frozenset({"b"})])  # b (bf16) has no gradient anywhere
+    assert sorted(counts) == [2, 2, 2]
+    for step in (2, 3):
+        counts.clear()
+        train_step(model, opt, step, 0, [frozenset()])
+        assert sorted(counts) == [step, step + 1, step + 1, step + 1]  # b, then the rest
+    assert len(opt._subset_tables) == 4  # step 1's three, and b's own from step 2 on
+    assert opt.param_steps["b.weight"] == 3 and opt.param_steps["a.weight"] == 4
