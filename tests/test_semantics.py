@@ -240,6 +240,16 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, now))
 
 
+@pytest.mark.cuda
+def test_model_moved_to_cuda_is_a_clear_error():
+    model = nn.Linear(4, 3)
+    opt = DistributedOptimizer(model, OptimizerConfig())
+    model.cuda()
+    model(torch.ones(2, 4, device="cuda")).sum().backward()
+    with pytest.raises(ParamMovedError, match=r"param 'weight' no longer lives .* on cuda"):
+        opt.step()
+
+
 def test_fp32_model_float_is_a_no_op_and_keeps_training():
     model = nn.Linear(4, 3)
     opt = DistributedOptimizer(model, OptimizerConfig(lr=0.1))
