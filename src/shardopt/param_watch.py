@@ -18,7 +18,7 @@ reads. Two things a user may do to a param behind the optimizer's back:
   recorded one.
 
 Both checks are a C-level ``map`` over the params: 0.08 us per param per
-step on the 2-core CI machine, 0.04 more to record the versions after the step
+step on a 2-core VM, 0.04 more to record the versions after the step
 (``benchmarks/step_bookkeeping.py``).
 """
 
