@@ -204,8 +204,9 @@ def _group_worker(rank: int, world: int, group: str, a: dict) -> dict:
     plan = _plan(names, a)
     skip, current = None, None
     for target, name, rep in plan:
-        if (target["name"], rep) != current:  # a round starts: run it whole or skip it whole, so that every
-            # system keeps the same number of rounds; one not measured yet at --first-gbps
+        # A round is run whole or skipped whole, so every system keeps the same number of
+        # rounds; a system not measured yet is estimated at --first-gbps.
+        if (target["name"], rep) != current:
             def estimate(n: str) -> float:
                 num_ops = 3 if hasattr(ckpts[n], "resume") else 2
                 return 1.3 * last.get(n, num_ops * state_bytes * world / (a["first_gbps"] * 1e9))

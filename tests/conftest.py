@@ -52,7 +52,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     run compiled on a GPU host and in Triton's interpreter elsewhere."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        triton = "triton" in params.values() or getattr(item.module, "__name__", "") == "test_kernels"
+        module = getattr(item.module, "__name__", "")
+        triton = "triton" in params.values() or module == "test_kernels"
         if triton or item.get_closest_marker("cuda") is not None:
             item.add_marker(pytest.mark.gpu)
 
