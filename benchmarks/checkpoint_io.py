@@ -112,16 +112,6 @@ def _all_true(flag: bool) -> bool:
     return all(flags)
 
 
-def _timed(fn, device: torch.device) -> float:
-    _peers.barrier()
-    _peers.sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _peers.sync(device)
-    _peers.barrier()
-    return time.perf_counter() - t0
-
-
 def _one(name: str, ck: Any, target: dict, rep: int, rank: int, device: torch.device,
          probe: _io_probes.Probe | None) -> dict[str, Any]:
     """One save and its loads (``load``; shardopt also ``load_resume``), each load from a
@@ -175,7 +165,7 @@ def _measure(out: dict[str, Any], op: str, fn, device: torch.device,
     """Time ``fn`` into ``out[f"{op}_s"]``; with a probe, also its phases (rank 0's)."""
     if probe:
         probe.reset()
-    out[f"{op}_s"] = _timed(fn, device)
+    out[f"{op}_s"] = _peers.timed(fn, device)
     if probe:
         snapshot = probe.snapshot()
         split = _io_probes.save_phases if op == "save" else _io_probes.load_phases
