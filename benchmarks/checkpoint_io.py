@@ -238,7 +238,8 @@ def _plan(names: list[str], a: dict) -> list[tuple[dict, str, int]]:
 def _raw_worker(rank: int, world: int, a: dict) -> dict:
     from shardopt.checkpoint.transfer import io_threads
 
-    threads = sorted({int(t) if t != "io" else io_threads(a["io_threads"])
+    io = io_threads(a["io_threads"])  # "io" / "2io": multiples of what the save runs on
+    threads = sorted({int(t[:-2] or 1) * io if t.endswith("io") else int(t)
                       for t in a["raw_threads"]})
     return {target["name"]: _io_probes.raw_bandwidth(
         Path(target["dir"]), rank, a["raw_bytes"], a["device"] == "cuda", target["evict"],
@@ -416,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw-mib", type=int, default=None,
                    help="raw test size per rank (default: what a save writes per rank)")
     p.add_argument("--raw-repeats", type=int, default=3, help="repeats of each raw test")
-    p.add_argument("--raw-threads", default="1,io",
-                   help="thread counts of the raw tests, 'io' for --io-threads")
+    p.add_argument("--raw-threads", default="1,io,2io",
+                   help="thread counts of the raw tests; 'io' is the writers' thread count "
+                   "(--io-threads), '2io' twice that")
     p.add_argument("--raw-piece-mib", default="32,256",
                    help="write sizes of the raw tests (MiB per pwrite)")
     p.add_argument("--budget", type=float, default=270.0,
