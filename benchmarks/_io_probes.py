@@ -260,8 +260,15 @@ def raw_bandwidth(directory: Path, rank: int, nbytes: int, cuda: bool, evict_cac
                 name = f"raw-{rank:05d}-r{rep}-t{t}-p{pb >> 20}.bin"
                 test = _raw_pass(Path(directory) / name, max(1, nbytes // pb), t, cuda,
                                  evict_cache, pb, views)
-                out.append({"rep": rep, "threads": t, "piece_bytes": pb, **test})
+                out.append({"rep": rep, "threads": t, "piece_bytes": pb,
+                            "cpus_allowed": cpus_allowed(), **test})
     return out
+
+
+def cpus_allowed() -> int | None:
+    """CPUs this process may run on: fewer than the host has (a launcher's or a library's
+    affinity) caps how many threads copy data at once, for the raw test and a save alike."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 3

@@ -1,4 +1,4 @@
-"""Checkpoint save/load throughput: shardopt against the checkpoint paths of the systems users pick.
+"""Checkpoint save/load throughput: shardopt against the checkpoint paths users pick.
 
 Checkpoint systems (each saves the full training state of the ``1b`` preset after one step;
 classes in ``_ckpt_systems.py``):
@@ -221,6 +221,8 @@ def _group_worker(rank: int, world: int, group: str, a: dict) -> dict:
                   f"save {r['save_s']:.2f} s{loads}", flush=True)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {"results": results, "loss": loss, "notes": s.notes, "peak_allocated": peak,
+            "io_threads": threads, "cpus_allowed": _io_probes.cpus_allowed(),
+            "host_cpus": os.cpu_count(),
             "copy": _io_probes.copy_bandwidth(device) if rank == 0 else {}}
 
 
@@ -259,6 +261,7 @@ def raw_summary(per_rank: list[list[dict]]) -> dict[str, Any]:
         t["cached_fraction_before_read"] = max(
             (r["cached_fraction_before_read"] or 0.0) for r in same)
         t["drop_caches"] = all(r["drop_caches"] for r in same)
+        t["cpus_allowed"] = [r.get("cpus_allowed") for r in same]
         t["per_rank"] = list(same)
         tests.append(t)
     best = {}
@@ -464,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                                 timeout_s=args.timeout)
         for t in targets:
             raw[t["name"]] = raw_summary([r[t["name"]] for r in per_rank])
+            allowed = raw[t["name"]]["tests"][0]["cpus_allowed"]
+            print(f"raw {t['name']}: CPUs allowed per rank {allowed} of {os.cpu_count()}",
+                  flush=True)
     except Exception as e:  # noqa: BLE001
         errors["raw"] = str(e) if isinstance(e, _peers.RankFailed) else traceback.format_exc()
         print(f"raw bandwidth FAILED:\n{errors['raw']}", flush=True)
