@@ -12,8 +12,8 @@ its files itself. This measures both on the same state, in one run, interleaved 
   spreads the keys over N files of about equal bytes, so the writer's N threads each have a
   file (without it DCP writes a rank's data to one file, on one thread).
 
-Same bytes (the file sizes are recorded; shardopt adds headers, hashes' manifest and RNG
-files), same threads (N, default shardopt's ``io_threads()`` in the rank), same target
+Same bytes (the file sizes are recorded; shardopt's extra is its manifest, with the block
+hashes, and the RNG files), same threads (N, default shardopt's ``io_threads()`` in the rank), same target
 directory, ``--repeats`` rounds (default 3) of one save each, in fresh directories, timed
 between barriers after a device sync. The first round's DCP files are read back with
 ``safetensors.safe_open`` and compared with the source chunks (offsets and a strided sample
