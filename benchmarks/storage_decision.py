@@ -16,9 +16,9 @@ Same bytes (the file sizes are recorded; shardopt's extra is its manifest, with 
 hashes, and the RNG files), same threads (N, default shardopt's ``io_threads()`` in the rank),
 same target directory, ``--repeats`` rounds (default 3) of one save each, in fresh
 directories, timed between barriers after a device sync. The first round's DCP files are read
-back with ``safetensors.safe_open`` and compared with the source chunks (offsets and a strided sample
-of every chunk). Needs ``safetensors`` (DCP's writer imports it); where the writer cannot be
-built the reason is recorded and shardopt is measured alone.
+back with ``safetensors.safe_open`` and compared with the source chunks (offsets and a
+strided sample of every chunk). Needs ``safetensors`` (DCP's writer imports it); where the
+writer cannot be built the reason is recorded and shardopt is measured alone.
 
 GPU::
 
