@@ -8,7 +8,7 @@ TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_FLAGS ?= -q -ra --durations=10
 
-.PHONY: venv test demo clean
+.PHONY: venv test test-gpu demo clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,12 @@ $(STAMP): pyproject.toml
 
 test: venv
 	$(PY) -m pytest $(PYTEST_FLAGS)
+
+# The GPU tests (cuda-marked and Triton, compiled, NCCL where it applies; see tests/run_gpu.sh).
+# No venv: `make test-gpu PY=python3` where torch is installed system-wide; GPU_LOG keeps a copy.
+GPU_LOG ?= /dev/null
+test-gpu:
+	PY=$(PY) bash tests/run_gpu.sh $(GPU_LOG)
 
 demo: venv
 	$(PY) -m shardopt.cli demo

@@ -1,13 +1,14 @@
 """Measurement tools of the checkpoint benchmark: storage bandwidth, page cache, phase timers.
 
-* :func:`raw_bandwidth` (run on every rank at once), twice per rank: on one thread and on
-  as many threads as the library reads on and writes files at once
-  (``shardopt.checkpoint.transfer.io_threads()``). The ``nbytes``, in 32 MiB pieces, are dealt
-  round-robin to the threads; each thread writes its pieces to its own file (the kernel lets a
-  file take one writer at a time) with ``os.pwrite`` from its own (pinned, on a GPU host)
-  buffer and ``fsync`` s it, then reads them back with ``os.preadv`` after the files are evicted
-  from the page cache. The faster of the two is what the storage can give one rank.
-  Also the pinned device-to-host and host-to-device copy bandwidth of the rank's GPU.
+* :func:`raw_bandwidth` (run on every rank at once): what the storage gives one rank while
+  every rank writes, the bar a save and a load are held to. Each test writes ``nbytes`` (the
+  bytes a save writes per rank) in pieces of one size dealt round-robin to ``t`` threads, each
+  thread its own new file (the kernel lets a file take one writer at a time; a new file, so
+  no test rewrites pages an earlier one allocated) with ``os.pwrite`` from its own (pinned, on
+  a GPU host) buffer, ``fsync`` s it, and reads it back with ``os.preadv`` after the files are
+  evicted from the page cache. Every thread count and piece size asked for, each repeated;
+  the best test is the bar. Also the pinned device-to-host and host-to-device copy bandwidth
+  of the rank's GPU.
 * :func:`evict` / :func:`cached_fraction`: ``posix_fadvise(DONTNEED)`` after the data is on disk
   (no root needed, unlike ``drop_caches``) and ``mincore`` to report how much of a checkpoint was
   still in the page cache when a load started. On tmpfs (/dev/shm) the page cache *is* the storage:
@@ -64,14 +65,22 @@ def fsync_tree(path: Path) -> None:
             os.close(fd)
 
 
-def evict(path: Path) -> None:
-    """Drop the (clean) cached pages of every file under ``path`` from the page cache."""
+def evict(path: Path) -> bool:
+    """Drop the (clean) cached pages of every file under ``path`` from the page cache, then
+    the whole clean page cache where this process may (root: ``drop_caches``), for pages
+    fadvise leaves behind. Returns whether ``drop_caches`` was done."""
     for p in files_under(path) if Path(path).is_dir() else [Path(path)]:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
 
 
 _libc = None
@@ -154,9 +163,9 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return own, time.perf_counter() - t0
 
 
-def _random_buffer(cuda: bool) -> memoryview:
-    buf = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=cuda)
-    buf.copy_(torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8))
+def _random_buffer(cuda: bool, nbytes: int = CHUNK_BYTES) -> memoryview:
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     return memoryview(buf.numpy())
 
 
@@ -176,17 +185,23 @@ def _pread_all(fd: int, mv: memoryview, off: int) -> None:
         mv, off = mv[n:], off + n
 
 
-def _raw_pass(path: Path, pieces: int, threads: int, cuda: bool, evict_cache: bool
+def _raw_pass(path: Path, pieces: int, threads: int, cuda: bool, evict_cache: bool,
+              piece_bytes: int = CHUNK_BYTES, views: list[memoryview] | None = None
               ) -> dict[str, Any]:
-    """Collective. Write ``pieces`` pieces of ``CHUNK_BYTES`` on ``threads`` threads, each
-    thread its own file (``path`` itself for one thread; a file takes one writer at a time)
-    and its own buffer, ``fsync`` each file, evict them when ``evict_cache``, and read them
-    back the same way."""
+    """Collective. Write ``pieces`` pieces of ``piece_bytes`` on ``threads`` threads, each
+    thread its own new file (``path`` itself for one thread; a file takes one writer at a
+    time) from its own buffer (``views[t]``, at least ``piece_bytes`` long; random ones are
+    made when not given), ``fsync`` each file, evict them when ``evict_cache``, and read them
+    back the same way. The files are removed afterwards."""
     from concurrent.futures import ThreadPoolExecutor
 
-    views = [_random_buffer(cuda) for _ in range(threads)]
+    if views is None:
+        views = [_random_buffer(cuda, piece_bytes) for _ in range(threads)]
+    views = [v[:piece_bytes] for v in views[:threads]]
     files = [path] if threads == 1 else [path.with_name(f"{path.stem}-{t}{path.suffix}")
                                          for t in range(threads)]
+    for f in files:
+        f.unlink(missing_ok=True)  # a new file: no pages left from an earlier test
     counts = [len(range(t, pieces, threads)) for t in range(threads)]
 
     def on_threads(flags: int, move: Callable[[int, memoryview, int], None], sync: bool):
@@ -194,7 +209,7 @@ def _raw_pass(path: Path, pieces: int, threads: int, cuda: bool, evict_cache: bo
             fd = os.open(files[t], flags, 0o644)
             try:
                 for i in range(counts[t]):
-                    move(fd, views[t], i * CHUNK_BYTES)
+                    move(fd, views[t], i * piece_bytes)
                 if sync:
                     os.fsync(fd)
             finally:
@@ -212,41 +227,48 @@ def _raw_pass(path: Path, pieces: int, threads: int, cuda: bool, evict_cache: bo
         started = threading.Barrier(threads)  # every thread exists before the timer starts
         for f in [pool.submit(started.wait) for _ in range(threads)]:
             f.result()
-        write_own, write = _timed(on_threads(os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+        write_own, write = _timed(on_threads(os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                                              _pwrite_all, True))
+        dropped = False
         if evict_cache:
             for f in files:
-                evict(f)
+                dropped = evict(f) or dropped
         cached = [cached_fraction(f) for f in files]
         read_own, read = _timed(on_threads(os.O_RDONLY, _pread_all, False))
     for f in files:
         f.unlink()
     known = [c for c in cached if c is not None]
     return {"write_s": write, "read_s": read, "write_own_s": write_own, "read_own_s": read_own,
+            "bytes": pieces * piece_bytes, "drop_caches": dropped,
             "cached_fraction_before_read": sum(known) / len(known) if known else None}
 
 
 def raw_bandwidth(directory: Path, rank: int, nbytes: int, cuda: bool, evict_cache: bool,
-                  threads: int | None = None) -> dict[str, Any]:
-    """Collective (barriers). Write + fsync and read of ``nbytes`` by this rank, twice: on one
-    thread (keys without a suffix) and on ``threads`` threads (keys ending ``_threads``;
-    absent when ``threads`` is 1). Each is :func:`_raw_pass`: ``CHUNK_BYTES`` pieces dealt
-    round-robin to the threads, each thread writing and reading back its own file.
-
-    ``*_s``: until every rank is done (between barriers); ``*_own_s``: this rank alone. Before
-    each read the file is evicted from the page cache when ``evict_cache``, and the fraction
-    still cached is recorded.
-    """
-    pieces = nbytes // CHUNK_BYTES
-    out: dict[str, Any] = {"bytes": pieces * CHUNK_BYTES}
-    out.update(_raw_pass(Path(directory) / f"raw-{rank:05d}.bin", pieces, 1, cuda, evict_cache))
-    threads = max(1, int(io_threads() if threads is None else threads))
-    if threads > 1:
-        multi = _raw_pass(Path(directory) / f"raw-{rank:05d}-t{threads}.bin", pieces, threads,
-                          cuda, evict_cache)
-        out["threads"] = threads
-        out.update({f"{k}_threads": v for k, v in multi.items()})
+                  threads: list[int], piece_bytes: list[int], repeats: int
+                  ) -> list[dict[str, Any]]:
+    """Collective (barriers). Write + fsync and read of ``nbytes`` by this rank, once per
+    repeat, thread count and piece size (:func:`_raw_pass`; repeats outermost, so that the
+    settings see the machine alike), each into new files. One record per test: its settings,
+    ``*_s`` until every rank was done (between barriers), ``*_own_s`` this rank alone, and
+    the fraction of the files still cached before the read."""
+    big = max(piece_bytes)
+    views = [_random_buffer(cuda, big) for _ in range(max(threads))]  # made once, outside timing
+    out = []
+    for rep in range(repeats):
+        for t in threads:
+            for pb in piece_bytes:
+                name = f"raw-{rank:05d}-r{rep}-t{t}-p{pb >> 20}.bin"
+                test = _raw_pass(Path(directory) / name, max(1, nbytes // pb), t, cuda,
+                                 evict_cache, pb, views)
+                out.append({"rep": rep, "threads": t, "piece_bytes": pb,
+                            "cpus_allowed": cpus_allowed(), **test})
     return out
+
+
+def cpus_allowed() -> int | None:
+    """CPUs this process may run on: fewer than the host has (a launcher's or a library's
+    affinity) caps how many threads copy data at once, for the raw test and a save alike."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 3

@@ -151,6 +151,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Collective. Seconds of ``fn`` on every rank, between barriers and device syncs."""
+    barrier()
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    barrier()
+    return time.perf_counter() - t0
+
+
 # ----------------------------------------------------------------------------- model and data
 @dataclass(frozen=True)
 class Hyper:

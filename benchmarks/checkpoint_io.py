@@ -1,48 +1,56 @@
-"""Checkpoint save/load throughput: shardopt against the checkpoint paths of the systems users pick.
+"""Checkpoint save/load throughput: shardopt against the checkpoint paths users pick.
 
-Checkpoint systems (each saves the full training state of the ``1b`` preset after one step):
+Checkpoint systems (each saves the full training state of the ``1b`` preset after one step;
+classes in ``_ckpt_systems.py``):
 
 * ``shardopt``: ``shardopt.checkpoint.save`` / ``load`` (bf16 weights + fp32 main/exp_avg/exp_avg_sq,
-  each rank its own chunks; load verifies block hashes and all-gathers the params). Two loads of
-  each save: ``load`` back into the same optimizer (its moments are verified, then read in place)
-  and ``load_resume`` into a new ``DistributedOptimizer`` over the same model, as after a process
-  restart: it has no moments, so the load reads them into new tensors in one verifying pass. The
-  old optimizer's moments are freed before the new one is built (never two copies at once); the
-  new one replaces it for the rest of the run.
-* ``torch_save``: the same tensors, one ``torch.save`` file per rank (+ ``fsync``, as every other
-  writer here makes its files durable), ``torch.load(map_location=<gpu>)`` + ``copy_`` back.
+  each rank its own chunks; load verifies block hashes and all-gathers the params).
+* ``torch_save``: the same tensors, one ``torch.save`` file per rank (+ ``fsync``),
+  ``torch.load(map_location=<gpu>)`` + ``copy_`` back.
 * ``dcp_plain``: the same tensors as a plain state dict (rank-unique keys) through
-  ``torch.distributed.checkpoint``'s default ``FileSystemWriter`` / ``FileSystemReader``.
+  ``torch.distributed.checkpoint``'s ``FileSystemWriter`` / ``FileSystemReader``.
+* ``dcp_async``: the same through ``dcp.async_save``: ``save_return_s`` is the time until it
+  returned, ``save_s`` until the checkpoint was complete.
 * ``dcp_fsdp2``: an FSDP2 model (fp32 sharded params) + AdamW, its ``get_state_dict`` state through
-  the same default DCP writer; load with ``dcp.load`` + ``set_state_dict`` (torchtitan's recipe).
-* ``megatron``: megatron-core's DDP + distributed optimizer, ``dist_checkpointing.save/load`` of the
-  model's sharded state dict + ``optimizer.sharded_state_dict`` (``dp_reshardable``, Megatron-LM's
-  default, with its fully-parallel save wrapper).
+  DCP; load with ``dcp.load`` + ``set_state_dict`` (torchtitan's recipe).
+* ``megatron``: megatron-core's DDP + distributed optimizer, ``dist_checkpointing`` (needs
+  megatron-core; ``--no-megatron`` leaves it out).
+
+Fairness: every writer runs ``--io-threads`` threads per rank (default: shardopt's
+``io_threads()`` in that rank): shardopt's ``io_threads`` and DCP's ``FileSystemWriter(thread_count=
+...)``. Every system runs ``--repeats`` save + load rounds in the same run, interleaved by
+repeat. Each round is a save, an in-place ``load`` (into the optimizer that saved, compared
+with the other systems' in-place loads) and, for every system but megatron-core, a
+``load_resume``: a new optimizer is built and loaded into, as after a process restart, with
+the construction inside the timed region for every system (shardopt and the generic writers
+on shardopt's state: a new ``DistributedOptimizer``, for the latter with its moments allocated
+as a first step would; FSDP2: a new AdamW, whose state ``get_state_dict`` initialises). The old
+moments are freed before, outside the timed region, so the device never holds two copies.
 
 Targets: ``shm`` (/dev/shm) and ``disk`` (a directory on local disk). Before any checkpoint, the raw
-bandwidth of each target is measured with the same number of writer processes (one per rank), each
-rank once with one thread (sequential writes) and once with ``--raw-threads`` threads (default:
-shardopt's ``io_threads()`` in that rank, the files a save writes at once; each thread writes and
-reads its own file): see
-``_io_probes.raw_bandwidth``. "vs raw" is against the faster of the two, per operation (write for
-a save, read for a load), and ``raw_basis`` says which. Before every load on ``disk`` the
-checkpoint's pages are evicted from the page cache (``posix_fadvise``) and the cached fraction is
-recorded. Every load is checked: the state is zeroed before the load and must come back bit for
-bit (``restored``; ``load_resume_restored``).
+bandwidth of each target is measured by every rank at once with the bytes a save writes per
+rank (``--raw-mib`` overrides), ``--raw-repeats`` times (default 3) for each thread count of
+``--raw-threads`` and write size of ``--raw-piece-mib``, each repeat into new files; the best is
+the bar (``_io_probes.raw_bandwidth``). "vs raw" is against the best raw test, per operation
+(write for a save, read for a load), and ``raw_basis`` says which. Before every read on ``disk``
+(raw or checkpoint) the pages are evicted from the page cache (``posix_fadvise``, and
+``drop_caches`` where writable) and the cached fraction is recorded. Every load is checked: the
+state is zeroed before the load and must come back bit for bit (``restored``;
+``load_resume_restored``).
 
 shardopt's save and loads are split into phases by timing wrappers around its internals
 (``_io_probes.hook_shardopt``): the calling thread's phases, which add up to the operation's time,
 and the busy time of the worker threads that overlap them (hashing during a save, reads during a
-load), which does not add to it. Peers are skipped, and said so, when the ``--budget`` would be
-exceeded.
+load), which does not add to it. Rounds are skipped, and said so, when the ``--budget`` would
+be exceeded.
 
 GPU::
 
-    PYTHONPATH=src python3 benchmarks/checkpoint_io.py --nproc 1 --out $OUT
+    PYTHONPATH=src python3 benchmarks/checkpoint_io.py --nproc 1 --no-megatron --out $OUT
 
 CPU smoke::
 
-    PYTHONPATH=src python benchmarks/checkpoint_io.py --device cpu --preset tiny --raw-mib 64
+    PYTHONPATH=src python benchmarks/checkpoint_io.py --device cpu --preset tiny --no-megatron
 """
 
 from __future__ import annotations
@@ -63,213 +71,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import _io_probes  # noqa: E402
 import _peers  # noqa: E402
+from _ckpt_systems import CKPT  # noqa: E402
 
-CKPT_SYSTEMS = ("shardopt", "torch_save", "dcp_plain", "dcp_fsdp2", "megatron")
-OPS = ("save", "load", "load_resume")  # load_resume: shardopt only
+CKPT_SYSTEMS = tuple(CKPT)
+OPS = ("save", "load", "load_resume")  # load_resume: systems with a resume()
 # training stack -> checkpoint systems that use it (one process group each, in this order)
-GROUPS = {"shardopt": ("shardopt", "torch_save", "dcp_plain"), "fsdp2": ("dcp_fsdp2",),
-          "megatron": ("megatron",)}
-GROUP_WEIGHT = {"shardopt": 0.45, "fsdp2": 0.25, "megatron": 0.3}
-
-
-# ----------------------------------------------------------------------------- checkpointers
-class ShardoptCkpt:
-    """``load`` restores into the same optimizer; ``load_resume``, after :meth:`new_optimizer`,
-    into a new one. The optimizer is read from the shared ``System``, which both replace."""
-
-    def __init__(self, s: _peers.System, rank: int, device: torch.device) -> None:
-        self.s = s
-        self.path: str | None = None
-
-    def save(self, root: Path) -> None:
-        from shardopt import checkpoint
-
-        self.path = checkpoint.save(root, self.s.model, self.s.optimizer, step=1)
-
-    def load(self, root: Path) -> None:
-        from shardopt import checkpoint
-
-        checkpoint.load(self.path, self.s.model, self.s.optimizer)
-
-    def new_optimizer(self) -> None:
-        """Replace the optimizer by a new one over the same model, config and param groups,
-        which has no moments (as after a process restart). The old one's moments are freed
-        first, so the device never holds two copies, and its grad hooks are removed."""
-        from shardopt import DistributedOptimizer
-        from shardopt.config import GROUP_KEYS
-
-        old = self.s.optimizer
-        _drop_moments(old)
-        group = {fqn: old.param_groups[gi] for fqn, gi in old.group_of.items()}
-        new = DistributedOptimizer(
-            self.s.model, old.config, process_group=old.dp.group,
-            param_group_fn=lambda fqn, p: {k: group[fqn][k] for k in GROUP_KEYS})
-        for hook in getattr(old, "_hooks", ()):
-            hook.remove()
-        self.s.optimizer = new
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Params and every allocated state of this rank (a new optimizer has no moments)."""
-        return [p.detach() for p in self.s.model.parameters()] + \
-            list(_shardopt_states(self.s.optimizer).values())
-
-
-def _shardopt_states(opt: Any) -> dict[str, torch.Tensor]:
-    from shardopt.optimizer import STATE_NAMES
-
-    out = {}
-    for shard in opt.shards:
-        for n in STATE_NAMES:
-            try:
-                out[f"{shard.fqn}.{n}"] = opt.state_view(n, shard)
-            except RuntimeError:  # moments not allocated before the first step or load
-                pass
-    return out
-
-
-def _drop_moments(opt: Any) -> None:
-    """Free a DistributedOptimizer's Adam moments (it has no public call for that)."""
-    for attr, empty in (("_exp_avg", None), ("_exp_avg_sq", None), ("_staged_moments", None),
-                        ("_staged_pinned", []), ("_views", None)):
-        if hasattr(opt, attr):
-            setattr(opt, attr, empty)
-    if any(not n.endswith(".master_param") for n in _shardopt_states(opt)):
-        raise RuntimeError("the old optimizer still holds moments; shardopt's internals changed")
-
-
-class _ShardoptTensors:
-    """shardopt's per-rank state as a plain FQN-keyed dict of live views (what it saves)."""
-
-    def __init__(self, s: _peers.System, rank: int, device: torch.device) -> None:
-        self.s, self.rank, self.device = s, rank, device
-
-    def live(self) -> dict[str, torch.Tensor]:
-        opt = self.s.optimizer  # shardopt's load_resume replaces it
-        return {**{s.fqn: opt.buffers.shard_params(s) for s in opt.shards},
-                **_shardopt_states(opt)}
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self.live().values())
-
-
-class TorchSaveCkpt(_ShardoptTensors):
-    def _file(self, root: Path) -> Path:
-        return root / f"rank{self.rank:05d}.pt"
-
-    def save(self, root: Path) -> None:
-        # Model shards are views into the full param buffer; torch.save would write the whole
-        # storage, so they are cloned first (a GPU copy of a few GB: milliseconds).
-        params = {s.fqn for s in self.s.optimizer.shards}
-        state = {k: (v.clone() if k in params else v) for k, v in self.live().items()}
-        with open(self._file(root), "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def load(self, root: Path) -> None:
-        loaded = torch.load(self._file(root), map_location=self.device, weights_only=True)
-        live = self.live()
-        with torch.no_grad():
-            for k, v in loaded.items():
-                live[k].copy_(v)
-
-
-class DcpPlainCkpt(_ShardoptTensors):
-    def _state(self) -> dict[str, torch.Tensor]:
-        return {f"rank{self.rank:05d}/{k}": v for k, v in self.live().items()}
-
-    def save(self, root: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._state(), checkpoint_id=str(root))
-
-    def load(self, root: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.load(self._state(), checkpoint_id=str(root))
-
-
-class DcpFsdp2Ckpt:
-    def __init__(self, s: _peers.System, rank: int, device: torch.device) -> None:
-        self.model, self.opt = s.model, s.optimizer
-
-    def save(self, root: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(self.model, self.opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(root))
-
-    def load(self, root: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        msd, osd = get_state_dict(self.model, self.opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(root))
-        set_state_dict(self.model, self.opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-
-    def tensors(self) -> list[torch.Tensor]:
-        out = []
-        for p in self.model.parameters():
-            out.append(p.to_local() if hasattr(p, "to_local") else p.detach())
-            st = self.opt.state.get(p, {})
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in st:
-                    t = st[k]
-                    out.append(t.to_local() if hasattr(t, "to_local") else t)
-        return out
-
-
-class MegatronCkpt:
-    METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-    def __init__(self, s: _peers.System, rank: int, device: torch.device) -> None:
-        self.ddp, self.opt, self.rank = s.wrapped, s.optimizer, rank
-
-    def _sharded(self, is_loading: bool) -> dict:
-        model_sd = _peers.megatron_model_sharded_state_dict(self.ddp.module, self.rank)
-        return {"model": model_sd,
-                "optimizer": self.opt.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                         metadata=dict(self.METADATA))}
-
-    def save(self, root: Path) -> None:
-        from megatron.core import dist_checkpointing, parallel_state
-        from megatron.core.dist_checkpointing.serialization import (
-            get_default_save_sharded_strategy)
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-            FullyParallelSaveStrategyWrapper)
-
-        strategy = FullyParallelSaveStrategyWrapper(
-            get_default_save_sharded_strategy(),
-            parallel_state.get_data_parallel_group(with_context_parallel=True))
-        dist_checkpointing.save(self._sharded(False), str(root), sharded_strategy=strategy)
-
-    def load(self, root: Path) -> None:
-        from megatron.core import dist_checkpointing
-
-        loaded = dist_checkpointing.load(self._sharded(True), str(root))
-        self.ddp.module.load_state_dict(loaded["model"])
-        # no_grad: for fp32 params the main param is a view of the model param (a leaf that
-        # requires grad), and megatron-core 0.19.2 copies into it in place without no_grad.
-        with torch.no_grad():
-            self.opt.load_state_dict(loaded["optimizer"])
-
-    def tensors(self) -> list[torch.Tensor]:
-        out = [p.detach() for p in self.ddp.module.parameters()]
-        for inner in _peers.megatron_inner(self.opt):
-            torch_opt = inner.optimizer
-            for g in torch_opt.param_groups:
-                for p in g["params"]:
-                    out.append(p.detach())
-                    st = torch_opt.state.get(p, {})
-                    out.extend(st[k] for k in ("exp_avg", "exp_avg_sq") if k in st)
-        return out
-
-
-CKPT = {"shardopt": ShardoptCkpt, "torch_save": TorchSaveCkpt, "dcp_plain": DcpPlainCkpt,
-        "dcp_fsdp2": DcpFsdp2Ckpt, "megatron": MegatronCkpt}
+GROUPS = {"shardopt": ("shardopt", "torch_save", "dcp_plain", "dcp_async"),
+          "fsdp2": ("dcp_fsdp2",), "megatron": ("megatron",)}
+GROUP_WEIGHT = {"shardopt": 0.6, "fsdp2": 0.2, "megatron": 0.2}
 
 
 # ----------------------------------------------------------------------------- worker
@@ -291,20 +100,16 @@ def _bcast(obj: Any) -> Any:
     return box[0]
 
 
+def _max_over_ranks(x: float) -> float:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, x)
+    return max(values)
+
+
 def _all_true(flag: bool) -> bool:
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, flag)
     return all(flags)
-
-
-def _timed(fn, device: torch.device) -> float:
-    _peers.barrier()
-    _peers.sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _peers.sync(device)
-    _peers.barrier()
-    return time.perf_counter() - t0
 
 
 def _one(name: str, ck: Any, target: dict, rep: int, rank: int, device: torch.device,
@@ -326,9 +131,11 @@ def _one(name: str, ck: Any, target: dict, rep: int, rank: int, device: torch.de
         if rank == 0:
             out["bytes"] = _io_probes.dir_bytes(root)
             out["files"] = len(_io_probes.files_under(root))
-        for op in ("load", "load_resume") if hasattr(ck, "new_optimizer") else ("load",):
+        if getattr(ck, "returned_s", None) is not None:
+            out["save_return_s"] = _max_over_ranks(ck.returned_s)
+        for op in ("load", "load_resume") if hasattr(ck, "resume") else ("load",):
             if op == "load_resume":
-                ck.new_optimizer()
+                ck.prepare_resume()
             if rank == 0:
                 if target["evict"]:
                     _io_probes.evict(root)
@@ -336,7 +143,8 @@ def _one(name: str, ck: Any, target: dict, rep: int, rank: int, device: torch.de
             _scramble(ck.tensors())
             _peers.sync(device)
             with _common.HostRssSampler(interval_s=0.005) as rss:
-                _measure(out, op, lambda: ck.load(root), device, probe)
+                _measure(out, op, lambda: (ck.resume if op == "load_resume" else ck.load)(root),
+                         device, probe)
             out[f"{op}_rss_growth_bytes"] = rss.growth_bytes
             out[_restored_key(op)] = _all_true(_checksum(ck.tensors()) == ref)
     finally:
@@ -357,7 +165,7 @@ def _measure(out: dict[str, Any], op: str, fn, device: torch.device,
     """Time ``fn`` into ``out[f"{op}_s"]``; with a probe, also its phases (rank 0's)."""
     if probe:
         probe.reset()
-    out[f"{op}_s"] = _timed(fn, device)
+    out[f"{op}_s"] = _peers.timed(fn, device)
     if probe:
         snapshot = probe.snapshot()
         split = _io_probes.save_phases if op == "save" else _io_probes.load_phases
@@ -366,6 +174,8 @@ def _measure(out: dict[str, Any], op: str, fn, device: torch.device,
 
 
 def _group_worker(rank: int, world: int, group: str, a: dict) -> dict:
+    from shardopt.checkpoint.transfer import io_threads
+
     device = _peers.rank_device(rank, a["device"])
     if device.type == "cpu":
         torch.set_num_threads(max(1, a["cpu_threads"]))
@@ -375,21 +185,27 @@ def _group_worker(rank: int, world: int, group: str, a: dict) -> dict:
     loss = float(s.step(x, y))
     _peers.sync(device)
     names = [n for n in GROUPS[group] if n in a["systems"]]
-    ckpts = {n: CKPT[n](s, rank, device) for n in names}
+    threads = io_threads(a["io_threads"])  # in the rank: it sees LOCAL_WORLD_SIZE
+    ckpts = {n: CKPT[n](s, rank, device, threads) for n in names}
     state_bytes = sum(t.numel() * t.element_size() for t in ckpts[names[0]].tensors())
     probe = _io_probes.Probe(device)
     last: dict[str, float] = {}
     results = []
-    for target, name, rep in _plan(names, a):
-        # a save and its loads of a system not measured yet: all at --first-gbps
-        num_ops = 3 if hasattr(ckpts[name], "new_optimizer") else 2
-        first = num_ops * state_bytes * world / (a["first_gbps"] * 1e9)
-        estimate = 1.3 * last.get(name, first)
-        skip = None
-        if rank == 0 and time.time() + estimate > a["deadline"]:
-            skip = f"time budget: ~{estimate:.0f} s needed, " \
-                   f"{max(0.0, a['deadline'] - time.time()):.0f} s left"
-        skip = _bcast(skip)
+    plan = _plan(names, a)
+    skip, current = None, None
+    for target, name, rep in plan:
+        # A round is run whole or skipped whole, so every system keeps the same number of
+        # rounds; a system not measured yet is estimated at --first-gbps.
+        if (target["name"], rep) != current:
+            def estimate(n: str) -> float:
+                num_ops = 3 if hasattr(ckpts[n], "resume") else 2
+                return 1.3 * last.get(n, num_ops * state_bytes * world / (a["first_gbps"] * 1e9))
+            need = sum(estimate(n) for t, n, r in plan if (t["name"], r) == (target["name"], rep))
+            skip = None
+            if rank == 0 and time.time() + need > a["deadline"]:
+                skip = f"time budget: ~{need:.0f} s needed for the round, " \
+                       f"{max(0.0, a['deadline'] - time.time()):.0f} s left"
+            skip, current = _bcast(skip), (target["name"], rep)
         if skip:
             results.append({"system": name, "target": target["name"], "rep": rep, "skipped": skip})
             continue
@@ -405,37 +221,59 @@ def _group_worker(rank: int, world: int, group: str, a: dict) -> dict:
                   f"save {r['save_s']:.2f} s{loads}", flush=True)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {"results": results, "loss": loss, "notes": s.notes, "peak_allocated": peak,
+            "io_threads": threads, "cpus_allowed": _io_probes.cpus_allowed(),
+            "host_cpus": os.cpu_count(),
             "copy": _io_probes.copy_bandwidth(device) if rank == 0 else {}}
 
 
 def _plan(names: list[str], a: dict) -> list[tuple[dict, str, int]]:
-    """(target, system, rep) in priority order: every system once on shm, shardopt once on disk,
-    shardopt's repeats on shm, the peers on disk, shardopt's repeats on disk."""
-    targets = {t["name"]: t for t in a["targets"]}
-    shm, disk = targets.get("shm"), targets.get("disk")
-    ours = [n for n in names if n == "shardopt"]
-    peers_disk = [n for n in names if n != "shardopt" and n in a["disk_systems"]]
+    """(target, system, rep): per target (shm first), every system once per repeat, the
+    systems interleaved so that each sees the machine in the same states; on disk only
+    ``disk_systems``."""
     plan: list[tuple[dict, str, int]] = []
-    if shm:
-        plan += [(shm, n, 0) for n in names]
-    if disk:
-        plan += [(disk, n, 0) for n in ours]
-    if shm:
-        plan += [(shm, n, r) for n in ours for r in range(1, a["repeats"])]
-        plan += [(shm, n, r) for n in names if n != "shardopt" for r in range(1, a["peer_repeats"])]
-    if disk:
-        plan += [(disk, n, r) for n in peers_disk for r in range(a["peer_repeats"])]
-        plan += [(disk, n, r) for n in ours for r in range(1, a["repeats"])]
+    for target in sorted(a["targets"], key=lambda t: t["name"] != "shm"):
+        members = [n for n in names if target["name"] != "disk" or n in a["disk_systems"]]
+        plan += [(target, n, r) for r in range(a["repeats"]) for n in members]
     return plan
 
 
 def _raw_worker(rank: int, world: int, a: dict) -> dict:
-    out = {}
-    for target in a["targets"]:
-        out[target["name"]] = [_io_probes.raw_bandwidth(
-            Path(target["dir"]), rank, a["raw_bytes"], a["device"] == "cuda", target["evict"],
-            threads=a["raw_threads"]) for _ in range(a["raw_repeats"])]
-    return out
+    from shardopt.checkpoint.transfer import io_threads
+
+    io = io_threads(a["io_threads"])  # "io" / "2io": multiples of what the save runs on
+    threads = sorted({int(t[:-2] or 1) * io if t.endswith("io") else int(t)
+                      for t in a["raw_threads"]})
+    return {target["name"]: _io_probes.raw_bandwidth(
+        Path(target["dir"]), rank, a["raw_bytes"], a["device"] == "cuda", target["evict"],
+        threads, a["raw_piece_bytes"], a["raw_repeats"]) for target in a["targets"]}
+
+
+def raw_summary(per_rank: list[list[dict]]) -> dict[str, Any]:
+    """The raw tests of one target, every rank's at once: a test takes as long as its slowest
+    rank and moves every rank's bytes; ``best`` per kind is the fastest test of all."""
+    tests = []
+    for same in zip(*per_rank):
+        t = {k: same[0][k] for k in ("rep", "threads", "piece_bytes")}
+        t["bytes_total"] = sum(r["bytes"] for r in same)
+        for kind in ("write", "read"):
+            t[f"{kind}_s"] = max(r[f"{kind}_s"] for r in same)
+            t[f"{kind}_GBps"] = t["bytes_total"] / t[f"{kind}_s"] / 1e9
+        t["cached_fraction_before_read"] = max(
+            (r["cached_fraction_before_read"] or 0.0) for r in same)
+        t["drop_caches"] = all(r["drop_caches"] for r in same)
+        t["cpus_allowed"] = [r.get("cpus_allowed") for r in same]
+        t["per_rank"] = list(same)
+        tests.append(t)
+    best = {}
+    for kind in ("write", "read"):
+        top = max(tests, key=lambda t: t[f"{kind}_GBps"])
+        best[kind] = {"GBps": top[f"{kind}_GBps"], "s": top[f"{kind}_s"],
+                      "bytes_total": top["bytes_total"], "basis": _raw_basis(top)}
+    return {"tests": tests, "best": best, "nproc": len(per_rank)}
+
+
+def _raw_basis(test: dict) -> str:
+    return f"{test['threads']} thread(s), {test['piece_bytes'] >> 20} MiB writes"
 
 
 # ----------------------------------------------------------------------------- parent
@@ -470,16 +308,6 @@ def _gbps(nbytes: int | None, s: float | None) -> float | None:
     return nbytes / s / 1e9 if nbytes and s else None
 
 
-def _raw_best(rw: dict, kind: str) -> tuple[float, str]:
-    """The faster raw test of a target for ``kind`` ("write" or "read"): (seconds, basis), of the
-    one-thread test and, when it was run (results of older runs lack it), the threaded one."""
-    best, basis = rw[f"{kind}_s"], "1 thread"
-    threaded = rw.get(f"{kind}_s_threads")
-    if threaded and threaded < best:
-        best, basis = threaded, f"{rw['threads']} threads"
-    return best, basis
-
-
 def summarize(raw: dict, ops: list[dict], nproc: int) -> tuple[list[dict], str]:
     """One row per (system, target, op): median time, GB/s, the ratio to the raw bandwidth
     (write for a save, read for a load: the faster of the one-thread and threaded raw tests,
@@ -499,10 +327,12 @@ def summarize(raw: dict, ops: list[dict], nproc: int) -> tuple[list[dict], str]:
             row["restored"] = all(r[_restored_key(op)] for r in rs)
             row["cached_fraction_before"] = [r.get(f"cached_fraction_before_{op}") for r in rs]
             row["rss_growth_bytes"] = [r.get(f"{op}_rss_growth_bytes") for r in rs]
+        if op == "save" and "save_return_s" in rs[0]:
+            row["return_s"] = _common.stats([r["save_return_s"] for r in rs])
         rw = raw.get(target)
         if rw and row["GBps"]:
-            raw_s, row["raw_basis"] = _raw_best(rw, "write" if op == "save" else "read")
-            row["vs_raw"] = row["GBps"] / _gbps(rw["bytes_total"], raw_s)
+            best = rw["best"]["write" if op == "save" else "read"]
+            row["raw_basis"], row["vs_raw"] = best["basis"], row["GBps"] / best["GBps"]
         rows.append(row)
     ours = {(r["target"], r["op"]): r for r in rows if r["system"] == "shardopt"}
     for row in rows:
@@ -510,13 +340,13 @@ def summarize(raw: dict, ops: list[dict], nproc: int) -> tuple[list[dict], str]:
         if o and row["system"] != "shardopt" and o["GBps"] and row["GBps"]:
             row["ours_speedup"] = o["GBps"] / row["GBps"]
     for target, rw in raw.items():
-        for op in ("write", "read"):
-            for key, label in ((f"{op}_s", "1 thread"),
-                               (f"{op}_s_threads", f"{rw.get('threads')} threads")):
-                if rw.get(key):
-                    table.append([f"raw ({nproc} proc, {label})", op, target,
-                                  rw["bytes_total"] / 1e9, rw[key],
-                                  _gbps(rw["bytes_total"], rw[key]), None, None])
+        for setting in dict.fromkeys((t["threads"], t["piece_bytes"]) for t in rw["tests"]):
+            same = [t for t in rw["tests"] if (t["threads"], t["piece_bytes"]) == setting]
+            for op in ("write", "read"):
+                top = min(same, key=lambda t: t[f"{op}_s"])
+                table.append([f"raw ({nproc} proc, {_raw_basis(top)}, best of {len(same)})",
+                              op, target, top["bytes_total"] / 1e9, top[f"{op}_s"],
+                              top[f"{op}_GBps"], None, None])
     for row in rows:
         table.append([row["system"], row["op"], row["target"], (row["bytes"] or 0) / 1e9,
                       row["s"]["median"], row["GBps"], _pct(row.get("vs_raw")),
@@ -537,7 +367,12 @@ def summarize(raw: dict, ops: list[dict], nproc: int) -> tuple[list[dict], str]:
         if mine:
             lines.append(f"shardopt {target}: " + " / ".join(
                 f"{r['op']} {r['vs_raw']:.0%} ({r['raw_basis']})" for r in mine)
-                + " of raw bandwidth, the faster raw test (target >= 90%)")
+                + " of raw bandwidth, the best raw test (target >= 90%)")
+    for row in rows:
+        if "return_s" in row:
+            lines.append(f"{row['system']} ({row['target']}): save returned after "
+                         f"{row['return_s']['median']:.3f} s, complete after "
+                         f"{row['s']['median']:.3f} s (medians)")
     return rows, "\n".join(lines)
 
 
@@ -575,16 +410,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default="shm,disk", help="comma-separated: shm, disk")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--disk-dir", default="/tmp", help="a directory on local disk")
-    p.add_argument("--repeats", type=int, default=2, help="save+load repeats for shardopt")
-    p.add_argument("--peer-repeats", type=int, default=1)
-    p.add_argument("--raw-mib", type=int, default=4096, help="raw bandwidth test size per rank")
-    p.add_argument("--raw-repeats", type=int, default=2, help="raw tests per target (best kept)")
-    p.add_argument("--raw-threads", type=int, default=None,
-                   help="threads per rank of the threaded raw test (default: as many as "
-                   "shardopt's io_threads() gives each rank; 1: one-thread test only)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="save + load rounds of every system (interleaved by round)")
+    p.add_argument("--io-threads", type=int, default=None,
+                   help="writer threads per rank of every system (default: shardopt's "
+                   "io_threads() in the rank)")
+    p.add_argument("--no-megatron", action="store_true",
+                   help="leave megatron-core out (where it is not installed)")
+    p.add_argument("--raw-mib", type=int, default=None,
+                   help="raw test size per rank (default: what a save writes per rank)")
+    p.add_argument("--raw-repeats", type=int, default=3, help="repeats of each raw test")
+    p.add_argument("--raw-threads", default="1,io,2io",
+                   help="thread counts of the raw tests; 'io' is the writers' thread count "
+                   "(--io-threads), '2io' twice that")
+    p.add_argument("--raw-piece-mib", default="32,256",
+                   help="write sizes of the raw tests (MiB per pwrite)")
     p.add_argument("--budget", type=float, default=270.0,
                    help="seconds for all checkpoint groups; peers beyond it are skipped")
-    p.add_argument("--disk-systems", default="shardopt,torch_save,dcp_fsdp2,megatron",
+    p.add_argument("--disk-systems", default=",".join(CKPT_SYSTEMS),
                    help="systems also measured on disk (after every system on shm)")
     p.add_argument("--first-gbps", type=float, default=0.8,
                    help="assumed GB/s of a system's first save and load, for the budget")
@@ -594,20 +437,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
+    systems = [s for s in args.systems.split(",") if s and not (
+        args.no_megatron and s == "megatron")]
     if set(systems) - set(CKPT_SYSTEMS):
         p.error(f"unknown systems {sorted(set(systems) - set(CKPT_SYSTEMS))}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("CUDA is not available; use --device cpu for a smoke run")
+    if args.raw_mib is None:
+        args.raw_mib = max(1, _checkpoint_bytes(args) // args.nproc >> 20)
     targets = _targets(args)
     for t in targets:
         print(f"target {t['name']}: {t['dir']} ({t['fstype']} on {t['source']}, "
               f"{t['free_bytes'] / 1e9:.0f} GB free)", flush=True)
     start = time.time()
     a = {"device": args.device, "preset": args.preset, "systems": systems, "targets": targets,
-         "repeats": args.repeats, "peer_repeats": args.peer_repeats,
+         "repeats": args.repeats, "io_threads": args.io_threads,
          "raw_bytes": args.raw_mib << 20, "raw_repeats": args.raw_repeats,
-         "raw_threads": args.raw_threads,
+         "raw_threads": [t for t in args.raw_threads.split(",") if t],
+         "raw_piece_bytes": [int(x) << 20 for x in args.raw_piece_mib.split(",") if x],
          "cpu_threads": args.cpu_threads,
          "first_gbps": args.first_gbps,
          "disk_systems": [x for x in args.disk_systems.split(",") if x],
@@ -619,18 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = _peers.spawn(_raw_worker, args.nproc, a, device=args.device,
                                 timeout_s=args.timeout)
         for t in targets:
-            reps = list(zip(*(r[t["name"]] for r in per_rank)))  # per repeat: every rank
-            # a repeat takes as long as its slowest rank; the best repeat is the bandwidth
-            entry: dict[str, Any] = {"bytes_total": sum(r["bytes"] for r in reps[0])}
-            keys = ["write_s", "read_s"]
-            if "threads" in reps[0][0]:
-                entry["threads"] = reps[0][0]["threads"]
-                keys += ["write_s_threads", "read_s_threads"]
-            for key in keys:
-                per_rep = [max(r[key] for r in rep) for rep in reps]
-                entry[key], entry[f"{key}_all"] = min(per_rep), per_rep
-            entry["per_rank"] = [list(rep) for rep in reps]
-            raw[t["name"]] = entry
+            raw[t["name"]] = raw_summary([r[t["name"]] for r in per_rank])
+            allowed = raw[t["name"]]["tests"][0]["cpus_allowed"]
+            print(f"raw {t['name']}: CPUs allowed per rank {allowed} of {os.cpu_count()}",
+                  flush=True)
     except Exception as e:  # noqa: BLE001
         errors["raw"] = str(e) if isinstance(e, _peers.RankFailed) else traceback.format_exc()
         print(f"raw bandwidth FAILED:\n{errors['raw']}", flush=True)

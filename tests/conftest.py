@@ -1,11 +1,14 @@
 """Shared test configuration: GPU markers, the backend parameter, hypothesis profiles.
 
 * ``@pytest.mark.cuda`` / ``@pytest.mark.cuda(2)``: skip unless at least that many
-  CUDA devices are visible (default 1).
+  CUDA devices are visible (default 1). A case parametrized with ``"nccl"`` (the
+  ``backend`` fixture, or a fixture of the same values) and a world size (a parameter
+  named in :data:`WORLD_SIZE_PARAMS`) needs one GPU per rank, and its skip says so.
 * ``backend`` fixture: ``"gloo"`` everywhere, ``"nccl"`` only with CUDA. A test that
   takes it runs unchanged on both; ``require_world_size`` (in ``_dist``) skips a
   case that needs more GPUs than the machine has.
 * Without CUDA, Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``).
+* ``gpu``: added here to every case ``make test-gpu`` runs (cuda-marked or Triton).
 * Hypothesis: profile ``ci`` (picked when ``CI=true``) runs fewer examples;
   ``dev`` is the default; ``HYPOTHESIS_PROFILE`` overrides both. No deadlines:
   timings on a loaded 2-core machine are noise, not failures.
@@ -41,19 +44,39 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _ci else "dev
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda(min_gpus=1): needs CUDA GPUs (skipped without them)")
     config.addinivalue_line("markers", "slow: longer multi-process tests")
+    config.addinivalue_line("markers", "gpu: set by conftest on the cases `make test-gpu` runs")
 
 
-def _min_gpus(marker: pytest.Mark) -> int:
-    if marker.args:
-        return int(marker.args[0])
-    return int(marker.kwargs.get("min_gpus", 1))
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark what the GPU suite runs: cuda-marked cases, and the Triton step's cases, which
+    run compiled on a GPU host and in Triton's interpreter elsewhere."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        module = getattr(item.module, "__name__", "")
+        triton = "triton" in params.values() or module == "test_kernels"
+        if triton or item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.gpu)
+
+
+# Test parameters that are a number of ranks: under NCCL each rank needs its own GPU.
+WORLD_SIZE_PARAMS = ("world_size", "load_size", "save_size")
+
+
+def _min_gpus(item: pytest.Item, marker: pytest.Mark) -> int:
+    """GPUs the case needs: the marker's count, or one per rank for an NCCL case, which
+    carries the ``cuda`` mark through its ``nccl`` parameter (min 1) whatever its size."""
+    need = int(marker.args[0]) if marker.args else int(marker.kwargs.get("min_gpus", 1))
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "nccl" in params.values():
+        need = max([need] + [int(params[k]) for k in WORLD_SIZE_PARAMS if k in params])
+    return need
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     marker = item.get_closest_marker("cuda")
     if marker is None:
         return
-    need = _min_gpus(marker)
+    need = _min_gpus(item, marker)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < need:
         pytest.skip(f"needs {need} CUDA device(s), found {have}")
