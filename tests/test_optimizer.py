@@ -420,16 +420,25 @@ def train_mixed_rank(rank: int, world_size: int, backend: str | None,
     dtypes = {fqn: p.dtype for fqn, p in model.named_parameters()}
     opt = DistributedOptimizer(model, mixed_config(**(config_overrides or {})))
     x, y = mixed_data(world_size)
+    # Each step's gradients as backward produced them (before the optimizer takes them), so
+    # a reference can apply exactly these: on a GPU two backward passes over differently laid
+    # out params may round a near-zero grad to opposite signs, and Adam turns that into +-lr.
+    grads: list[dict[str, torch.Tensor]] = []
+    for fqn, p in model.named_parameters():
+        p.register_hook(lambda g, f=fqn: grads[-1].__setitem__(
+            f, grads[-1][f] + g.detach().cpu() if f in grads[-1] else g.detach().cpu()))
     losses, history, dtypes_ok = [], [], True
     for _ in range(MIXED_STEPS):
         opt.zero_grad()
+        grads.append({})
         loss = F.mse_loss(model(x[rank].to(device)), y[rank].to(device))
         loss.backward()
         opt.step()
         losses.append(loss.detach().item())
         history.append(snapshot(model))
         dtypes_ok &= all(p.dtype == dtypes[f] for f, p in model.named_parameters())
-    return {"losses": losses, "history": history, "dtypes_ok": dtypes_ok, "dtypes": dtypes}
+    return {"losses": losses, "history": history, "dtypes_ok": dtypes_ok, "dtypes": dtypes,
+            "grads": grads}
 
 
 @pytest.mark.parametrize("world_size,grad_accum_fp32", [(1, True), (2, True), (3, True), (2, False)],
@@ -480,14 +489,12 @@ def test_mixed_precision_single_rank_matches_fp32_master_reference(max_grad_norm
     cfg = mixed_config(max_grad_norm=max_grad_norm)
     opt = torch.optim.AdamW(masters, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                             weight_decay=cfg.weight_decay)
-    x, y = mixed_data(1)
-    x, y = x.to(device), y.to(device)
+    names = [fqn for fqn, _ in model.named_parameters()]
     for step in range(steps):
-        for p in params:
-            p.grad = None
-        F.mse_loss(model(x[0]), y[0]).backward()
-        for p, m in zip(params, masters):
-            m.grad = None if p.grad is None else p.grad.float()  # an idle expert is skipped
+        # The grads the optimizer got (see train_mixed_rank); an idle expert has none: skipped.
+        recorded = result["grads"][step]
+        for fqn, m in zip(names, masters):
+            m.grad = recorded[fqn].to(device).float() if fqn in recorded else None
         if cfg.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(masters, cfg.max_grad_norm)
         opt.step()

@@ -34,12 +34,18 @@ SLACK = 0.01
 SEGMENT = 20 << 20
 
 
+class _ToFloat(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
 def _build(device: torch.device) -> tuple[nn.Module, DistributedOptimizer]:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(6):
         layers += [nn.Linear(WIDTH, WIDTH).to(torch.bfloat16), nn.GELU()]
-    model = nn.Sequential(*layers, nn.LayerNorm(WIDTH)).to(device)
+    # A bf16 body and an fp32 norm, as in LLMs: the mixed-dtype layout is what gets resumed.
+    model = nn.Sequential(*layers, _ToFloat(), nn.LayerNorm(WIDTH)).to(device)
     return model, DistributedOptimizer(model, OptimizerConfig(lr=1e-3))
 
 
