@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from shardopt.launch import WorkerFailed
+from shardopt.recipes.launch import WorkerFailed
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -57,7 +57,7 @@ def _float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardopt.model import PRESETS
+    from shardopt.recipes.model import PRESETS
 
     parser = _Parser(
         prog="shardopt",
@@ -140,8 +140,8 @@ def _existing(path: str) -> str:
 
 # ----------------------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardopt.launch import launch, under_torchrun
-    from shardopt.train import run
+    from shardopt.recipes.launch import launch, under_torchrun
+    from shardopt.recipes.train import run
 
     if isinstance(args.resume, str):
         _existing(args.resume)
@@ -159,7 +159,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_config(args: argparse.Namespace):
-    from shardopt.train import TrainConfig
+    from shardopt.recipes.train import TrainConfig
 
     return TrainConfig(
         preset=args.preset, steps=args.steps, stop_at=args.stop_at, batch_size=args.batch_size,
@@ -253,7 +253,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shardopt.demo import main as demo_main
+    from shardopt.recipes.demo import main as demo_main
 
     return demo_main(out_dir=args.out)
 

@@ -104,8 +104,8 @@ def main(out_dir: str = "demo_out", plan: DemoPlan | None = None) -> int:
 
 
 def _best_loss(plan: DemoPlan) -> float:
-    from shardopt.data import MarkovTask
-    from shardopt.model import model_config
+    from shardopt.recipes.data import MarkovTask
+    from shardopt.recipes.model import model_config
 
     cfg = model_config(plan.preset)
     return MarkovTask(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, seed=0).entropy_rate()

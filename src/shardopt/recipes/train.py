@@ -8,7 +8,7 @@ checkpoint's JSON ``extra``, so an interrupted and resumed run sees the same bat
 rates as an uninterrupted one, also at a different DP size.
 
 Rank 0 alone prints logs, shows the progress bar and writes the per-step JSONL metrics log.
-Starting the ranks is :mod:`shardopt.launch`'s job.
+Starting the ranks is :mod:`shardopt.recipes.launch`'s job.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 import shardopt
 from shardopt import checkpoint
-from shardopt.data import BatchPlan, MarkovTask, local_batches
-from shardopt.model import PRESETS, build_model, count_params, model_config, no_decay
+from shardopt.recipes.data import BatchPlan, MarkovTask, local_batches
+from shardopt.recipes.model import PRESETS, build_model, count_params, model_config, no_decay
 
 
 @dataclass(kw_only=True)
@@ -39,7 +39,7 @@ class TrainConfig:
     """Everything one run of the reference job needs (the CLI's ``train`` flags map onto it)."""
 
     preset: str = "tiny"
-    """Model size: one of :data:`shardopt.model.PRESETS`."""
+    """Model size: one of :data:`shardopt.recipes.model.PRESETS`."""
     steps: int = 100
     """Optimizer steps of the whole run; also the length of the LR schedule."""
     stop_at: int | None = None
