@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="output directory")
 
     d = sub.add_parser("demo", help="train on 2 CPU ranks, kill, resume on 3, compare with a clean run",
-                       description="Train the tiny preset on 2 CPU ranks, stop as if killed, resume with "
+                       description="Train the tiny preset on 2 CPU ranks and SIGKILL the job while it "
+                       "writes a checkpoint, resume from the latest committed one with "
                        "--low-memory-resume on 3 ranks, run the same job uninterrupted, then compare the "
                        "loss curves and plot them (about a minute on 2 cores).")
     d.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
