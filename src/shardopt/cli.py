@@ -22,6 +22,7 @@ from shardopt.recipes.launch import WorkerFailed
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
 
 
 class UsageError(Exception):
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         _error("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _error(message: str) -> None:

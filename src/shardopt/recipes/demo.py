@@ -32,6 +32,8 @@ from shardopt import checkpoint
 _POLL_S = 0.001
 # How long the step-``kill_at`` save may take to show up before the kill goes ahead regardless.
 _SAVE_START_TIMEOUT_S = 5.0
+# After the resume the reductions run over 3 ranks: the losses differ by rounding, far below this.
+_AGREE_REL = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,7 +166,7 @@ def main(out_dir: str = "demo_out", plan: DemoPlan | None = None) -> int:
           f"{max(diffs):.2e} (max relative {max_rel:.2%}), mean {sum(diffs) / len(diffs):.2e}")
     print(f"  final loss: resumed {resumed[final]:.4f}, uninterrupted {reference[final]:.4f} "
           f"(started at {reference[1]:.4f})")
-    agree = identical_killed and identical_before and max_rel < 0.05
+    agree = identical_killed and identical_before and max_rel < _AGREE_REL
     print("  the loss curves agree" if agree else "  the loss curves DO NOT agree")
     png = _plot(out / "loss_curves.png", killed, resumed, reference, plan, resume_step)
     if png:

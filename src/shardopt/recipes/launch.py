@@ -29,6 +29,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+# How often the agent polls the ranks: a failed or finished job is seen this late at most.
+MONITOR_INTERVAL_S = 0.05
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
@@ -70,7 +72,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int) -> Any:
         rdzv_endpoint="localhost:0",
         run_id=f"shardopt-{uuid.uuid4().hex[:8]}",
         max_restarts=0,
-        monitor_interval=0.05,
+        monitor_interval=MONITOR_INTERVAL_S,
         start_method="spawn",
     )
     # The agent and torch.multiprocessing log worker starts, stops and failures (with a second copy of

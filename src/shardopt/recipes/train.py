@@ -183,13 +183,16 @@ def _format_mem(row: dict[str, Any]) -> str:
     return f"{row['host_peak_rss_bytes'] / 2**20:.0f}MiB"
 
 
+_RU_MAXRSS_UNIT = 1024  # getrusage reports the peak RSS in KiB (Linux)
+
+
 def _memory(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         return {
             "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
             "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
         }
-    return {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RU_MAXRSS_UNIT}
 
 
 def setup_distributed(device_kind: str) -> tuple[int, int, torch.device]:
