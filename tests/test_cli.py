@@ -151,6 +151,7 @@ def test_user_mistakes_are_one_line(tmp_path, args, fragment):
         (["train", "--keep-last", "2"], 2, "need --ckpt-dir"),
         (["export", "x"], 2, "required: out"),
         (["train", "--nproc", "-1"], 2, "--nproc"),
+        (["train", "--warmup-steps", "-1"], 2, "--warmup-steps must be >= 0"),
         (["train", "--log-file", "{tmp}/dir"], 2, "--log-file {tmp}/dir is a directory"),
         (["train", "--ckpt-dir", "{tmp}/file"], 2, "--ckpt-dir {tmp}/file is not a directory"),
         (["train", "--ckpt-dir", "{tmp}/file/ckpt"], 2, "--ckpt-dir {tmp}/file/ckpt cannot be written"),

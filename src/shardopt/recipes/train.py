@@ -91,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
         if self.keep_last is not None and self.keep_last < 1:
