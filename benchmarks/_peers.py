@@ -5,7 +5,7 @@
   allocator), joined by a TCP rendezvous on a free local port, NCCL on GPUs and gloo on CPU. A rank
   that raises writes its traceback; the parent returns per-rank results or raises :class:`RankFailed`
   with the earliest traceback, and kills ranks still running after a failure or past the timeout.
-* :func:`build_gpt`: ``shardopt.model.build_model`` on the device (same weights for every system).
+* :func:`build_gpt`: ``shardopt.recipes.model.build_model`` on the device (same weights for every system).
 * ``setup_*``: one function per system, each returning a :class:`System` whose ``step(x, y)`` runs one
   forward/backward/clip/optimizer step and returns the loss. Every system uses the same
   hyperparameters (:class:`Hyper`) and clips the global grad norm at 1.0.
@@ -175,8 +175,8 @@ class Hyper:
 
 
 def build_gpt(preset: str, device: torch.device, seed: int = 0, **overrides: Any):
-    """``shardopt.model.build_model`` on ``device`` (drawn there: same weights for every system)."""
-    from shardopt.model import build_model, model_config
+    """``shardopt.recipes.model.build_model`` on ``device`` (drawn there: same weights for every system)."""
+    from shardopt.recipes.model import build_model, model_config
 
     return build_model(model_config(preset, **overrides), seed=seed, device=device)
 
@@ -184,8 +184,8 @@ def build_gpt(preset: str, device: torch.device, seed: int = 0, **overrides: Any
 def make_batches(preset: str, rank: int, world: int, micro_batch: int, num: int,
                  device: torch.device, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``num`` micro-batches of this rank (shardopt's synthetic Markov task), already on device."""
-    from shardopt.data import BatchPlan, MarkovTask, local_batches
-    from shardopt.model import model_config
+    from shardopt.recipes.data import BatchPlan, MarkovTask, local_batches
+    from shardopt.recipes.model import model_config
 
     cfg = model_config(preset)
     task = MarkovTask(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, seed=seed)
@@ -199,7 +199,7 @@ def make_batches(preset: str, rank: int, world: int, micro_batch: int, num: int,
 
 
 def torch_param_groups(model: torch.nn.Module, hp: Hyper) -> list[dict]:
-    """Matrices decay, vectors do not (as ``shardopt.model.no_decay``)."""
+    """Matrices decay, vectors do not (as ``shardopt.recipes.model.no_decay``)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     return [{"params": decay, "weight_decay": hp.weight_decay},
@@ -220,7 +220,7 @@ class System:
 def setup_shardopt(model, hp: Hyper, device: torch.device,
                    overlap_param_gather: bool = False) -> System:
     import shardopt
-    from shardopt.model import no_decay
+    from shardopt.recipes.model import no_decay
 
     config = shardopt.OptimizerConfig(lr=hp.lr, betas=hp.betas, eps=hp.eps,
                                       weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm,
@@ -311,7 +311,7 @@ def fsdp2_shard(model, **shard_kwargs) -> None:
 
     Norms and routers are fp32 groups of their own; ``shard_kwargs`` (``mesh``,
     ``reshard_after_forward``) go to every ``fully_shard`` call."""
-    from shardopt.model import Norm
+    from shardopt.recipes.model import Norm
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model.to(torch.float32)  # the sharded params are the fp32 main copy

@@ -11,7 +11,7 @@
   loaded with ``megatron.core.dist_checkpointing`` using the sharded-state-dict metadata of
   Megatron-LM's training loop (``dp_reshardable``).
 
-Every system trains the same :class:`shardopt.model.GPT` with the same hyperparameters. A system's
+Every system trains the same :class:`shardopt.recipes.model.GPT` with the same hyperparameters. A system's
 ``train_step`` marks ``forward``, ``backward`` and ``step`` on the :class:`_common.MemoryTimeline`;
 ``load`` marks its own sub-steps under the phase ``load``.
 """
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from _common import MemoryTimeline
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
-from shardopt.model import GPT, no_decay
+from shardopt.recipes.model import GPT, no_decay
 
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 

@@ -279,7 +279,7 @@ def _raw_basis(test: dict) -> str:
 # ----------------------------------------------------------------------------- parent
 def _checkpoint_bytes(args: argparse.Namespace) -> int:
     """About what shardopt writes: model-dtype weights + 3 fp32 states per param."""
-    from shardopt.model import GPT, model_config
+    from shardopt.recipes.model import GPT, model_config
 
     overrides = {"num_layers": args.num_layers} if args.num_layers else {}
     with torch.device("meta"):

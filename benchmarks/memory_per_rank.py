@@ -1,6 +1,6 @@
 """Optimizer memory per rank: bytes each DP rank holds, measured, against 12 bytes/param / DP size.
 
-Builds a reference model (``shardopt.model`` preset, bf16 with fp32 norms and
+Builds a reference model (``shardopt.recipes.model`` preset, bf16 with fp32 norms and
 routers), takes one step at each DP size on CPU/gloo, and reads
 ``DistributedOptimizer.memory_bytes()`` on every rank. The expected optimizer
 state is 12 bytes per bf16 param (fp32 main copy + two fp32 moments) and 8 per
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import format_table, run_header, write_json  # noqa: E402
 
 import shardopt  # noqa: E402
-from shardopt.model import build_model, model_config, no_decay  # noqa: E402
+from shardopt.recipes.model import build_model, model_config, no_decay  # noqa: E402
 
 
 def _rank(rank: int, world: int, preset: str, store: str, out: str) -> None:

@@ -58,7 +58,7 @@ NOISE = 0.01
 # ============================================================================= one run (a process)
 def build_gpt(preset: str, seq_len: int | None, device: torch.device, seed: int):
     """The preset's GPT on ``device``, initialised on the device (fast; values are irrelevant here)."""
-    from shardopt.model import GPT, model_config
+    from shardopt.recipes.model import GPT, model_config
 
     cfg = model_config(preset, **({"seq_len": seq_len} if seq_len else {}))
     with torch.device("meta"):

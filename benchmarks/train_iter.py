@@ -1,7 +1,7 @@
 """Training-iteration throughput and peak memory: shardopt against the systems users pick instead.
 
 Each system (shardopt, DDP + fused AdamW, FSDP2, ZeroRedundancyOptimizer, megatron-core's distributed
-optimizer) runs in fresh processes, one per GPU, on the same model (``shardopt.model`` ``1b`` preset:
+optimizer) runs in fresh processes, one per GPU, on the same model (``shardopt.recipes.model`` ``1b`` preset:
 1.3B params, bf16 with fp32 norms and MoE routers), the same weights and the same micro-batches
 (``--micro-batch`` sequences of the preset's length per GPU, no accumulation). After ``--warmup``
 iterations, ``--iters`` timed iterations each end in a device synchronisation; tokens/s is computed
@@ -116,7 +116,7 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
 
 
 def _seq_len(preset: str) -> int:
-    from shardopt.model import model_config
+    from shardopt.recipes.model import model_config
 
     return model_config(preset).seq_len
 

@@ -15,9 +15,9 @@ import torch
 
 from _dist import run_distributed
 from shardopt import checkpoint
-from shardopt.data import BatchPlan, MarkovTask, local_batches
-from shardopt.model import GPT, PRESETS, build_model, count_params, model_config, no_decay
-from shardopt.train import TrainConfig, lr_lambda, run
+from shardopt.recipes.data import BatchPlan, MarkovTask, local_batches
+from shardopt.recipes.model import GPT, PRESETS, build_model, count_params, model_config, no_decay
+from shardopt.recipes.train import TrainConfig, lr_lambda, run
 
 # ------------------------------------------------------------------------------------ model
 

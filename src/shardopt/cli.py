@@ -4,21 +4,25 @@ User mistakes (bad flags, missing paths, files that are not checkpoints, checkpo
 the model) end with one ``shardopt: error: ...`` line on stderr and a non-zero exit status; anything
 else is a bug and keeps its traceback.
 
-Exit status: 0 success, 1 a checkpoint failed ``verify`` or training failed, 2 a usage error.
+Exit status: 0 success; 1 training failed, or a checkpoint failed the library's checks (``verify``,
+or a damaged checkpoint found while loading, also inside the ranks); 2 a usage error (flags, paths,
+a resume source that is not a checkpoint of ``shardopt train``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from typing import Any, NoReturn
 
-from shardopt.launch import WorkerFailed
+from shardopt.recipes.launch import WorkerFailed
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
 
 
 class UsageError(Exception):
@@ -57,7 +61,7 @@ def _float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardopt.model import PRESETS
+    from shardopt.recipes.model import PRESETS
 
     parser = _Parser(
         prog="shardopt",
@@ -83,17 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo, one thread per rank unless OMP_NUM_THREADS is set; "
                    "cuda: NCCL, GPU LOCAL_RANK per rank (default: cpu)")
-    t.add_argument("--preset", choices=tuple(PRESETS), default="tiny", help="model size (default: tiny)")
-    t.add_argument("--steps", type=_positive_int, default=100, help="total optimizer steps (default: 100)")
+    # Hyperparameter flags default to None so that a resume can tell the ones given (which
+    # override the checkpoint's) from the ones not given (which keep the checkpoint's).
+    t.add_argument("--preset", choices=tuple(PRESETS), default=None, help="model size (default: tiny)")
+    t.add_argument("--steps", type=_positive_int, default=None,
+                   help="total optimizer steps (default: 100)")
     t.add_argument("--stop-at", type=_positive_int, default=None, metavar="STEP",
                    help="stop after STEP as if interrupted; the LR schedule still spans --steps")
-    t.add_argument("--batch-size", type=_positive_int, default=12,
+    t.add_argument("--batch-size", type=_positive_int, default=None,
                    help="global batch in sequences per step, split over ranks (default: 12)")
     t.add_argument("--micro-batch-size", type=_positive_int, default=None,
                    help="sequences per forward/backward on one rank (default: the rank's whole batch)")
-    t.add_argument("--lr", type=_float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    t.add_argument("--lr", type=_float, default=None, help="peak learning rate (default: 3e-3)")
     t.add_argument("--warmup-steps", type=_int, default=None, help="default: 10%% of --steps")
-    t.add_argument("--seed", type=_int, default=0, help="seeds the weights and the data (default: 0)")
+    t.add_argument("--seed", type=_int, default=None,
+                   help="seeds the weights and the data (default: 0)")
     t.add_argument("--ckpt-dir", default=None, help="checkpoint root directory")
     t.add_argument("--save-every", type=_int, default=0, metavar="N",
                    help="save every N steps and at the end (default: only at the end, if --ckpt-dir)")
@@ -101,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep only the K newest checkpoints")
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                    help="resume from the latest checkpoint in --ckpt-dir (fresh start if there is none), "
-                   "or from PATH (a checkpoint or a root)")
+                   "or from PATH (a checkpoint or a root); --preset, --steps, --batch-size, --lr, "
+                   "--warmup-steps and --seed not given keep the checkpoint's values, given ones "
+                   "override them")
     t.add_argument("--low-memory-resume", action="store_true",
                    help="keep loaded Adam moments on the host until the first step")
     t.add_argument("--log-file", default=None, help="per-step metrics as JSON lines (rank 0)")
@@ -119,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="output directory")
 
     d = sub.add_parser("demo", help="train on 2 CPU ranks, kill, resume on 3, compare with a clean run",
-                       description="Train the tiny preset on 2 CPU ranks, stop as if killed, resume with "
+                       description="Train the tiny preset on 2 CPU ranks and SIGKILL the job while it "
+                       "writes a checkpoint, resume from the latest committed one with "
                        "--low-memory-resume on 3 ranks, run the same job uninterrupted, then compare the "
                        "loss curves and plot them (about a minute on 2 cores).")
     d.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
@@ -140,34 +151,72 @@ def _existing(path: str) -> str:
 
 # ----------------------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardopt.launch import launch, under_torchrun
-    from shardopt.train import run
+    from shardopt.recipes.launch import launch, under_torchrun
+    from shardopt.recipes.train import TrainConfig, check_paths, run
 
-    if isinstance(args.resume, str):
-        _existing(args.resume)
     if args.low_memory_resume and not args.resume:
         raise UsageError("--low-memory-resume needs --resume")
+    # Mistakes found here cost one line; found in the ranks, they cost a launch.
     try:
-        cfg = _train_config(args)
+        settings, notes = _hyperparameters(args)
+        cfg = TrainConfig(
+            **settings, stop_at=args.stop_at, micro_batch_size=args.micro_batch_size,
+            device=args.device, ckpt_dir=args.ckpt_dir, save_every=args.save_every,
+            keep_last=args.keep_last, low_memory_resume=args.low_memory_resume,
+            log_file=args.log_file, progress=not args.no_progress,
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     nproc = args.nproc or _default_nproc(args.device)
     if not under_torchrun() and cfg.batch_size % nproc:
         raise UsageError(f"--batch-size {cfg.batch_size} does not split evenly over --nproc {nproc}")
+    try:
+        check_paths(cfg)  # last: it creates the log file and checkpoint root
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(f"[shardopt] note: {note}", file=sys.stderr)
     launch(run, cfg, nproc=nproc)
     return 0
 
 
-def _train_config(args: argparse.Namespace):
-    from shardopt.train import TrainConfig
+# Flags a resume takes from the checkpoint unless given: TrainConfig field -> flag.
+_HYPERPARAMETER_FLAGS = {"preset": "--preset", "steps": "--steps", "batch_size": "--batch-size",
+                         "lr": "--lr", "warmup_steps": "--warmup-steps", "seed": "--seed"}
 
-    return TrainConfig(
-        preset=args.preset, steps=args.steps, stop_at=args.stop_at, batch_size=args.batch_size,
-        micro_batch_size=args.micro_batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-        seed=args.seed, device=args.device, ckpt_dir=args.ckpt_dir, save_every=args.save_every,
-        keep_last=args.keep_last, resume=args.resume, low_memory_resume=args.low_memory_resume,
-        log_file=args.log_file, progress=not args.no_progress,
-    )
+
+def _hyperparameters(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """The hyperparameters and resume source of a ``train`` command, and a note for each flag
+    that overrides a value the checkpoint was saved with.
+
+    A resume takes the checkpoint's value for every hyperparameter flag not given; a fresh run
+    takes :class:`TrainConfig`'s defaults. ``--preset`` must match the checkpoint's model.
+    """
+    from shardopt import checkpoint
+    from shardopt.recipes.train import TrainConfig, saved_hyperparameters
+
+    given = {f: getattr(args, f) for f in _HYPERPARAMETER_FLAGS if getattr(args, f) is not None}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in _HYPERPARAMETER_FLAGS}
+    resume, saved, notes = args.resume, {}, []
+    if resume is True and args.ckpt_dir is not None:
+        resume = checkpoint.latest(args.ckpt_dir) or True  # True: none yet, the run starts fresh
+    if isinstance(resume, str):
+        _existing(resume)
+        try:
+            info = checkpoint.inspect(resume)
+            saved = saved_hyperparameters(info["extra"], info["path"])
+        except ValueError as exc:
+            raise UsageError(f"--resume {resume}: {exc}") from None
+        resume = info["path"]  # the ranks load the checkpoint read here, even if a newer one lands
+    if "preset" in given and saved.get("preset", given["preset"]) != given["preset"]:
+        raise UsageError(f"--preset {given['preset']} does not fit the checkpoint {resume}, "
+                         f"saved from the {saved['preset']} preset")
+    for field, value in given.items():
+        if field in saved and saved[field] != value:
+            notes.append(f"{_HYPERPARAMETER_FLAGS[field]} {value} overrides the checkpoint's "
+                         f"{saved[field]}")
+    return {**defaults, **saved, **given, "resume": resume}, notes
 
 
 def _default_nproc(device: str) -> int:
@@ -253,7 +302,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shardopt.demo import main as demo_main
+    from shardopt.recipes.demo import main as demo_main
 
     return demo_main(out_dir=args.out)
 
@@ -273,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         _error(str(exc))
         return EXIT_USAGE
     except WorkerFailed as exc:
-        _error(f"training failed: {exc}; see the tracebacks above")
+        _error(f"training failed: {exc}")
         return EXIT_FAILED
     except BrokenPipeError:
         # Output piped into `head` and the like: stop quietly, as the docs of `signal` advise.
@@ -286,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         _error("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _error(message: str) -> None:

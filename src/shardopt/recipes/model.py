@@ -24,6 +24,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+INIT_STD = 0.02  # GPT-2's std for weight matrices
+# A param's generator seed is ``seed * _SEED_STRIDE + crc32(fqn)``: run seeds a prime apart, so
+# that the next run seed does not hand one param the stream of another.
+_SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,16 +206,16 @@ def init_weights(model: GPT, seed: int) -> None:
     minute), so values are identical across DP sizes and runs, and differ between CPU and CUDA.
     """
     cfg = model.config
-    # GPT-2 style: residual projections scaled down with depth.
-    proj_std = 0.02 / math.sqrt(2 * cfg.num_layers)
+    # GPT-2 style: residual projections scaled down with depth (two per block).
+    proj_std = INIT_STD / math.sqrt(2 * cfg.num_layers)
     for fqn, param in model.named_parameters():
         if param.ndim == 1:
             # LayerNorm gains start at 1; biases (norms, router) at 0.
             param.fill_(1.0 if fqn.endswith(".weight") else 0.0)
             continue
         gen = torch.Generator(device=param.device)
-        gen.manual_seed((seed * 1_000_003 + zlib.crc32(fqn.encode())) % 2**63)
-        std = proj_std if fqn.endswith((".proj.weight", ".down.weight")) else 0.02
+        gen.manual_seed((seed * _SEED_STRIDE + zlib.crc32(fqn.encode())) % 2**63)
+        std = proj_std if fqn.endswith((".proj.weight", ".down.weight")) else INIT_STD
         value = torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32)
         param.copy_(value.mul_(std))
 

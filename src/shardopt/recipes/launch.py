@@ -6,15 +6,19 @@ local ranks with ``torch.distributed.launcher.api.elastic_launch`` (the launcher
 --standalone``: c10d rendezvous on a free local port, no restarts); with ``nproc == 1`` the
 single rank runs in this process without a process group.
 
-A rank that fails on a user error (a ``ValueError`` such as a checkpoint that does not fit the model)
-writes its message to a per-launch directory and exits; the launcher turns the first message into a
-:class:`LaunchError` so the CLI can print one line instead of a traceback per rank.
+A rank that fails writes its message (a user error: a ``ValueError`` such as a checkpoint that does
+not fit the model) or its traceback (anything else) to a per-launch directory and exits. When one rank
+fails on a user error, its peers usually fail too, on the broken connections; so a user error from
+any rank wins: the launcher raises it as one :class:`LaunchError` (the lowest rank's) and drops the
+peers' tracebacks. Otherwise it prints the tracebacks and raises :class:`WorkerFailed`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -25,7 +29,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
+# How often the agent polls the ranks: a failed or finished job is seen this late at most.
+MONITOR_INTERVAL_S = 0.05
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 class LaunchError(ValueError):
@@ -33,7 +39,7 @@ class LaunchError(ValueError):
 
 
 class WorkerFailed(RuntimeError):
-    """A rank crashed (its traceback is printed above by the rank itself)."""
+    """A rank crashed or was killed; tracebacks, if any, are printed before this is raised."""
 
 
 def under_torchrun() -> bool:
@@ -66,7 +72,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int) -> Any:
         rdzv_endpoint="localhost:0",
         run_id=f"shardopt-{uuid.uuid4().hex[:8]}",
         max_restarts=0,
-        monitor_interval=0.05,
+        monitor_interval=MONITOR_INTERVAL_S,
         start_method="spawn",
     )
     # The agent and torch.multiprocessing log worker starts, stops and failures (with a second copy of
@@ -79,14 +85,28 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int) -> Any:
         try:
             results = elastic_launch(config, _worker)(fn, error_dir, *args)
         except ChildFailedError as exc:
-            messages = sorted(Path(error_dir).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+            messages = _by_rank(error_dir, "error")
             if messages:
                 raise LaunchError(messages[0].read_text().strip()) from None
-            failed = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items()))
-            raise WorkerFailed(f"{failed} failed") from None
+            traces = _by_rank(error_dir, "traceback")
+            for trace in traces:
+                sys.stderr.write(trace.read_text())
+            failed = ", ".join(f"rank {r} {_how(f.exitcode)}" for r, f in sorted(exc.failures.items()))
+            raise WorkerFailed(failed + (" (tracebacks above)" if traces else "")) from None
         except SignalException:
             raise KeyboardInterrupt from None
     return results[0]
+
+
+def _by_rank(error_dir: str, kind: str) -> list[Path]:
+    return sorted(Path(error_dir).glob(f"rank*.{kind}"), key=lambda p: int(p.name[4:].split(".")[0]))
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
 
 
 def _finish_together() -> None:
@@ -102,13 +122,20 @@ def _worker(fn: Callable[..., Any], error_dir: str, *args: Any) -> Any:
         _finish_together()
         return result
     except USER_ERRORS as exc:
-        rank = os.environ.get("RANK", "0")
-        Path(error_dir, f"rank{rank}.txt").write_text(str(exc))
+        _report(error_dir, "error", str(exc))
         sys.exit(2)
     except Exception:
-        print(f"[rank {os.environ.get('RANK', '0')}] ", end="", file=sys.stderr)
-        traceback.print_exc()
-        raise
+        _report(error_dir, "traceback", f"[rank {os.environ.get('RANK', '0')}] {traceback.format_exc()}")
+        sys.exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _report(error_dir: str, kind: str, text: str) -> None:
+    """Write this rank's failure where the launcher looks, whole or not at all (the launcher may
+    stop this process as soon as a peer's failure is seen)."""
+    path = Path(error_dir, f"rank{os.environ.get('RANK', '0')}.{kind}")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -8,7 +8,7 @@ checkpoint's JSON ``extra``, so an interrupted and resumed run sees the same bat
 rates as an uninterrupted one, also at a different DP size.
 
 Rank 0 alone prints logs, shows the progress bar and writes the per-step JSONL metrics log.
-Starting the ranks is :mod:`shardopt.launch`'s job.
+Starting the ranks is :mod:`shardopt.recipes.launch`'s job.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import math
 import os
 import resource
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,16 +31,20 @@ from tqdm import tqdm
 
 import shardopt
 from shardopt import checkpoint
-from shardopt.data import BatchPlan, MarkovTask, local_batches
-from shardopt.model import PRESETS, build_model, count_params, model_config, no_decay
+from shardopt.recipes.data import BatchPlan, MarkovTask, local_batches
+from shardopt.recipes.model import PRESETS, build_model, count_params, model_config, no_decay
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Everything one run of the reference job needs (the CLI's ``train`` flags map onto it)."""
+    """Everything one run of the reference job needs (the CLI's ``train`` flags map onto it).
+
+    On resume these values hold, also where the checkpoint was saved with others;
+    :func:`saved_hyperparameters` reads those (the CLI takes them for flags not given).
+    """
 
     preset: str = "tiny"
-    """Model size: one of :data:`shardopt.model.PRESETS`."""
+    """Model size: one of :data:`shardopt.recipes.model.PRESETS`."""
     steps: int = 100
     """Optimizer steps of the whole run; also the length of the LR schedule."""
     stop_at: int | None = None
@@ -86,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
         if self.keep_last is not None and self.keep_last < 1:
@@ -178,13 +185,16 @@ def _format_mem(row: dict[str, Any]) -> str:
     return f"{row['host_peak_rss_bytes'] / 2**20:.0f}MiB"
 
 
+_RU_MAXRSS_UNIT = 1024  # getrusage reports the peak RSS in KiB (Linux)
+
+
 def _memory(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         return {
             "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
             "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
         }
-    return {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RU_MAXRSS_UNIT}
 
 
 def setup_distributed(device_kind: str) -> tuple[int, int, torch.device]:
@@ -220,6 +230,7 @@ def _resume_source(cfg: TrainConfig) -> str | None:
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Collective over the job's ranks. Train (resuming if asked); returns rank 0's summary."""
+    check_paths(cfg)
     rank, dp_size, device = setup_distributed(cfg.device)
     out = Rank0(cfg, rank)
     mcfg = model_config(cfg.preset)
@@ -251,7 +262,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         out.log(f"loading {source} ...")
         t0 = time.perf_counter()
         info = checkpoint.load(source, model, opt, low_memory_resume=cfg.low_memory_resume)
-        start_step, next_sample = _apply_extra(info, sched, opt, cfg, out)
+        start_step, next_sample = _apply_extra(info, sched, opt, cfg)
         out.log(f"resumed from {info.path} (step {start_step}) in {time.perf_counter() - t0:.2f}s"
                 + (", Adam moments on host until the first step" if cfg.low_memory_resume else ""))
     end = cfg.stop_at or cfg.steps
@@ -309,32 +320,74 @@ def _save(cfg, model, opt, sched, step, next_sample, out: Rank0) -> None:
     extra = {
         "data": {"next_sample": next_sample, "seed": cfg.seed, "global_batch_size": cfg.batch_size},
         "scheduler": _json_safe(sched.state_dict()),
-        "train": {"preset": cfg.preset, "steps": cfg.steps, "lr": cfg.lr},
+        "train": {"preset": cfg.preset, "steps": cfg.steps, "lr": cfg.lr,
+                  "warmup_steps": cfg.num_warmup_steps},
     }
     path = checkpoint.save(cfg.ckpt_dir, model, opt, step=step, extra=extra, keep_last=cfg.keep_last)
     out.status("train")
     out.log(f"saved step {step} to {path} in {time.perf_counter() - t0:.2f}s")
 
 
-def _apply_extra(info, sched, opt, cfg: TrainConfig, out: Rank0) -> tuple[int, int]:
-    """Restore the scheduler and data position from a checkpoint's ``extra``."""
+def _apply_extra(info, sched, opt, cfg: TrainConfig) -> tuple[int, int]:
+    """Restore the scheduler and data position from a checkpoint's ``extra``.
+
+    The config's peak LR and schedule length hold from here on, also where they differ from the
+    saved run's (the CLI fills flags not given from :func:`saved_hyperparameters`).
+    """
     extra = info.extra or {}
-    data = extra.get("data")
-    if data is None or "scheduler" not in extra:
-        raise ValueError(f"checkpoint {info.path} was not written by `shardopt train` "
-                         "(no data position / scheduler state in its extra)")
-    if data.get("seed") != cfg.seed:
-        out.log(f"warning: checkpoint data seed {data.get('seed')} != --seed {cfg.seed}; "
-                "the data stream will differ")
-    saved_train = extra.get("train", {})
-    if saved_train.get("steps") not in (None, cfg.steps):
-        out.log(f"note: checkpoint was saved by a run of {saved_train['steps']} steps; "
-                f"the LR schedule now decays over --steps {cfg.steps}")
+    saved_hyperparameters(extra, info.path)
     sched.load_state_dict(extra["scheduler"])
-    # param_groups must hold the LR the uninterrupted run uses for the next step.
-    for group, lr in zip(opt.param_groups, sched.get_last_lr()):
-        group["lr"] = lr
-    return int(info.step), int(data["next_sample"])
+    sched.base_lrs = [cfg.lr] * len(opt.param_groups)
+    factor = lr_lambda(cfg)(sched.last_epoch)
+    for group in opt.param_groups:
+        group["initial_lr"] = cfg.lr
+        # The LR the uninterrupted run uses for the next step (LambdaLR's own formula).
+        group["lr"] = cfg.lr * factor
+    return int(info.step), int(extra["data"]["next_sample"])
+
+
+# TrainConfig field -> where ``_save`` keeps it in the checkpoint's ``extra``.
+_SAVED_AT = {
+    "preset": ("train", "preset"), "steps": ("train", "steps"), "lr": ("train", "lr"),
+    "warmup_steps": ("train", "warmup_steps"), "seed": ("data", "seed"),
+    "batch_size": ("data", "global_batch_size"),
+}
+
+
+def saved_hyperparameters(extra: dict[str, Any], path: str) -> dict[str, Any]:
+    """The run settings a checkpoint of this job was saved with, by :class:`TrainConfig` field.
+
+    Checkpoints from older versions of the job lack some (``warmup_steps``); those are left out.
+    Raises ``ValueError`` naming ``path`` if the checkpoint was not written by this job.
+    """
+    if not isinstance(extra.get("data"), dict) or "scheduler" not in extra:
+        raise ValueError(f"checkpoint {path} was not written by `shardopt train` "
+                         "(no data position / scheduler state in its extra)")
+    return {field: extra[part][key] for field, (part, key) in _SAVED_AT.items()
+            if key in extra.get(part, {})}
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """Fail now, with a ``ValueError`` naming the path, if the log file or the checkpoint root
+    cannot be written; creates them (and their parents) as training would."""
+    if cfg.log_file is not None:
+        log = Path(cfg.log_file)
+        if log.is_dir():
+            raise ValueError(f"--log-file {log} is a directory; give the path of a file")
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.open("a").close()
+        except OSError as exc:
+            raise ValueError(f"--log-file {log} cannot be written: {exc.strerror or exc}") from None
+    if cfg.ckpt_dir is not None:
+        root = Path(cfg.ckpt_dir)
+        if root.exists() and not root.is_dir():
+            raise ValueError(f"--ckpt-dir {root} is not a directory")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=root).close()
+        except OSError as exc:
+            raise ValueError(f"--ckpt-dir {root} cannot be written: {exc.strerror or exc}") from None
 
 
 def _json_safe(state: dict[str, Any]) -> dict[str, Any]:

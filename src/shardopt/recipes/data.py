@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) over the generator seed space
+# Added to every branch's (squared, so skewed) random weight: no transition is so rare that a
+# short run never sees it.
+_BRANCH_WEIGHT_FLOOR = 0.05
 
 
 class MarkovTask:
@@ -34,7 +37,8 @@ class MarkovTask:
         # Sparse rows (successor ids + CDF) so a 50k vocabulary costs 50k * branching entries, not 50k^2.
         # A repeated successor id just merges two branches' probabilities.
         self.successors = torch.randint(vocab_size, (vocab_size, branching), generator=gen)
-        weights = torch.rand(vocab_size, branching, generator=gen, dtype=torch.float64) ** 2 + 0.05
+        weights = torch.rand(vocab_size, branching, generator=gen, dtype=torch.float64) ** 2
+        weights += _BRANCH_WEIGHT_FLOOR
         self.probs = weights / weights.sum(dim=1, keepdim=True)
         self.cdf = self.probs.cumsum(dim=1)
         self.cdf[:, -1] = 1.0
