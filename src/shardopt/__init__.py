@@ -2,7 +2,8 @@
 
 from . import checkpoint
 from .config import OptimizerConfig
+from .flat_shard import FlatShard
 from .optimizer import DistributedOptimizer
 
-__all__ = ["DistributedOptimizer", "OptimizerConfig", "checkpoint"]
+__all__ = ["DistributedOptimizer", "FlatShard", "OptimizerConfig", "checkpoint"]
 __version__ = "0.1.0"
