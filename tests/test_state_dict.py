@@ -98,10 +98,10 @@ def contract_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 def reshard_rank(rank: int, world_size: int, root: str) -> list[tuple[str, int, int, dict]]:
     model, opt = build(20)
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(sd, checkpoint_id=f"{root}/dcp")
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["optim"])
+    model_sd = model.state_dict()
+    # The optimizer as a DCP Stateful: DCP calls state_dict(), loads, calls load_state_dict().
+    dcp.load({"model": model_sd, "optim": opt}, checkpoint_id=f"{root}/dcp")
+    model.load_state_dict(model_sd)
     assert all(opt._step_of(f) == SAVE_STEP for f in opt.fqn_of.values())
     return live_optimizer_state(opt)
 

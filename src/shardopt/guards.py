@@ -118,21 +118,19 @@ def _first_difference(lists: list[Any]) -> str:
 
 def check_model(opt: Any, model: torch.nn.Module) -> None:
     """Coordinator-free. Raise :class:`UsageError` unless ``model`` is the one ``opt`` was
-    built over: the same trainable params under the same names."""
+    built over: all of its params under the same names, and no trainable param it does
+    not own (one frozen since construction is still the optimizer's)."""
     seen = set()
     for fqn, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        seen.add(p)
         owned = opt.fqn_of.get(p)
-        if owned is None:
-            raise UsageError(f"[dp rank {opt.dp.rank}] param {fqn!r} of the model passed in is "
-                             "not one this optimizer owns: pass the model it was built over")
-        if owned != fqn:
-            raise UsageError(f"[dp rank {opt.dp.rank}] param {fqn!r} of the model passed in is "
-                             f"the optimizer's {owned!r}: pass the model it was built over")
+        if owned is None and p.requires_grad:
+            raise UsageError(f"param {fqn!r} of the model passed in is not one this optimizer "
+                             "owns: pass the model it was built over")
+        if owned is not None and owned != fqn:
+            raise UsageError(f"param {fqn!r} of the model passed in is the optimizer's "
+                             f"{owned!r}: pass the model it was built over")
+        seen.add(p)
     for p, fqn in opt.fqn_of.items():
         if p not in seen:
-            raise UsageError(f"[dp rank {opt.dp.rank}] the optimizer's param {fqn!r} is not a "
-                             "trainable param of the model passed in: pass the model it was "
-                             "built over")
+            raise UsageError(f"the optimizer's param {fqn!r} is not in the model passed in: "
+                             "pass the model it was built over")

@@ -216,7 +216,7 @@ def _check(opt: DistributedOptimizer, sd: Any) -> _Plan:
 
 
 def _check_groups(opt: DistributedOptimizer, groups: list) -> list[dict[str, Any]]:
-    here = {fqn: gi for fqn, gi in opt.group_of.items()}
+    here = opt.group_of
     there: dict[str, int] = {}
     for gi, g in enumerate(groups):
         params = g.get("params") if isinstance(g, Mapping) else None
