@@ -200,6 +200,30 @@ def test_state_dict_before_the_first_step_resumes_as_fresh():
     assert_tensors_equal(everything(loaded_model, loaded), everything(fresh, fresh_opt))
 
 
+def _build(seed: int, device: str, **cfg: Any) -> tuple[MixedLM, DistributedOptimizer]:
+    torch.manual_seed(seed)
+    model = MixedLM().to(device)
+    return model, DistributedOptimizer(model, make_config(**cfg), param_group_fn=param_groups)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_low_memory_resume_through_load_state_dict(device, tmp_path):
+    model, opt = _build(0, device)
+    train(model, opt, range(END_STEP), 0, 1)
+    reference = everything(model, opt)
+    model, opt = _build(0, device)
+    train(model, opt, range(SAVE_STEP), 0, 1)
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "sd.pt")
+    model, opt = _build(10, device, low_memory_resume=True)
+    sd = torch.load(tmp_path / "sd.pt")
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    assert opt._exp_avg is None and opt._staged_moments is not None  # on the host until step()
+    assert opt.state[model.up.weight]["exp_avg"].device.type == "cpu"
+    train(model, opt, range(SAVE_STEP, END_STEP), 0, 1)
+    assert_tensors_equal(everything(model, opt), reference)
+
+
 def test_optimizer_state_is_a_defaultdict_of_live_views():
     model, opt = build(0)
     assert isinstance(opt.state, defaultdict)
@@ -212,6 +236,20 @@ def test_optimizer_state_is_a_defaultdict_of_live_views():
     assert bool((opt.state_dict()["state"]["up.weight"]["exp_avg"].local == 0.5).all())
     assert len(opt.state) == len(list(opt.state)) == len(opt.fqn_of)
     assert opt.state[torch.zeros(1)] == {}  # unknown keys behave as in torch's defaultdict
+
+
+def test_state_dict_hooks_run_as_in_torch():
+    model, opt = build(0)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
+    sd = opt.state_dict()
+    assert sd["extra"] == 1
+    opt.load_state_dict(sd)
+    assert calls == ["pre", "loaded"]
 
 
 def test_flat_shard_round_trips_and_refuses_arithmetic(tmp_path):

@@ -75,7 +75,17 @@ def _value(opt: DistributedOptimizer, name: str, shard: ParamShard | None,
 
 
 def state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
-    """Coordinator-free. This rank's state, keyed by FQN (see the module docstring)."""
+    """Coordinator-free. This rank's state, keyed by FQN (see the module docstring); runs the
+    hooks of ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` as torch."""
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    sd = _build(opt)
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        sd = post_hook(opt, sd) or sd
+    return sd
+
+
+def _build(opt: DistributedOptimizer) -> dict[str, Any]:
     opt.finish_param_sync()
     shards = _own_shards(opt)
     state: dict[str, dict[str, Any]] = {}
@@ -155,7 +165,16 @@ class _Plan:
 
 
 def load_state_dict(opt: DistributedOptimizer, sd: Any) -> None:
-    """Collective. Validate ``sd`` on every rank, agree, then adopt it (module docstring)."""
+    """Collective. Validate ``sd`` on every rank, agree, then adopt it (module docstring);
+    runs the hooks of ``register_load_state_dict_pre_hook`` / ``..._post_hook`` as torch."""
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        sd = pre_hook(opt, sd) or sd
+    _load(opt, sd)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+
+
+def _load(opt: DistributedOptimizer, sd: Any) -> None:
     opt.finish_param_sync()
     old_steps = {fqn: opt._step_of(fqn) for fqn in opt.fqn_of.values()}
     plan, error = None, None
