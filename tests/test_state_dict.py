@@ -9,6 +9,7 @@ DP 1 and DP 3 (resharding).
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,25 @@ def test_optimizer_state_is_a_defaultdict_of_live_views():
     assert bool((opt.state_dict()["state"]["up.weight"]["exp_avg"].local == 0.5).all())
     assert len(opt.state) == len(list(opt.state)) == len(opt.fqn_of)
     assert opt.state[torch.zeros(1)] == {}  # unknown keys behave as in torch's defaultdict
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_async_save_and_deepcopy(tmp_path):
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    copied = copy.deepcopy(opt.state_dict())
+    dcp.async_save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "dcp").result()
+    expected = everything(model, opt)
+    train(model, opt, range(2, 3), 0, 1)  # the staged copy, not the live state, was saved
+    for loaded in ({"optim": copied}, None):
+        model2, opt2 = build(3)
+        if loaded is None:
+            loaded = {"optim": opt2.state_dict()}
+            dcp.load(loaded, checkpoint_id=tmp_path / "dcp")
+        opt2.load_state_dict(loaded["optim"])
+        got = everything(model2, opt2)
+        assert_tensors_equal({k: v for k, v in got.items() if not k.startswith("model.")},
+                             {k: v for k, v in expected.items() if not k.startswith("model.")})
 
 
 def test_state_dict_hooks_run_as_in_torch():

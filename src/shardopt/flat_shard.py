@@ -20,6 +20,7 @@ with the default ``weights_only=True`` reads it back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,13 @@ class FlatShard(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func is torch.ops.aten.new_empty.default:
+            # DCP's async-save stager copies a tensor subclass as new_empty on the host,
+            # then deep-copies its attributes (our local tensor, offset) onto the result.
+            kwargs = kwargs or {}
+            return cls._wrap(None, None, 0, math.prod(args[1]), 0,
+                             kwargs.get("dtype") or args[0].dtype,
+                             torch.device(kwargs.get("device") or args[0].device))
         raise TypeError(f"{func} on a FlatShard: it only carries one rank's part of a sharded "
                         "state; compute with its .local tensor")
 
