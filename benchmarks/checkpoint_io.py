@@ -101,12 +101,11 @@ class ShardoptCkpt:
         old = self.s.optimizer
         _drop_moments(old)
         group = {fqn: old.param_groups[gi] for fqn, gi in old.group_of.items()}
-        new = DistributedOptimizer(
+        for hook in getattr(old, "_hooks", ()):  # first: a param belongs to one optimizer
+            hook.remove()
+        self.s.optimizer = DistributedOptimizer(
             self.s.model, old.config, process_group=old.dp.group,
             param_group_fn=lambda fqn, p: {k: group[fqn][k] for k in GROUP_KEYS})
-        for hook in getattr(old, "_hooks", ()):
-            hook.remove()
-        self.s.optimizer = new
 
     def tensors(self) -> list[torch.Tensor]:
         """Params and every allocated state of this rank (a new optimizer has no moments)."""

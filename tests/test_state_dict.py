@@ -181,7 +181,7 @@ def test_malformed_state_dicts_are_refused():
     # up.weight and up.bias share no group; emb.weight and up.weight do.
     torn = {**sd, "state": {**sd["state"], "up.weight": {**sd["state"]["up.weight"],
                                                          "step": torch.tensor(9.0)}}}
-    assert "different step counts" in refused(opt, model, torn)
+    assert "param 'up.weight' is at step 9 but 'emb.weight'" in refused(opt, model, torn)
     plain = {**sd, "state": {**sd["state"], "emb.weight": {**sd["state"]["emb.weight"],
                                                            "exp_avg": torch.zeros(3)}}}
     assert "'emb.weight': exp_avg of the state dict is a Tensor" in refused(opt, model, plain)

@@ -48,12 +48,17 @@ def check_args(model: Any, config: Any, torch_kwargs: dict[str, Any]) -> None:
 # view of its flat buffer, so a second one over the same params would silently detach the
 # first. Keyed by id (tensors compare elementwise, so no WeakKeyDictionary) and weak on
 # both sides: a dropped param removes its entry, a dropped optimizer frees its params.
+# The hooks keep an optimizer alive as long as its model, hence the hook check below.
 _owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 def _owner(p: torch.nn.Parameter) -> Any:
+    """The optimizer still attached to ``p``: alive, with its gradient hook on ``p`` (one whose
+    hooks were removed, as a benchmark swapping optimizers does, has let go)."""
     entry = _owners.get(id(p))
-    return entry[1]() if entry is not None and entry[0]() is p else None
+    owner = entry[1]() if entry is not None and entry[0]() is p else None
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+    return owner if any(getattr(h, "__self__", None) is owner for h in hooks.values()) else None
 
 
 def ownership_problem(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | None:

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from . import comm, guards, kernels, state_dict
+from . import comm, guards, kernels
+from . import state_dict as state_dicts
 from .buffers import FlatBuffers
 from .config import GROUP_KEYS, OptimizerConfig
 from .layout import Bucket, Layout, ParamShard, ParamSpec, Range, build_layout
@@ -108,7 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
         super().__init__(_param_groups(named, defaults, param_group_fn), defaults)
         self._groups_final = True
-        self.state = state_dict.LocalState(self)  # torch's defaultdict, computed on access
+        self.state = state_dicts.LocalState(self)  # torch's defaultdict, computed on access
         self.group_of = {
             self.fqn_of[p]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]
         }
@@ -529,12 +530,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This rank's state keyed by FQN, values viewing the live state
         (:mod:`shardopt.state_dict`). Resumes bitwise at the same DP size; through
         ``torch.distributed.checkpoint`` at any DP size."""
-        return state_dict.state_dict(self)
+        return state_dicts.state_dict(self)
 
-    def load_state_dict(self, state_dict_: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Collective. Adopt a :meth:`state_dict` of this rank's; on any mismatch every rank
         raises :class:`~shardopt.state_dict.StateDictError` and nothing changes."""
-        state_dict.load_state_dict(self, state_dict_)
+        state_dicts.load_state_dict(self, state_dict)
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise a ``ValueError`` naming the first param unless ``model`` is the one this
@@ -555,12 +556,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Set step counts by FQN; refuses (changing nothing) a param group whose params differ."""
         counts = list(self.step_counts)
         for gi, group in enumerate(self.param_groups):
-            fqns = [self.fqn_of[p] for p in group["params"]]
-            found = {steps[f] for f in fqns if f in steps}
+            fqns = [self.fqn_of[p] for p in group["params"] if self.fqn_of[p] in steps]
+            found = {steps[f] for f in fqns}
             if len(found) > 1:
-                raise state_dict.StateDictError(
-                    f"params of one param group have different step counts ({sorted(found)}), "
-                    f"e.g. {fqns[0]!r}: this optimizer counts steps per param group")
+                odd = next(f for f in fqns if steps[f] != steps[fqns[0]])
+                raise state_dicts.StateDictError(
+                    f"param {odd!r} is at step {steps[odd]} but {fqns[0]!r} of its param group "
+                    f"at step {steps[fqns[0]]}: this optimizer counts steps per param group")
             if found:
                 counts[gi] = found.pop()
         self.step_counts = counts
