@@ -59,11 +59,11 @@ def new_shardopt_optimizer(s: _peers.System) -> Any:
 
     old = s.optimizer
     group = {fqn: old.param_groups[gi] for fqn, gi in old.group_of.items()}
+    for hook in getattr(old, "_hooks", ()):  # first: a param belongs to one optimizer at a time
+        hook.remove()
     new = DistributedOptimizer(
         s.model, old.config, process_group=old.dp.group,
         param_group_fn=lambda fqn, p: {k: group[fqn][k] for k in GROUP_KEYS})
-    for hook in getattr(old, "_hooks", ()):
-        hook.remove()
     s.optimizer = new
     return new
 

@@ -2,8 +2,9 @@
 
 from . import checkpoint
 from .config import OptimizerConfig
+from .flat_shard import FlatShard
 from .optimizer import DistributedOptimizer
 from .param_watch import ParamMovedError
 
-__all__ = ["DistributedOptimizer", "OptimizerConfig", "ParamMovedError", "checkpoint"]
+__all__ = ["DistributedOptimizer", "FlatShard", "OptimizerConfig", "ParamMovedError", "checkpoint"]
 __version__ = "0.1.0"

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from . import comm, kernels, step_plan
+from . import comm, guards, kernels, step_plan
+from . import state_dict as state_dicts
 from .buffers import FlatBuffers
 from .config import GROUP_KEYS, OptimizerConfig
 from .layout import Bucket, Layout, ParamShard, ParamSpec, Range, build_layout
@@ -55,9 +56,10 @@ class GradientOrderError(RuntimeError):
 class DistributedOptimizer(torch.optim.Optimizer):
     """ZeRO-1/2 AdamW over the DP group ``process_group`` (default group if None).
 
-    Construction is collective only in that every rank must build the same
-    model; it does not communicate. ``param_group_fn(fqn, param)`` returns
-    per-param overrides of ``lr``, ``betas``, ``eps`` and ``weight_decay``;
+    Construction is collective: the ranks exchange a digest of their params (FQN,
+    shape, dtype) and bucket settings, and every rank raises naming the first
+    differing FQN if they built different models. ``param_group_fn(fqn, param)``
+    returns per-param overrides of ``lr``, ``betas``, ``eps`` and ``weight_decay``;
     params with equal overrides share one entry of ``param_groups``.
 
     Weights the user writes in place after construction (``model.load_state_dict``,
@@ -68,6 +70,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     and the all-gather spreads the owners' parts. Casting or moving the model after
     construction (``model.float()``, ``.to(...)``) makes ``step()`` raise
     :class:`~shardopt.param_watch.ParamMovedError`.
+
+    ``state_dict()`` / ``load_state_dict()`` (collective) follow torch.optim, keyed
+    by FQN (:mod:`shardopt.state_dict`); ``state[param]`` shows this rank's part of a
+    param's state. A param belongs to one optimizer at a time.
     """
 
     def __init__(
@@ -76,7 +82,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         config: OptimizerConfig | None = None,
         process_group: Any = None,
         param_group_fn: ParamGroupFn | None = None,
+        **torch_kwargs: Any,
     ) -> None:
+        guards.check_args(model, config, torch_kwargs)
         self.config = config if config is not None else OptimizerConfig()
         self.dp = comm.DPGroup.resolve(process_group)
         named = [(fqn, p) for fqn, p in model.named_parameters() if p.requires_grad]
@@ -95,8 +103,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"param {fqn!r} has dtype {p.dtype}; shardopt trains bf16, fp16 and fp32 params"
                 )
         self.aliases = _tied_aliases(model)
+        specs = [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named]
+        guards.check_same_layout(self.dp, specs, self.config, guards.ownership_problem(named))
+        guards.claim(self, named)
         self.layout: Layout = build_layout(
-            [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named],
+            specs,
             self.dp.size,
             self.config.bucket_numel,
             self.config.align_numel,
@@ -111,6 +122,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "weight_decay": self.config.weight_decay,
         }
         super().__init__(_param_groups(named, defaults, param_group_fn), defaults)
+        self._groups_final = True
+        self.state = state_dicts.LocalState(self)  # torch's defaultdict, computed on access
         self.group_of = {
             self.fqn_of[p]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]
         }
@@ -639,14 +652,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if self._main[s.buffer_index] is not None:  # fp32: the param is the main
                     self.state_view("master_param", s).copy_(self.buffers.shard_params(s))
 
-    def state_dict(self) -> dict[str, Any]:  # noqa: D102
-        raise TypeError(
-            "DistributedOptimizer state is sharded and keyed by param name; "
-            "save it with shardopt.checkpoint.save(root, model, optimizer, step=...)"
-        )
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state keyed by FQN, values viewing the live state
+        (:mod:`shardopt.state_dict`). Resumes bitwise at the same DP size; through
+        ``torch.distributed.checkpoint`` at any DP size."""
+        return state_dicts.state_dict(self)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102
-        raise TypeError("load DistributedOptimizer state with shardopt.checkpoint.load(...)")
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Collective. Adopt a :meth:`state_dict` of this rank's; on any mismatch every rank
+        raises :class:`~shardopt.state_dict.StateDictError` and nothing changes."""
+        state_dicts.load_state_dict(self, state_dict)
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise a ``ValueError`` naming the first param unless ``model`` is the one this
+        optimizer was built over."""
+        guards.check_model(self, model)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:  # noqa: D102
+        if getattr(self, "_groups_final", False):
+            raise NotImplementedError(
+                "DistributedOptimizer lays all params out at construction; for per-param "
+                "settings pass param_group_fn=lambda fqn, param: {'lr': ...} to the constructor")
+        super().add_param_group(param_group)
+
+    def _step_of(self, fqn: str) -> int:
+        return self.param_steps[fqn]
+
+    def _set_steps(self, steps: dict[str, int]) -> None:
+        """Set the step counts of the params ``steps`` names (FQN -> count)."""
+        self.param_steps.update(steps)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by kind (optimizer state counts only what is allocated)."""

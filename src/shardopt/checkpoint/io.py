@@ -182,6 +182,7 @@ def save(
     try:
         error, extra_obj, threads = None, None, 1
         try:
+            optimizer.check_model(model)
             extra_obj = _check_save_args(step, extra, keep_last, block_bytes)
             threads = resolve_threads(io_threads)
             if dp.rank == 0:
@@ -339,6 +340,7 @@ def load(
     host = bool(low_memory_resume)
     plan, error, threads = None, None, 1
     try:
+        optimizer.check_model(model)
         threads = resolve_threads(io_threads)
         plan = _prepare(root_or_path, model, optimizer, verify, host, staging_bytes, threads)
     except Exception as e:  # noqa: BLE001 - reported to every rank by _agree

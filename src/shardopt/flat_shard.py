@@ -1,0 +1,127 @@
+"""FlatShard: one rank's contiguous part of a param's flattened state, as DCP understands it.
+
+Optimizer state in a :meth:`DistributedOptimizer.state_dict` is a 1-D range
+``[offset, offset + local.numel())`` of a param's flattened elements; ranges
+fall at arbitrary offsets (a param can be split across ranks, a rank can hold
+none of it). ``torch.distributed.checkpoint`` treats a plain tensor as
+replicated, and DTensor only describes even chunks, so a FlatShard is a
+storage-less tensor subclass of the param's full 1-D shape that implements
+DCP's checkpointable hooks (``__create_write_items__``,
+``__create_chunk_list__``, ``__get_tensor_shard__``, the protocol DTensor
+itself implements): a save writes each rank's range under its global offset,
+and a load reads into each rank's range whatever saved chunks overlap it, at
+any DP size.
+
+It is a container, not something to compute with: its data is ``.local``.
+It pickles (``torch.save``) as its local tensor, offset and size and is
+registered with ``torch.serialization.add_safe_globals``, so ``torch.load``
+with the default ``weights_only=True`` reads it back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+
+class FlatShard(torch.Tensor):
+    """Elements ``[offset, offset + local.numel())`` of a flattened tensor of ``numel`` elements.
+
+    ``local`` may be given as a callable that makes it on first use (state that
+    does not exist yet, e.g. Adam moments before the first step, costs nothing
+    until a save or load asks for it).
+    """
+
+    _local: torch.Tensor | None
+    _make: Callable[[], torch.Tensor] | None
+    offset: int
+    local_numel: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, offset: int, numel: int) -> FlatShard:
+        return cls._wrap(local, None, offset, numel, local.numel(), local.dtype, local.device)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # __new__ did everything
+        super().__init__()
+
+    @classmethod
+    def lazy(cls, make: Callable[[], torch.Tensor], offset: int, numel: int, local_numel: int,
+             dtype: torch.dtype, device: torch.device) -> FlatShard:
+        """A FlatShard whose local tensor ``make()`` is called for on first use."""
+        return cls._wrap(None, make, offset, numel, local_numel, dtype, device)
+
+    @classmethod
+    def _wrap(cls, local: torch.Tensor | None, make: Callable[[], torch.Tensor] | None,
+              offset: int, numel: int, local_numel: int, dtype: torch.dtype,
+              device: torch.device) -> FlatShard:
+        if not 0 <= offset <= offset + local_numel <= numel:
+            raise ValueError(f"FlatShard range [{offset}, {offset + local_numel}) is not "
+                             f"within [0, {numel})")
+        if local is not None and local.dim() != 1:
+            raise ValueError(f"a FlatShard's local tensor is 1-D, got shape {tuple(local.shape)}")
+        r = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=dtype, device=device,
+                                                requires_grad=False)
+        r._local, r._make, r.offset, r.local_numel = local, make, offset, local_numel
+        return r
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's elements (1-D)."""
+        if self._local is None:
+            self._local = self._make()
+            self._make = None
+        return self._local
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func is torch.ops.aten.new_empty.default:
+            # DCP's async-save stager copies a tensor subclass as new_empty on the host,
+            # then deep-copies its attributes (our local tensor, offset) onto the result.
+            kwargs = kwargs or {}
+            return cls._wrap(None, None, 0, math.prod(args[1]), 0,
+                             kwargs.get("dtype") or args[0].dtype,
+                             torch.device(kwargs.get("device") or args[0].device))
+        raise TypeError(f"{func} on a FlatShard: it only carries one rank's part of a sharded "
+                        "state; compute with its .local tensor")
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (f"FlatShard(numel={self.shape[0]}, offset={self.offset}, "
+                f"local_numel={self.local_numel}, dtype={self.dtype})")
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return FlatShard, (self.local, self.offset, self.shape[0])
+
+    def __deepcopy__(self, memo: dict) -> FlatShard:
+        return FlatShard(self.local.clone(), self.offset, self.shape[0])
+
+    # --------------------------------------------- torch.distributed.checkpoint hooks
+    def _chunks(self) -> list[ChunkStorageMetadata]:
+        n = self.local_numel
+        return [ChunkStorageMetadata(torch.Size([self.offset]), torch.Size([n]))] if n else []
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        props = TensorProperties(dtype=self.dtype)
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                      size=self.shape))
+                for chunk in self._chunks()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return self._chunks()
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if index.offset is not None and tuple(index.offset) != (self.offset,):
+            raise ValueError(f"{index.fqn!r}: this rank holds elements from {self.offset}, "
+                             f"not from {tuple(index.offset)}")
+        return self.local
+
+
+torch.serialization.add_safe_globals([FlatShard])

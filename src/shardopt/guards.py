@@ -1,0 +1,141 @@
+"""Misuse checks for :class:`~shardopt.DistributedOptimizer`: clear errors up front instead of
+a ``TypeError`` from deep inside, a silently detached param or a collective that hangs.
+
+Only :func:`check_same_layout` communicates: one all-gather of a digest over the DP
+group (and, only when the digests differ, one of the param lists to name what differs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from . import comm
+from .config import OptimizerConfig
+from .layout import ParamSpec
+
+
+class UsageError(ValueError, TypeError):
+    """The optimizer was called the way torch.optim optimizers are, or with a wrong argument.
+
+    A ``ValueError`` as every user-input error here, and a ``TypeError`` as Python raises
+    for a call with the wrong arguments."""
+
+
+HOW = ("pass the model and an OptimizerConfig: DistributedOptimizer(model, "
+       "OptimizerConfig(lr=1e-3, ...)); per-param settings come from "
+       "param_group_fn=lambda fqn, param: {...}")
+
+
+def check_args(model: Any, config: Any, torch_kwargs: dict[str, Any]) -> None:
+    """Coordinator-free. Refuse torch.optim-style arguments with the call that works."""
+    if torch_kwargs:
+        raise UsageError(f"DistributedOptimizer got torch.optim-style keyword arguments "
+                         f"{sorted(torch_kwargs)}; {HOW}")
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"DistributedOptimizer takes the nn.Module itself (it needs param "
+                         f"names and re-lays params out in flat buffers), not a "
+                         f"{type(model).__name__} of params or param groups; {HOW}")
+    if config is not None and not isinstance(config, OptimizerConfig):
+        raise UsageError(f"config must be an OptimizerConfig, got {config!r}; {HOW}")
+
+
+# Which optimizer a param belongs to. Building an optimizer rebinds ``param.data`` to a
+# view of its flat buffer, so a second one over the same params would silently detach the
+# first. Keyed by id (tensors compare elementwise, so no WeakKeyDictionary) and weak on
+# both sides: a dropped param removes its entry, a dropped optimizer frees its params.
+# The hooks keep an optimizer alive as long as its model, hence the hook check below.
+_owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _owner(p: torch.nn.Parameter) -> Any:
+    """The optimizer still attached to ``p``: alive, with its gradient hook on ``p`` (one whose
+    hooks were removed, as a benchmark swapping optimizers does, has let go)."""
+    entry = _owners.get(id(p))
+    owner = entry[1]() if entry is not None and entry[0]() is p else None
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+    return owner if any(getattr(h, "__self__", None) is owner for h in hooks.values()) else None
+
+
+def ownership_problem(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | None:
+    """Coordinator-free. Why these params cannot get a new optimizer, or None."""
+    for fqn, p in named:
+        if _owner(p) is not None:
+            return (f"param {fqn!r} already belongs to another DistributedOptimizer: a second "
+                    "one would re-lay it out and detach it from the first; build one "
+                    "optimizer per model (param_group_fn gives per-param settings)")
+    return None
+
+
+def claim(opt: Any, named: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+    """Coordinator-free. Record ``opt`` as the owner of these params."""
+    owner = weakref.ref(opt)
+    for _, p in named:
+        key = id(p)
+        _owners[key] = (weakref.ref(p, lambda _, key=key: _owners.pop(key, None)), owner)
+
+
+def check_same_layout(dp: comm.DPGroup, specs: list[ParamSpec], config: OptimizerConfig,
+                      local_problem: str | None) -> None:
+    """Collective (none when ``dp.size`` is 1). Raise :class:`UsageError` on every rank if any
+    rank has ``local_problem`` or built a different model (naming the first differing FQN
+    and what differs), rather than letting mismatched collectives abort later."""
+    if dp.size == 1:
+        if local_problem:
+            raise UsageError(local_problem)
+        return
+    described = [(s.fqn, tuple(s.shape), str(s.dtype)) for s in specs]
+    described.append(("bucket_numel/align_numel", (config.bucket_numel, config.align_numel), ""))
+    digest = hashlib.sha256(repr(described).encode()).hexdigest()
+    gathered = comm.all_gather_objects((digest, local_problem), dp)
+    problems = [f"[dp rank {r}] {p}" for r, (_, p) in enumerate(gathered) if p]
+    if problems:
+        raise UsageError("; ".join(problems))
+    if len({d for d, _ in gathered}) == 1:
+        return
+    lists = comm.all_gather_objects(described, dp)
+    raise UsageError("DP ranks built different models: " + _first_difference(lists))
+
+
+def _first_difference(lists: list[Any]) -> str:
+    ref = {fqn: (shape, dtype) for fqn, shape, dtype in lists[0]}
+    for r, other in enumerate(lists[1:], start=1):
+        theirs = {fqn: (shape, dtype) for fqn, shape, dtype in other}
+        for fqn, shape, dtype in other:
+            if fqn not in ref:
+                return f"param {fqn!r} exists on dp rank {r} but not on dp rank 0"
+            if (shape, dtype) != ref[fqn]:
+                what = "shape" if shape != ref[fqn][0] else "dtype"
+                mine, theirs_ = (ref[fqn][0], shape) if what == "shape" else (ref[fqn][1], dtype)
+                return (f"param {fqn!r} has {what} {mine} on dp rank 0 but {theirs_} on dp "
+                        f"rank {r}")
+        for fqn in ref:
+            if fqn not in theirs:
+                return f"param {fqn!r} exists on dp rank 0 but not on dp rank {r}"
+        if [f for f, _, _ in other] != [f for f, _, _ in lists[0]]:
+            return f"params are registered in another order on dp rank {r} than on dp rank 0"
+    return "the layouts differ"
+
+
+def check_model(opt: Any, model: torch.nn.Module) -> None:
+    """Coordinator-free. Raise :class:`UsageError` unless ``model`` is the one ``opt`` was
+    built over: all of its params under the same names, and no trainable param it does
+    not own (one frozen since construction is still the optimizer's)."""
+    seen = set()
+    for fqn, p in model.named_parameters():
+        owned = opt.fqn_of.get(p)
+        if owned is None and p.requires_grad:
+            raise UsageError(f"param {fqn!r} of the model passed in is not one this optimizer "
+                             "owns: pass the model it was built over")
+        if owned is not None and owned != fqn:
+            raise UsageError(f"param {fqn!r} of the model passed in is the optimizer's "
+                             f"{owned!r}: pass the model it was built over")
+        seen.add(p)
+    for p, fqn in opt.fqn_of.items():
+        if p not in seen:
+            raise UsageError(f"the optimizer's param {fqn!r} is not in the model passed in: "
+                             "pass the model it was built over")

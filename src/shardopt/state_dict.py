@@ -1,0 +1,325 @@
+"""torch.optim's state-dict contract for :class:`~shardopt.DistributedOptimizer`.
+
+A rank's ``state_dict()`` follows ``torch.distributed.checkpoint.state_dict``'s
+``get_optimizer_state_dict`` layout, keyed by param FQN, never by position::
+
+    {"state": {fqn: {"step": tensor(7.), "exp_avg": FlatShard, "exp_avg_sq": FlatShard,
+                     "master_param": FlatShard, "param_dtype": "bfloat16"}, ...},
+     "param_groups": [{"lr": ..., "betas": ..., "eps": ..., "weight_decay": ...,
+                       "params": [fqn, ...]}, ...]}
+
+Every trainable param has an entry on every rank; each state tensor is a
+:class:`~shardopt.flat_shard.FlatShard` holding this rank's range of the
+param's flattened fp32 state (possibly empty) and its offset, so DCP saves and
+reloads it as a sharded tensor (at any DP size) and ``torch.save`` keeps the
+offsets. The values are views of the live state, as torch's optimizers return
+references. Before the first step the Adam moments do not exist: their
+FlatShards make host zeros on demand (what the first step would start from),
+so a DCP load into a fresh optimizer's ``state_dict()`` has somewhere to put
+them; an empty ``state``, torch's choice, would silently drop them.
+
+``load_state_dict`` is collective: every rank validates its own dict, the ranks
+agree, and only then is anything written (master params and moments, step
+counts, param-group hyperparameters; params are rebuilt from the master params
+and all-gathered). On any mismatch every rank raises :class:`StateDictError`
+naming the FQN and nothing has changed. No file I/O here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import comm
+from .config import GROUP_KEYS
+from .flat_shard import FlatShard
+from .layout import ParamShard
+
+if TYPE_CHECKING:
+    from .optimizer import DistributedOptimizer
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class StateDictError(ValueError):
+    """An optimizer state dict does not fit this optimizer; names the FQN and rank."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _own_shards(opt: DistributedOptimizer) -> dict[str, ParamShard]:
+    return {s.fqn: s for s in opt.shards}
+
+
+def _numel(opt: DistributedOptimizer, fqn: str) -> int:
+    return math.prod(opt.layout.slots[fqn].shape)
+
+
+def _value(opt: DistributedOptimizer, name: str, shard: ParamShard | None,
+           numel: int) -> FlatShard:
+    if shard is None:
+        return FlatShard(torch.empty(0, dtype=torch.float32, device=opt.device), 0, numel)
+    if name == "master_param" or opt.has_moments:
+        return FlatShard(opt.state_view(name, shard), shard.range_param.start, numel)
+    size = shard.range_param.size
+    return FlatShard.lazy(lambda: torch.zeros(size, dtype=torch.float32),
+                          shard.range_param.start, numel, size, torch.float32,
+                          torch.device("cpu"))
+
+
+def state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
+    """Coordinator-free. This rank's state, keyed by FQN (see the module docstring); runs the
+    hooks of ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` as torch."""
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    sd = _build(opt)
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        sd = post_hook(opt, sd) or sd
+    return sd
+
+
+def _build(opt: DistributedOptimizer) -> dict[str, Any]:
+    opt.finish_param_sync()
+    shards = _own_shards(opt)
+    state: dict[str, dict[str, Any]] = {}
+    for fqn in opt.fqn_of.values():
+        numel, shard = _numel(opt, fqn), shards.get(fqn)
+        entry: dict[str, Any] = {"step": torch.tensor(float(opt._step_of(fqn)))}
+        for name in (*MOMENTS, "master_param"):
+            entry[name] = _value(opt, name, shard, numel)
+        entry["param_dtype"] = _dtype_name(opt.layout.buffers[
+            opt.layout.slots[fqn].buffer_index].dtype)
+        state[fqn] = entry
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [opt.fqn_of[p] for p in g["params"]]} for g in opt.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+class LocalState(defaultdict):
+    """``optimizer.state``: a ``defaultdict`` keyed by param, as torch's, whose entries are
+    computed on access from this rank's live state: ``step`` (a tensor), and for the
+    part of the param this rank holds, ``master_param`` (fp32) and, once they exist,
+    ``exp_avg`` and ``exp_avg_sq``, all 1-D views starting at element ``offset`` of the
+    flattened param. Writing into the views changes the optimizer's state."""
+
+    def __init__(self, opt: DistributedOptimizer) -> None:
+        super().__init__(dict)
+        self._opt = opt
+
+    def _entry(self, fqn: str) -> dict[str, Any]:
+        opt = self._opt
+        out: dict[str, Any] = {"step": torch.tensor(float(opt._step_of(fqn)))}
+        shard = _own_shards(opt).get(fqn)
+        if shard is not None:
+            out["offset"] = shard.range_param.start
+            names = ("master_param", *MOMENTS) if opt.has_moments else ("master_param",)
+            out.update({name: opt.state_view(name, shard) for name in names})
+        return out
+
+    def __getitem__(self, param: Any) -> Any:
+        fqn = self._opt.fqn_of.get(param)
+        return self._entry(fqn) if fqn is not None else super().__getitem__(param)
+
+    def get(self, param: Any, default: Any = None) -> Any:
+        return self[param] if param in self else default
+
+    def __contains__(self, param: object) -> bool:
+        return param in self._opt.fqn_of or super().__contains__(param)
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self._opt.fqn_of
+        yield from (p for p in super().__iter__() if p not in self._opt.fqn_of)
+
+    def __len__(self) -> int:
+        return len(self._opt.fqn_of) + sum(1 for p in super().__iter__()
+                                           if p not in self._opt.fqn_of)
+
+    def keys(self) -> Any:  # type: ignore[override]
+        return list(self)
+
+    def values(self) -> Any:  # type: ignore[override]
+        return [self[p] for p in self]
+
+    def items(self) -> Any:  # type: ignore[override]
+        return [(p, self[p]) for p in self]
+
+    def __repr__(self) -> str:
+        return f"LocalState({len(self)} params, dp rank {self._opt.dp.rank})"
+
+
+# ---------------------------------------------------------------------------- load
+@dataclass(frozen=True)
+class _Plan:
+    """What a validated state dict writes: (shard, state name, source) and the rest."""
+
+    copies: list[tuple[ParamShard, str, torch.Tensor]]
+    steps: dict[str, int]
+    groups: list[dict[str, Any]]
+
+
+def load_state_dict(opt: DistributedOptimizer, sd: Any) -> None:
+    """Collective. Validate ``sd`` on every rank, agree, then adopt it (module docstring);
+    runs the hooks of ``register_load_state_dict_pre_hook`` / ``..._post_hook`` as torch."""
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        sd = pre_hook(opt, sd) or sd
+    _load(opt, sd)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+
+
+def _load(opt: DistributedOptimizer, sd: Any) -> None:
+    opt.finish_param_sync()
+    old_steps = {fqn: opt._step_of(fqn) for fqn in opt.fqn_of.values()}
+    plan, error = None, None
+    try:
+        plan = _check(opt, sd)
+        opt._set_steps(plan.steps)
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        error, plan = e, None
+    problems = _agree(opt.dp, error)
+    if problems:
+        if plan is not None:
+            opt._set_steps(old_steps)
+        raise StateDictError(f"load_state_dict failed: {problems}") from error
+    assert plan is not None
+    for shard, name, src in plan.copies:
+        if name == "master_param":
+            opt.state_view(name, shard).copy_(src)
+    host = opt.config.low_memory_resume
+    if host or opt._exp_avg is None:  # new tensors: low_memory_resume keeps them on the host
+        (exp_avg, pinned_a), (exp_avg_sq, pinned_b) = (opt._new_local_state(host)
+                                                       for _ in MOMENTS)
+        moments, pinned = (exp_avg, exp_avg_sq), pinned_a + pinned_b
+    else:  # in place: no second copy of the moments on the device
+        moments, pinned = (opt._exp_avg, opt._exp_avg_sq), []
+    for shard, name, src in plan.copies:
+        if name != "master_param":
+            local = moments[MOMENTS.index(name)][shard.buffer_index]
+            local[shard.range_local.as_slice()].copy_(src)
+    opt._adopt_loaded_state(moments, host, {f: opt._step_of(f) for f in opt.fqn_of.values()},
+                            pinned)
+    for group, saved in zip(opt.param_groups, plan.groups):
+        group.update(saved)  # as torch's load_state_dict: lr & co. resume as saved
+
+
+def _agree(dp: comm.DPGroup, error: BaseException | None) -> str:
+    """Collective. Every rank's error, ``"[dp rank r] ..."`` joined; empty if none failed."""
+    text = None if error is None else (
+        str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
+    gathered = comm.all_gather_objects(text, dp)
+    return "; ".join(f"[dp rank {r}] {e}" for r, e in enumerate(gathered) if e is not None)
+
+
+def _check(opt: DistributedOptimizer, sd: Any) -> _Plan:
+    """Coordinator-free. Everything a load needs, or :class:`StateDictError` naming the FQN."""
+    if not isinstance(sd, Mapping) or not {"state", "param_groups"} <= set(sd):
+        got = sorted(map(str, sd)) if isinstance(sd, Mapping) else type(sd).__name__
+        raise StateDictError("an optimizer state dict has 'state' and 'param_groups' (as "
+                             f"DistributedOptimizer.state_dict() returns); got {got}")
+    state, groups = sd["state"], sd["param_groups"]
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        raise StateDictError("'state' must be a dict keyed by param FQN and 'param_groups' a list")
+    positional = [k for k in state if not isinstance(k, str)]
+    if positional:
+        raise StateDictError(f"state is keyed by {positional[0]!r}: this is a positional "
+                             "torch.optim state dict; DistributedOptimizer keys state by FQN")
+    hparams = _check_groups(opt, groups)  # which params first, then their state
+    return _Plan(_check_state(opt, state), _check_steps(opt, state), hparams)
+
+
+def _check_groups(opt: DistributedOptimizer, groups: list) -> list[dict[str, Any]]:
+    here = opt.group_of
+    there: dict[str, int] = {}
+    for gi, g in enumerate(groups):
+        params = g.get("params") if isinstance(g, Mapping) else None
+        if not isinstance(params, list):
+            raise StateDictError(f"param group {gi} of the state dict has no 'params' list")
+        there.update((fqn, gi) for fqn in params)
+    for fqn in there:
+        if fqn not in here:
+            raise StateDictError(f"param {fqn!r} of the state dict is not a trainable param "
+                                 "of this optimizer's model")
+    for fqn, gi in here.items():
+        if fqn not in there:
+            raise StateDictError(f"param {fqn!r} of the model is missing from the state dict")
+        if there[fqn] != gi or len(groups) != len(opt.param_groups):
+            raise StateDictError(f"param {fqn!r} is in param group {there[fqn]} of "
+                                 f"{len(groups)} in the state dict but in group {gi} of "
+                                 f"{len(opt.param_groups)} here (another param_group_fn?)")
+    out = []
+    for gi, g in enumerate(groups):
+        values = {k: v for k, v in g.items() if k != "params"}
+        first = opt.fqn_of[opt.param_groups[gi]["params"][0]]
+        for key in GROUP_KEYS:
+            v = values.get(key)
+            ok = (isinstance(v, (list, tuple)) and len(v) == 2
+                  and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v)
+                  if key == "betas" else isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and math.isfinite(v) and v >= 0)
+            if not ok:
+                raise StateDictError(f"param group {gi} (with {first!r}) has {key}={v!r}")
+        values["betas"] = tuple(float(b) for b in values["betas"])
+        out.append(values)
+    return out
+
+
+def _check_steps(opt: DistributedOptimizer, state: Mapping) -> dict[str, int]:
+    steps = {}
+    for fqn in opt.fqn_of.values():
+        step = state[fqn].get("step")
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = step.item()
+        if not (isinstance(step, (int, float)) and not isinstance(step, bool)
+                and step >= 0 and float(step).is_integer()):
+            raise StateDictError(f"param {fqn!r}: step {step!r} is not a count")
+        steps[fqn] = int(step)
+    return steps
+
+
+def _check_state(opt: DistributedOptimizer, state: Mapping
+                 ) -> list[tuple[ParamShard, str, torch.Tensor]]:
+    shards = _own_shards(opt)
+    for fqn in state:
+        if fqn not in opt.layout.slots:
+            raise StateDictError(f"state of param {fqn!r} in the state dict: no trainable "
+                                 "param of this optimizer's model has that name")
+    copies = []
+    for fqn in opt.fqn_of.values():
+        entry = state.get(fqn)
+        if not isinstance(entry, Mapping):
+            raise StateDictError(f"param {fqn!r} of the model has no state in the state dict")
+        dtype = _dtype_name(opt.layout.buffers[opt.layout.slots[fqn].buffer_index].dtype)
+        if entry.get("param_dtype") != dtype:
+            raise StateDictError(f"param {fqn!r} is {dtype} here but was "
+                                 f"{entry.get('param_dtype')!r} in the state dict")
+        numel, shard = _numel(opt, fqn), shards.get(fqn)
+        want = (shard.range_param.start, shard.range_param.size) if shard else (0, 0)
+        for name in (*MOMENTS, "master_param"):
+            v = entry.get(name)
+            where = f"param {fqn!r}: {name} of the state dict"
+            if not isinstance(v, FlatShard):
+                raise StateDictError(f"{where} is a {type(v).__name__}, not a FlatShard as "
+                                     "DistributedOptimizer.state_dict() returns")
+            if v.shape[0] != numel or v.dtype != torch.float32:
+                raise StateDictError(f"{where} has {v.shape[0]} {v.dtype} elements; the "
+                                     f"param has {numel} (fp32 state)")
+            if (v.offset, v.local_numel) != want:
+                raise StateDictError(
+                    f"{where} holds elements [{v.offset}, {v.offset + v.local_numel}) on dp "
+                    f"rank {opt.dp.rank}, which holds [{want[0]}, {want[0] + want[1]}) here "
+                    f"(dp size {opt.dp.size}): it was saved at another DP size or bucket "
+                    "layout; reshard with shardopt.checkpoint or torch.distributed.checkpoint")
+            local = v.local
+            if local.dim() != 1 or local.numel() != want[1] or local.dtype != torch.float32:
+                raise StateDictError(f"{where}: its local tensor is {local.dtype} of shape "
+                                     f"{tuple(local.shape)}, expected ({want[1]},) fp32")
+            if shard is not None:
+                copies.append((shard, name, local))
+    return copies

@@ -1,0 +1,122 @@
+"""Misuse gets a clear error naming what to do or which param, never a deep TypeError,
+IndexError or a hang: torch.optim-style construction, two optimizers over one model,
+``add_param_group``, ranks that built different models, and checkpoint calls with a
+model the optimizer does not own."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_distributed
+from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
+from shardopt.guards import UsageError
+from test_checkpoint import MixedLM, build, snapshot, train
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    (lambda m: (m.parameters(),), {}),
+    (lambda m: (list(m.parameters()),), {}),
+    (lambda m: ([{"params": list(m.parameters()), "lr": 1e-3}],), {}),
+    (lambda m: (m,), {"lr": 1e-3, "weight_decay": 0.1}),
+    (lambda m: (m, 1e-3), {}),
+])
+def test_torch_style_construction_says_what_to_pass(args, kwargs):
+    model = nn.Linear(3, 2)
+    with pytest.raises(UsageError, match=r"OptimizerConfig\(lr=") as info:
+        DistributedOptimizer(*args(model), **kwargs)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
+    DistributedOptimizer(model)  # nothing was claimed by the failed attempts
+
+
+def test_second_optimizer_over_the_same_params_is_refused():
+    model, opt = build(0)
+    data_ptr = model.up.weight.data_ptr()
+    with pytest.raises(UsageError, match="param 'emb.weight' already belongs to another"):
+        DistributedOptimizer(model, OptimizerConfig())
+    # The first optimizer still owns and trains the params.
+    assert model.up.weight.data_ptr() == data_ptr
+    before = snapshot(model)
+    train(model, opt, range(1), 0, 1)
+    assert not torch.equal(snapshot(model)["up.weight"], before["up.weight"])
+    # Once its hooks are removed the first one has let go (a benchmark swaps optimizers so).
+    for hook in opt._hooks:
+        hook.remove()
+    DistributedOptimizer(model, OptimizerConfig())
+
+
+def test_add_param_group_points_to_param_group_fn():
+    model, opt = build(0)
+    with pytest.raises(NotImplementedError, match="param_group_fn"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+def test_checkpoint_with_a_model_the_optimizer_does_not_own(tmp_path):
+    model, opt = build(0)
+    other, _ = build(0)
+    with pytest.raises(ValueError, match="param 'emb.weight' of the model passed in is not one"):
+        opt.check_model(other)
+    with pytest.raises(checkpoint.CheckpointError, match="'emb.weight' of the model passed in"):
+        checkpoint.save(tmp_path, other, opt, step=1)
+    assert checkpoint.latest(tmp_path) is None and not os.listdir(tmp_path)
+    path = checkpoint.save(tmp_path, model, opt, step=1)
+    before = snapshot(other)
+    with pytest.raises(checkpoint.CheckpointError, match="'emb.weight' of the model passed in"):
+        checkpoint.load(path, other, opt)
+    assert snapshot(other).keys() == before.keys()
+    model.up.weight.requires_grad_(False)  # frozen since construction: still the optimizer's
+    opt.check_model(model)
+    with pytest.raises(ValueError, match="the optimizer's param 'up.weight' is not in the mod"):
+        opt.check_model(nn.ModuleDict({"emb": model.emb}))
+    renamed = nn.ModuleDict({"embedding": model.emb})
+    with pytest.raises(ValueError, match="'embedding.weight' .* is the optimizer's 'emb.weight'"):
+        opt.check_model(renamed)
+
+
+def misuse_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def expect(case: str, error: type, fn) -> None:
+        try:
+            fn()
+            out[case] = None
+        except error as e:
+            out[case] = str(e)
+
+    torch.manual_seed(0)
+    kwargs = [{}, {"extra_layer": True}, {"experts": 4}, {"fp32": ("norm",)}]
+    for i, other in enumerate(kwargs[1:], start=1):
+        model = MixedLM(**(other if rank == 1 else {}))
+        expect(f"models{i}", UsageError, lambda: DistributedOptimizer(model))
+    model, opt = build(0)
+    # Rank 0 alone reuses a model: every rank raises instead of hanging in a collective.
+    if rank == 1:
+        model = MixedLM()
+    expect("owned", UsageError, lambda: DistributedOptimizer(model))
+    # Rank 1 alone passes the wrong model to save.
+    model, opt = build(1)
+    other, _ = build(2)
+    expect("save", checkpoint.CheckpointError,
+           lambda: checkpoint.save(root, other if rank == 1 else model, opt, step=1))
+    return out
+
+
+def test_misuse_across_ranks_raises_on_every_rank(tmp_path):
+    results = run_distributed(misuse_rank, 2, str(tmp_path / "ckpt"), tmp_path=tmp_path)
+    needles = {
+        "models1": "param 'extra.weight' exists on dp rank 1 but not on dp rank 0",
+        "models2": "param 'router.weight' has shape (3, 14) on dp rank 0 but (4, 14) on dp rank 1",
+        "models3": "param 'router.weight' has dtype torch.float32 on dp rank 0 but "
+                   "torch.bfloat16 on dp rank 1",
+        "owned": "[dp rank 0] param 'emb.weight' already belongs to another",
+        "save": "[dp rank 1] param 'emb.weight' of the model passed in",
+    }
+    for rank, r in enumerate(results):
+        for case, needle in needles.items():
+            assert r[case] is not None, f"{case} did not fail on rank {rank}"
+            assert needle in r[case], f"rank {rank} {case}: {r[case]}"
+    assert checkpoint.latest(tmp_path / "ckpt") is None
