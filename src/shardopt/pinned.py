@@ -18,6 +18,9 @@ Rules that keep this safe (all enforced here or by the one caller):
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import torch
 
 
@@ -44,13 +47,23 @@ class PinnedBuffer:
         return self._registered != 0
 
     def release(self) -> None:
-        """Unlock the pages (the memory stays valid while referenced). Idempotent."""
+        """Unlock the pages (the memory stays valid while referenced). Idempotent. A
+        failed unlock is reported as a :class:`ResourceWarning` (the pages then stay
+        locked until the process exits), except at interpreter shutdown."""
         ptr, self._registered = self._registered, 0
-        if ptr:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
-            except Exception:  # noqa: BLE001 - interpreter shutdown: the driver is gone too
-                pass
+        if not ptr:
+            return
+        try:
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostUnregister(ptr)
+            failed = err != cudart.cudaError.success
+            reason = cudart.cudaGetErrorString(err) if failed else ""
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the runtime is gone too
+            return
+        if failed and not sys.is_finalizing():
+            warnings.warn(f"cudaHostUnregister of {self.tensor.numel() * self.tensor.element_size()}"
+                          f" bytes of host memory at {ptr:#x} failed ({reason}); the pages stay "
+                          "locked until the process exits", ResourceWarning, stacklevel=2)
 
     def __del__(self) -> None:
         self.release()
