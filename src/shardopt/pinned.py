@@ -4,16 +4,17 @@
 allocator, which rounds every block up to a power of two: a 4.9 GiB moment
 tensor locks 8 GiB of host memory, and the cache keeps the blocks after the
 tensor is gone. For the few large, long-lived host tensors of a
-``low_memory_resume`` load this module allocates ordinary host memory and
-page-locks exactly its pages with ``cudaHostRegister`` instead.
+``low_memory_resume`` load and of ``offload()`` (:mod:`.host_state`) this module
+allocates ordinary host memory and page-locks exactly its pages with
+``cudaHostRegister`` instead.
 
 Rules that keep this safe (all enforced here or by the one caller):
 
 * :meth:`PinnedBuffer.release` unregisters before the last reference to the
   memory can go away (``__del__`` calls it too), so memory is never freed while
   registered; views that outlive it just become ordinary pageable memory.
-* Whoever issues asynchronous copies from the buffer waits for them (an event)
-  before releasing it.
+* Whoever issues asynchronous copies from or to the buffer waits for them (an
+  event) before releasing it.
 """
 
 from __future__ import annotations
