@@ -156,6 +156,25 @@ def test_partial_offload_keeps_forward_and_refuses_step_only():
     assert opt.offloaded == ()
 
 
+def test_a_failed_offload_changes_nothing(monkeypatch):
+    model, opt = make()
+    train(model, opt, 2)
+    before = state_of(model, opt)
+    real = opt._host._host_copies
+
+    def fail_on_params(kind, live):
+        if kind == "params":
+            raise MemoryError("host memory exhausted")
+        return real(kind, live)
+
+    monkeypatch.setattr(opt._host, "_host_copies", fail_on_params)
+    with pytest.raises(MemoryError):
+        opt.offload()
+    assert opt.offloaded == ()
+    assert_same(state_of(model, opt), before)
+    model(torch.zeros(2, 8))  # no guard left behind
+
+
 def test_checkpoint_save_while_offloaded_writes_the_same_state(tmp_path):
     model, opt = make()
     train(model, opt, 3)

@@ -87,6 +87,7 @@ class HostState:
         self.offloaded: tuple[str, ...] = ()  # kinds whose values are in the host copies
         self._copies: dict[str, list[torch.Tensor | None]] = {}  # reused across cycles
         self._pinned: dict[str, list[PinnedBuffer]] = {}
+        self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host) offloaded
         self._freed: list[tuple[torch.Tensor, int]] = []  # device tensors and their bytes
         self._dropped: list[torch.Tensor] = []  # grad buffers freed without a copy
         self._guards: list[torch.utils.hooks.RemovableHandle] = []
@@ -109,25 +110,26 @@ class HostState:
         for handle in opt._handles:  # reduce-scatters write into the grad buffers
             handle.wait()
         pending_grads = bool(opt._written)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for kind in kinds:
+        moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host copy)
+        dropped: list[torch.Tensor] = []
+        for kind in kinds:  # every allocation first: a failure here changes nothing
             live = self._device_tensors(kind)
             if kind == "grads" and not pending_grads:
-                self._dropped = [t for t in live if t is not None]
+                dropped = [t for t in live if t is not None]
                 continue
             copies = self._host_copies(kind, live)
-            pairs += [(h, d) for h, d in zip(copies, live) if d is not None]
+            moved += [(d, h) for d, h in zip(live, copies) if d is not None]
         if self.cuda:
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(opt.device))
             with torch.cuda.stream(stream):
-                for host, dev in pairs:
+                for dev, host in moved:
                     host.copy_(dev, non_blocking=True)
             stream.synchronize()
         else:
-            for host, dev in pairs:
+            for dev, host in moved:
                 host.copy_(dev)
-        for dev in [d for _, d in pairs] + self._dropped:
+        for dev in [d for d, _ in moved] + dropped:
             if self.cuda:
                 self._freed.append((dev, dev.untyped_storage().nbytes()))
                 dev.untyped_storage().resize_(0)
@@ -135,7 +137,7 @@ class HostState:
                 dev.fill_(float("nan"))
         if self.cuda:
             torch.cuda.empty_cache()
-        self.offloaded = kinds
+        self._moved, self._dropped, self.offloaded = moved, dropped, kinds
         if "params" in kinds:
             opt.buffers.host_params = self._copies["params"]
         if "params" in kinds or "grads" in kinds:
@@ -145,25 +147,21 @@ class HostState:
     def onload(self) -> None:
         if not self.offloaded:
             return
-        opt = self.opt
-        pairs = [(d, h) for kind in self.offloaded if kind in self._copies
-                 for d, h in zip(self._device_tensors(kind), self._copies[kind])
-                 if d is not None]
         if self.cuda:
             for dev, nbytes in self._freed:  # allocated for the current stream, which uses them
                 dev.untyped_storage().resize_(nbytes)
             self._freed = []
-            self._last_h2d = self._to_device(pairs)
+            self._last_h2d = self._to_device(self._moved)
         else:
-            for dev, host in pairs:
+            for dev, host in self._moved:
                 dev.copy_(host)
         for grads in self._dropped:  # overlaps the copies on the side stream
             grads.zero_()
-        self._dropped = []
+        self._moved, self._dropped = [], []
         for guard in self._guards:
             guard.remove()
         self._guards = []
-        opt.buffers.host_params = None
+        self.opt.buffers.host_params = None
         self.offloaded = ()
 
     def release(self) -> None:
