@@ -90,7 +90,7 @@ def assert_same(a: dict, b: dict) -> None:
 
 def check_refusals(model, opt):
     """While offloaded: forward and step raise, state still readable from host copies."""
-    with pytest.raises(OffloadError, match=r"forward of module .*onload\(\)"):
+    with pytest.raises(OffloadError, match=r"forward of module '<root>'.*onload\(\)"):
         model(torch.zeros(2, 8, device=opt.device))
     with pytest.raises(OffloadError, match=r"step\(\).*offloaded"):
         opt.step()
@@ -173,6 +173,10 @@ def test_a_failed_offload_changes_nothing(monkeypatch):
     assert opt.offloaded == ()
     assert_same(state_of(model, opt), before)
     model(torch.zeros(2, 8))  # no guard left behind
+    opt.offload(("grads",))
+    with pytest.raises(OffloadError, match=r"module 'up' while the optimizer's grads"):
+        model.up(torch.zeros(2, 8, dtype=torch.bfloat16))  # a child called on its own
+    opt.onload()
 
 
 def test_checkpoint_save_while_offloaded_writes_the_same_state(tmp_path):

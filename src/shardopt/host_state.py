@@ -82,8 +82,9 @@ class HostState:
     def __init__(self, opt: DistributedOptimizer, model: torch.nn.Module) -> None:
         self.opt = opt
         self.cuda = opt.device.type == "cuda"
-        self._modules = [(name, m) for name, m in model.named_modules()
-                         if any(p in opt.fqn_of for p in m.parameters(recurse=False))]
+        # The root too: its forward may use a child's weight before that child runs.
+        self._modules = [(name, m) for name, m in model.named_modules() if m is model
+                         or any(p in opt.fqn_of for p in m.parameters(recurse=False))]
         self.offloaded: tuple[str, ...] = ()  # kinds whose values are in the host copies
         self._copies: dict[str, list[torch.Tensor | None]] = {}  # reused across cycles
         self._pinned: dict[str, list[PinnedBuffer]] = {}
