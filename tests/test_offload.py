@@ -179,13 +179,20 @@ def test_a_failed_offload_changes_nothing(monkeypatch):
     opt.onload()
 
 
-def test_checkpoint_save_while_offloaded_writes_the_same_state(tmp_path):
-    model, opt = make()
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_checkpoint_save_while_offloaded_writes_the_same_state(tmp_path, device):
+    model, opt = make(device)
     train(model, opt, 3)
     on = checkpoint.save(tmp_path / "on", model, opt, step=3)
     opt.offload()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        allocated = torch.cuda.memory_allocated()
     off = checkpoint.save(tmp_path / "off", model, opt, step=3)
-    model2, opt2 = make()
+    if device == "cuda":  # written from the host copies: nothing came back to the GPU
+        assert torch.cuda.max_memory_allocated() == allocated
+    model2, opt2 = make(device)
     train(model2, opt2, 1)
     before = state_of(model2, opt2)
     opt2.offload()
