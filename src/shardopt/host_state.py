@@ -152,12 +152,12 @@ class HostState:
             for dev, nbytes in self._freed:  # allocated for the current stream, which uses them
                 dev.untyped_storage().resize_(nbytes)
             self._freed = []
-            self._last_h2d = self._to_device(self._moved)
+            self._last_h2d = self._to_device(self._moved, zero=self._dropped)
         else:
             for dev, host in self._moved:
                 dev.copy_(host)
-        for grads in self._dropped:  # overlaps the copies on the side stream
-            grads.zero_()
+            for grads in self._dropped:
+                grads.zero_()
         self._moved, self._dropped = [], []
         for guard in self._guards:
             guard.remove()
@@ -259,19 +259,25 @@ class HostState:
             self._stream = torch.cuda.Stream(self.opt.device)
         return self._stream
 
-    def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+    def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                   zero: Iterable[torch.Tensor] = ()) -> torch.cuda.Event:
         """Queue ``dev.copy_(host)`` for each pair on the side stream, after the current
-        stream's work; the current stream waits for them, the host does not. Returns the
-        event after which the host tensors may be reused or unlocked."""
+        stream's work, and zero ``zero`` on the current stream beside them; then the current
+        stream waits for the copies, the host does not. Returns the event after which the
+        host tensors may be reused or unlocked."""
         current = torch.cuda.current_stream(self.opt.device)
         stream = self._side_stream()
-        stream.wait_stream(current)  # the storages were allocated on the current stream
+        # The storages were allocated for the current stream: its earlier work may still
+        # use the memory they were given.
+        stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for dev, host in pairs:
                 dev.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        current.wait_stream(stream)
+        for t in zero:
+            t.zero_()
+        current.wait_event(event)
         return event
 
     # ------------------------------------------------------- low_memory_resume

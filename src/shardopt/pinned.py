@@ -62,9 +62,10 @@ class PinnedBuffer:
         except Exception:  # noqa: BLE001 - interpreter shutdown: the runtime is gone too
             return
         if failed and not sys.is_finalizing():
-            warnings.warn(f"cudaHostUnregister of {self.tensor.numel() * self.tensor.element_size()}"
-                          f" bytes of host memory at {ptr:#x} failed ({reason}); the pages stay "
-                          "locked until the process exits", ResourceWarning, stacklevel=2)
+            nbytes = self.tensor.numel() * self.tensor.element_size()
+            warnings.warn(f"cudaHostUnregister of {nbytes} bytes of host memory at {ptr:#x} "
+                          f"failed ({reason}); the pages stay locked until the process exits",
+                          ResourceWarning, stacklevel=2)
 
     def __del__(self) -> None:
         self.release()
