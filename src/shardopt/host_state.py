@@ -16,9 +16,10 @@ are copied only when a backward left some pending (``no_sync`` accumulation):
 otherwise the buffer is freed without a copy and zeroed at onload (its param
 regions are overwritten by the next backward, its padding must be zero).
 
-Onload: storages are re-allocated on the current stream, the H2D copies run on the
-side stream while the current stream zeroes dropped grads, and the current stream
-waits for the copies without blocking the host. The host copies are kept for the
+Onload: each storage is re-allocated for the current stream just before its H2D copy
+is queued on the side stream (allocating the next overlaps the copies running), the
+current stream zeroes dropped grads beside the copies and then waits for them; the
+host does not wait. The host copies are kept for the
 next cycle (the same addresses) until :meth:`HostState.release`.
 
 Off CUDA nothing can be freed safely (a CPU kernel reading an empty storage
@@ -89,7 +90,7 @@ class HostState:
         self._copies: dict[str, list[torch.Tensor | None]] = {}  # reused across cycles
         self._pinned: dict[str, list[PinnedBuffer]] = {}
         self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host) offloaded
-        self._freed: list[tuple[torch.Tensor, int]] = []  # device tensors and their bytes
+        self._nbytes: list[int] = []  # storage bytes of the freed moved, then dropped, tensors
         self._dropped: list[torch.Tensor] = []  # grad buffers freed without a copy
         self._guards: list[torch.utils.hooks.RemovableHandle] = []
         self._stream: torch.cuda.Stream | None = None
@@ -130,9 +131,10 @@ class HostState:
         else:
             for dev, host in moved:
                 host.copy_(dev)
+        self._nbytes = []
         for dev in [d for d, _ in moved] + dropped:
             if self.cuda:
-                self._freed.append((dev, dev.untyped_storage().nbytes()))
+                self._nbytes.append(dev.untyped_storage().nbytes())
                 dev.untyped_storage().resize_(0)
             else:
                 dev.fill_(float("nan"))
@@ -149,10 +151,8 @@ class HostState:
         if not self.offloaded:
             return
         if self.cuda:
-            for dev, nbytes in self._freed:  # allocated for the current stream, which uses them
-                dev.untyped_storage().resize_(nbytes)
-            self._freed = []
-            self._last_h2d = self._to_device(self._moved, zero=self._dropped)
+            self._last_h2d = self._to_device(self._moved, self._dropped, self._nbytes)
+            self._nbytes = []
         else:
             for dev, host in self._moved:
                 dev.copy_(host)
@@ -260,22 +260,30 @@ class HostState:
         return self._stream
 
     def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                   zero: Iterable[torch.Tensor] = ()) -> torch.cuda.Event:
+                   zero: Iterable[torch.Tensor] = (),
+                   nbytes: Iterable[int] | None = None) -> torch.cuda.Event:
         """Queue ``dev.copy_(host)`` for each pair on the side stream, after the current
         stream's work, and zero ``zero`` on the current stream beside them; then the current
-        stream waits for the copies, the host does not. Returns the event after which the
-        host tensors may be reused or unlocked."""
+        stream waits for the copies, the host does not. With ``nbytes``, the storage of
+        each device tensor (pairs', then ``zero``'s) is re-allocated to that many bytes just
+        before its copy is queued, so that allocating the next overlaps the copies already
+        running. Returns the event after which the host tensors may be reused or unlocked."""
         current = torch.cuda.current_stream(self.opt.device)
         stream = self._side_stream()
-        # The storages were allocated for the current stream: its earlier work may still
-        # use the memory they were given.
+        # Memory allocated for the current stream may have been freed by its earlier work,
+        # still queued: the copies wait for it (nothing new is queued there meanwhile).
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            for dev, host in pairs:
+        sizes = None if nbytes is None else iter(nbytes)
+        for dev, host in pairs:
+            if sizes is not None:  # for the current stream, which uses them from now on
+                dev.untyped_storage().resize_(next(sizes))
+            with torch.cuda.stream(stream):
                 dev.copy_(host, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
         for t in zero:
+            if sizes is not None:
+                t.untyped_storage().resize_(next(sizes))
             t.zero_()
         current.wait_event(event)
         return event
