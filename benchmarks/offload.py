@@ -216,6 +216,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         _common.cuda_sync(device)
         c["onload_s"] = time.perf_counter() - t0
         c["reserved_onloaded"] = _reserved(device)
+        c["device_used_onloaded"] = _device_used(device)
         timeline.mark("onload")
         cycles.append(c)
         if i == 0:
@@ -235,6 +236,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     off_s = min(c["offload_s"] for c in steady)
     on_s = min(c["onload_s"] for c in steady)
     raw = _raw_copies(opt, device, a.reps)
+    last = cycles[-1]
+    mem.update(reserved_after_offload=last["reserved_offloaded"],
+               reserved_after_onload=last["reserved_onloaded"],
+               device_used_after_offload=last["device_used_offloaded"],
+               device_used_after_onload=last["device_used_onloaded"])
     result.update(
         cycles=cycles, memory=mem, moved_bytes=moved,
         offload={"s": _common.stats([c["offload_s"] for c in steady]), "gbps": _gbps(moved, off_s),
