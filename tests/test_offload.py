@@ -46,13 +46,16 @@ def batch(i: int, rank: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tens
     return torch.randn(6, 8, generator=g).to(device), torch.randn(6, 4, generator=g).to(device)
 
 
-def train(model, opt, steps, offload_at=(), rank=0, accumulate=False, cycle=None):
+def train(model, opt, steps, offload_at=(), rank=0, accumulate=False, cycle=None,
+          after_backward=False):
     """Losses of ``steps`` iterations; before each step in ``offload_at`` the whole state
-    makes a round trip (``cycle(model, opt)`` between offload and onload)."""
+    makes a round trip (``cycle(model, opt)`` between offload and onload): before the
+    forward, or with ``after_backward`` between backward (its reductions maybe still in
+    flight) and ``step()``."""
     device = opt.device
     losses = []
     for i in range(steps):
-        if i in offload_at and not accumulate:
+        if i in offload_at and not (accumulate or after_backward):
             opt.offload()
             if cycle is not None:
                 cycle(model, opt)
@@ -67,6 +70,9 @@ def train(model, opt, steps, offload_at=(), rank=0, accumulate=False, cycle=None
             x, y = x[3:], y[3:]
         loss = F.mse_loss(model(x), y)
         loss.backward()
+        if i in offload_at and after_backward:
+            opt.offload()
+            opt.onload()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -293,6 +299,9 @@ def dp2_rank(rank, world_size, overlap):
     # after step() with overlap_param_gather the all-gathers may still be in flight
     buckets = {fqns: flat.clone() for fqns, flat in opt.iter_param_buckets()}
     got = state_of(model, opt)
+    model, opt = make(overlap_param_gather=overlap)
+    assert train(model, opt, 5, offload_at=(1, 2), rank=rank, after_backward=True) == ref_losses
+    assert_same(state_of(model, opt), ref)
     return ref_losses, losses, ref, got, buckets
 
 
