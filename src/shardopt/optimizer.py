@@ -462,13 +462,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- offload
     def offload(self, what: tuple[str, ...] | list[str] = KINDS) -> None:
-        """Move ``what`` (any of ``"moments"``, ``"main_params"``, ``"grads"``,
-        ``"params"``; default all) to host memory and give its device memory back to the
-        device. Call it between ``step()``/``zero_grad()`` and the next forward; grads a
-        ``no_sync`` backward left pending are kept. Until :meth:`onload`, a forward (with
-        params or grads offloaded), ``step()`` and ``checkpoint.load`` raise
-        :class:`~shardopt.host_state.OffloadError`; ``checkpoint.save`` writes from the
-        host copies. Not collective. See :mod:`shardopt.host_state`."""
+        """Move ``what`` (of :data:`~shardopt.host_state.KINDS`; default all) to pinned host
+        memory and give its device memory back; a forward, ``step()`` and ``checkpoint.load``
+        are refused until :meth:`onload`. Not collective. See :mod:`shardopt.host_state`."""
         self._host.offload(what)
 
     def onload(self) -> None:
