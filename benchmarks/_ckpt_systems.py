@@ -42,10 +42,12 @@ def shardopt_states(opt: Any) -> dict[str, torch.Tensor]:
 
 def drop_moments(opt: Any) -> None:
     """Free a DistributedOptimizer's Adam moments (it has no public call for that)."""
-    for attr, empty in (("_exp_avg", None), ("_exp_avg_sq", None), ("_staged_moments", None),
-                        ("_staged_pinned", []), ("_views", None)):
+    for attr, empty in (("_exp_avg", None), ("_exp_avg_sq", None), ("_views", None)):
         if hasattr(opt, attr):
             setattr(opt, attr, empty)
+    host = getattr(opt, "_host", None)  # moments a low_memory_resume load staged
+    if host is not None:
+        host.staged, host._staged_pinned = None, []
     if any(not n.endswith(".master_param") for n in shardopt_states(opt)):
         raise RuntimeError("the old optimizer still holds moments; shardopt's internals changed")
     gc.collect()

@@ -28,6 +28,9 @@ class FlatBuffers:
         self.layout = layout
         self.device = device
         self.param_buffers: list[torch.Tensor] = []
+        # While the optimizer has offloaded the params: their host copies, which
+        # shard_params (what a checkpoint saves) reads instead.
+        self.host_params: list[torch.Tensor] | None = None
         self.grad_buffers: list[torch.Tensor] = []
         for buf in layout.buffers:
             grad_dtype = torch.float32 if grad_accum_fp32 else buf.dtype
@@ -55,7 +58,8 @@ class FlatBuffers:
         return self.grad_buffers[bucket.buffer_index][bucket.range_global.as_slice()]
 
     def shard_params(self, shard: ParamShard) -> torch.Tensor:
-        return self.param_buffers[shard.buffer_index][shard.range_global.as_slice()]
+        source = self.param_buffers if self.host_params is None else self.host_params
+        return source[shard.buffer_index][shard.range_global.as_slice()]
 
     def shard_grads(self, shard: ParamShard) -> torch.Tensor:
         return self.grad_buffers[shard.buffer_index][shard.range_global.as_slice()]

@@ -40,7 +40,8 @@ from . import comm, guards, kernels, step_plan
 from . import state_dict as state_dicts
 from .buffers import FlatBuffers
 from .config import GROUP_KEYS, OptimizerConfig
-from .layout import Bucket, Layout, ParamShard, ParamSpec, Range, build_layout
+from .host_state import KINDS, HostState, new_local_state
+from .layout import Bucket, Layout, ParamShard, ParamSpec, build_layout
 from .param_watch import ParamWatch
 from .pinned import PinnedBuffer
 
@@ -144,11 +145,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._main.append(main)
         self._exp_avg: list[torch.Tensor] | None = None
         self._exp_avg_sq: list[torch.Tensor] | None = None
-        # low_memory_resume parks loaded moments here (host) until the first step.
-        self._staged_moments: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        # Their page-locked host memory, unlocked once the copies to the device are done.
-        self._staged_pinned: list[PinnedBuffer] = []
-        self._unpin_after: tuple[torch.cuda.Event, list[PinnedBuffer]] | None = None
+        # Host copies: offload()/onload() and the moments a low_memory_resume load stages.
+        self._host = HostState(self, model)
         # Updates applied to each param (torch's state[p]["step"]): a param that got no
         # gradient on any rank in a step is not updated and its count stays.
         self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
@@ -297,6 +295,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._host.check_onloaded("step()")
         self.finish_param_sync()  # the update writes into the param buffers
         self._reseed(self._watch.written())  # before any collective: a moved param raises
         self.finish_grad_sync()
@@ -322,12 +321,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._watch.record()  # the update's own writes are not the user's
         self._reset_readiness()
         self._written.clear()  # step() consumes the gradients
-        if self._unpin_after is not None:
-            event, pinned = self._unpin_after
-            self._unpin_after = None
-            event.synchronize()  # the staged moments have reached the device
-            for buf in pinned:
-                buf.release()
+        self._host.after_step()
         return loss
 
     def _choose_kernel(self) -> str:
@@ -542,19 +536,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return local.narrow(0, offset, bucket.shard_numel)
 
     def _ensure_moments(self) -> None:
-        staged = self._staged_moments
-        if staged is not None:
-            # low_memory_resume: moments waited on the host until now, after backward.
+        if self._host.bring_staged():  # low_memory_resume: moments waited until after backward
             self._views = None
-            self._exp_avg = [t.to(self.device, non_blocking=True) for t in staged[0]]
-            self._exp_avg_sq = [t.to(self.device, non_blocking=True) for t in staged[1]]
-            self._staged_moments = None
-            if self._staged_pinned:
-                event = torch.cuda.Event()
-                event.record()
-                self._unpin_after, self._staged_pinned = (event, self._staged_pinned), []
-            return
-        if self._exp_avg is None:
+        elif self._exp_avg is None:
             self._views = None
             self._exp_avg = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
             self._exp_avg_sq = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
@@ -563,48 +547,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return torch.zeros(numel, dtype=torch.float32, device=self.device)
 
     def _new_local_state(self, host: bool) -> tuple[list[torch.Tensor], list[PinnedBuffer]]:
-        """One uninitialised fp32 local tensor per buffer whose padding is zero (params' parts
-        are for the caller to fill), and the page-locked host memory behind them (``host``
-        with a CUDA device; exact size, see :mod:`.pinned`)."""
-        pinned: list[PinnedBuffer] = []
-        if host and self.device.type == "cuda":  # registering faults every page in
-            pinned = [PinnedBuffer(b.local_numel, torch.float32) for b in self.layout.buffers]
-            out = [p.tensor for p in pinned]
-        elif self.device.type == "cuda":
-            out = [torch.empty(b.local_numel, dtype=torch.float32, device=self.device)
-                   for b in self.layout.buffers]
-        else:  # pageable host memory: a memset faults pages in faster than the reads would
-            return [torch.zeros(b.local_numel, dtype=torch.float32)
-                    for b in self.layout.buffers], pinned
-        for bi, t in enumerate(out):
-            covered = sorted((s.range_local for s in self.shards if s.buffer_index == bi),
-                             key=lambda r: r.start)
-            pos = 0
-            for r in covered + [Range(t.numel(), t.numel())]:
-                if r.start > pos:
-                    t[pos:r.start].zero_()
-                pos = max(pos, r.end)
-        return out, pinned
+        return new_local_state(self, host)
 
     @property
     def has_moments(self) -> bool:
-        return self._exp_avg is not None or self._staged_moments is not None
+        return self._exp_avg is not None or self._host.staged is not None
 
     def state_view(self, name: str, shard: ParamShard) -> torch.Tensor:
-        """1-D fp32 view of state ``name`` for ``shard`` (a record of this rank's)."""
-        if name == "master_param":
-            main = self._main[shard.buffer_index]
-            if main is None:
-                return self.buffers.shard_params(shard)
-            return main[shard.range_local.as_slice()]
-        staged = self._staged_moments
-        if staged is not None:
-            moments = staged[0] if name == "exp_avg" else staged[1]
-        else:
-            moments = self._exp_avg if name == "exp_avg" else self._exp_avg_sq
-        if moments is None:
-            raise RuntimeError(f"optimizer state {name!r} is not allocated before the first step")
-        return moments[shard.buffer_index][shard.range_local.as_slice()]
+        """1-D fp32 view of state ``name`` for ``shard`` (a record of this rank's); while
+        offloaded, of its host copy."""
+        if name == "master_param" and self._main[shard.buffer_index] is None:
+            return self.buffers.shard_params(shard)
+        return self._host.local(name, shard.buffer_index)[shard.range_local.as_slice()]
 
     def _adopt_loaded_state(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]],
                             on_host: bool, param_steps: dict[str, int],
@@ -612,18 +566,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Collective. Take loaded moments (on the host: with their page-locked memory) and
         per-param step counts; rebuild params from the loaded master shards and all-gather
         them. Called by ``checkpoint.load`` only."""
-        for buf in self._staged_pinned:  # moments staged by an earlier load are replaced
-            buf.release()
-        if on_host:
-            self._staged_moments, self._exp_avg, self._exp_avg_sq = moments, None, None
-            self._staged_pinned = list(pinned or [])
-        else:
-            (self._exp_avg, self._exp_avg_sq), self._staged_moments = moments, None
-            self._staged_pinned = []
+        self._host.adopt(moments, on_host, list(pinned or []))
         self.param_steps.update(param_steps)
         self._views = None
         self._publish_params()
         self._watch.record()  # the loaded weights replace whatever the user wrote before
+
+    # ---------------------------------------------------------------- offload
+    def offload(self, what: tuple[str, ...] | list[str] = KINDS) -> None:
+        """Move ``what`` (of :data:`~shardopt.host_state.KINDS`; default all) to pinned host
+        memory and give its device memory back; a forward, ``step()`` and ``checkpoint.load``
+        are refused until :meth:`onload`. Not collective. See :mod:`shardopt.host_state`."""
+        self._host.offload(what)
+
+    def onload(self) -> None:
+        """Bring back what :meth:`offload` moved, bit for bit (no-op when nothing is
+        offloaded). The host copies are kept for the next offload."""
+        self._host.onload()
+
+    def release_host_memory(self) -> None:
+        """Free the host copies that :meth:`offload` keeps between cycles (refused while
+        offloaded)."""
+        self._host.release()
+
+    @property
+    def offloaded(self) -> tuple[str, ...]:
+        """The kinds of state now offloaded (empty when none)."""
+        return self._host.offloaded
+
+    def iter_param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+        """``(fqns, flat)`` per bucket: ``flat`` is a view (model dtype) of the bucket's
+        params, in ``fqns`` order, each ``numel`` elements, back to back, without
+        padding. Buckets come by buffer (one per model dtype, in ``layout.buffers``
+        order), then by bucket index. Waits for param all-gathers still in flight;
+        refused while params are offloaded."""
+        self._host.check_onloaded("iter_param_buckets()", ("params",))
+        self.finish_param_sync()
+        return ((b.param_fqns, self.buffers.bucket_params(b).narrow(0, 0, b.numel_unpadded))
+                for buf in self.layout.buffers for b in buf.buckets)
 
     def reload_model_params(self) -> None:
         """Re-seed every fp32 main param this rank holds from the model's current params.

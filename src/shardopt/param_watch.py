@@ -58,6 +58,12 @@ class ParamWatch:
         """Call after every write of the optimizer to the params: they are in sync now."""
         self._versions = list(map(_version, self.params))
 
+    def rebase(self) -> None:
+        """Call after the optimizer itself gave the params' storage back and re-allocated it
+        (``onload()``): the new addresses are the buffer's. Versions are left as they were,
+        so a write the user made before the offload is still found."""
+        self._ptrs = list(map(_data_ptr, self.params))
+
     def written(self) -> list[str]:
         """FQNs of the params written in place since :meth:`record`; raises
         :class:`ParamMovedError` if a param was moved out of the buffer. Records the

@@ -4,19 +4,23 @@
 allocator, which rounds every block up to a power of two: a 4.9 GiB moment
 tensor locks 8 GiB of host memory, and the cache keeps the blocks after the
 tensor is gone. For the few large, long-lived host tensors of a
-``low_memory_resume`` load this module allocates ordinary host memory and
-page-locks exactly its pages with ``cudaHostRegister`` instead.
+``low_memory_resume`` load and of ``offload()`` (:mod:`.host_state`) this module
+allocates ordinary host memory and page-locks exactly its pages with
+``cudaHostRegister`` instead.
 
 Rules that keep this safe (all enforced here or by the one caller):
 
 * :meth:`PinnedBuffer.release` unregisters before the last reference to the
   memory can go away (``__del__`` calls it too), so memory is never freed while
   registered; views that outlive it just become ordinary pageable memory.
-* Whoever issues asynchronous copies from the buffer waits for them (an event)
-  before releasing it.
+* Whoever issues asynchronous copies from or to the buffer waits for them (an
+  event) before releasing it.
 """
 
 from __future__ import annotations
+
+import sys
+import warnings
 
 import torch
 
@@ -44,13 +48,24 @@ class PinnedBuffer:
         return self._registered != 0
 
     def release(self) -> None:
-        """Unlock the pages (the memory stays valid while referenced). Idempotent."""
+        """Unlock the pages (the memory stays valid while referenced). Idempotent. A
+        failed unlock is reported as a :class:`ResourceWarning` (the pages then stay
+        locked until the process exits), except at interpreter shutdown."""
         ptr, self._registered = self._registered, 0
-        if ptr:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
-            except Exception:  # noqa: BLE001 - interpreter shutdown: the driver is gone too
-                pass
+        if not ptr:
+            return
+        try:
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostUnregister(ptr)
+            failed = err != cudart.cudaError.success
+            reason = cudart.cudaGetErrorString(err) if failed else ""
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the runtime is gone too
+            return
+        if failed and not sys.is_finalizing():
+            nbytes = self.tensor.numel() * self.tensor.element_size()
+            warnings.warn(f"cudaHostUnregister of {nbytes} bytes of host memory at {ptr:#x} "
+                          f"failed ({reason}); the pages stay locked until the process exits",
+                          ResourceWarning, stacklevel=2)
 
     def __del__(self) -> None:
         self.release()

@@ -381,6 +381,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
              opt: DistributedOptimizer, verify: bool, host: bool,
              staging_bytes: int, threads: int) -> _Plan:
     """Coordinator-free. Every check of a load, and everything it reads before writing."""
+    opt._host.check_onloaded("checkpoint.load")
     path = resolve(root_or_path)
     manifest = read_manifest(path)
     validate_manifest(manifest, path)

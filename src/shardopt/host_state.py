@@ -1,0 +1,338 @@
+"""Host copies of the optimizer's device state: ``offload()`` / ``onload()`` and the
+moments a ``low_memory_resume`` load stages until the first ``step()``.
+
+Both are one mechanism: exact-size page-locked host tensors (:mod:`.pinned`) that
+hold state whose device memory is gone, copies between them and the device on one
+side CUDA stream, and :meth:`HostState.local` to say where each piece of state is
+now, so that ``state_view`` (and through it ``checkpoint.save``) reads the host
+copies without bringing anything back to the GPU.
+
+Offload (kinds ``moments``, ``main_params``, ``grads``, ``params``): the D2H copies
+queue on the side stream behind the work already queued on the current stream, the
+host waits for them once, then every device tensor's storage is resized to zero
+(views, params included, stay valid objects that point into empty storage, as FSDP
+does) and ``torch.cuda.empty_cache()`` hands the memory back to the device. Grads
+are copied only when a backward left some pending (``no_sync`` accumulation):
+otherwise the buffer is freed without a copy and zeroed at onload (its param
+regions are overwritten by the next backward, its padding must be zero).
+
+Onload: each storage is re-allocated for the current stream just before its H2D copy
+is queued on the side stream (allocating the next overlaps the copies running), the
+current stream zeroes dropped grads beside the copies and then waits for them; the
+host does not wait. The host copies are kept for the
+next cycle (the same addresses) until :meth:`HostState.release`.
+
+Off CUDA nothing can be freed safely (a CPU kernel reading an empty storage
+crashes), so offload copies the state aside and fills the live tensors with NaN,
+which makes any use while offloaded visible; onload copies it back. The semantics
+(refused forward and step, saves from the host copies, bitwise continuation) are
+the same as on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .layout import Range
+from .pinned import PinnedBuffer
+
+if TYPE_CHECKING:
+    from .optimizer import DistributedOptimizer
+
+KINDS = ("moments", "main_params", "grads", "params")
+Moments = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+class OffloadError(ValueError):
+    """A call that needs the optimizer's state on the device while it is offloaded (or
+    the reverse), or an unknown kind to offload."""
+
+
+def new_local_state(opt: DistributedOptimizer, host: bool
+                    ) -> tuple[list[torch.Tensor], list[PinnedBuffer]]:
+    """One uninitialised fp32 local tensor per buffer whose padding is zero (params' parts
+    are for the caller to fill), and the page-locked host memory behind them (``host``
+    with a CUDA device; exact size, see :mod:`.pinned`)."""
+    pinned: list[PinnedBuffer] = []
+    if host and opt.device.type == "cuda":  # registering faults every page in
+        pinned = [PinnedBuffer(b.local_numel, torch.float32) for b in opt.layout.buffers]
+        out = [p.tensor for p in pinned]
+    elif opt.device.type == "cuda":
+        out = [torch.empty(b.local_numel, dtype=torch.float32, device=opt.device)
+               for b in opt.layout.buffers]
+    else:  # pageable host memory: a memset faults pages in faster than the reads would
+        return [torch.zeros(b.local_numel, dtype=torch.float32)
+                for b in opt.layout.buffers], pinned
+    for bi, t in enumerate(out):
+        covered = sorted((s.range_local for s in opt.shards if s.buffer_index == bi),
+                         key=lambda r: r.start)
+        pos = 0
+        for r in covered + [Range(t.numel(), t.numel())]:
+            if r.start > pos:
+                t[pos:r.start].zero_()
+            pos = max(pos, r.end)
+    return out, pinned
+
+
+class HostState:
+    """Where the optimizer's state lives when it is not on the device."""
+
+    def __init__(self, opt: DistributedOptimizer, model: torch.nn.Module) -> None:
+        self.opt = opt
+        self.cuda = opt.device.type == "cuda"
+        # The root too: its forward may use a child's weight before that child runs.
+        self._modules = [(name, m) for name, m in model.named_modules() if m is model
+                         or any(p in opt.fqn_of for p in m.parameters(recurse=False))]
+        self.offloaded: tuple[str, ...] = ()  # kinds whose values are in the host copies
+        self._copies: dict[str, list[torch.Tensor | None]] = {}  # reused across cycles
+        self._pinned: dict[str, list[PinnedBuffer]] = {}
+        self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host) offloaded
+        self._nbytes: list[int] = []  # storage bytes of the freed moved, then dropped, tensors
+        self._dropped: list[torch.Tensor] = []  # grad buffers freed without a copy
+        self._guards: list[torch.utils.hooks.RemovableHandle] = []
+        self._stream: torch.cuda.Stream | None = None
+        self._last_h2d: torch.cuda.Event | None = None
+        # low_memory_resume: loaded moments wait here until the first step(), then their
+        # pages are unlocked once the copies to the device are done.
+        self.staged: Moments | None = None
+        self._staged_pinned: list[PinnedBuffer] = []
+        self._unpin_after: tuple[torch.cuda.Event, list[PinnedBuffer]] | None = None
+
+    # ---------------------------------------------------------------- offload
+    def offload(self, what: Iterable[str]) -> None:
+        kinds = _check_kinds(what)
+        if self.offloaded:
+            raise OffloadError(f"[dp rank {self.opt.dp.rank}] the optimizer is already "
+                               f"offloaded ({', '.join(self.offloaded)}); call onload() first")
+        opt = self.opt
+        opt.finish_param_sync()  # all-gathers write into the param buffers
+        for handle in opt._handles:  # reduce-scatters write into the grad buffers
+            handle.wait()
+        pending_grads = bool(opt._written)
+        moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host copy)
+        dropped: list[torch.Tensor] = []
+        for kind in kinds:  # every allocation first: a failure here changes nothing
+            live = self._device_tensors(kind)
+            if kind == "grads" and not pending_grads:
+                dropped = [t for t in live if t is not None]
+                continue
+            copies = self._host_copies(kind, live)
+            moved += [(d, h) for d, h in zip(live, copies) if d is not None]
+        if self.cuda:
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream(opt.device))
+            with torch.cuda.stream(stream):
+                for dev, host in moved:
+                    host.copy_(dev, non_blocking=True)
+            stream.synchronize()
+        else:
+            for dev, host in moved:
+                host.copy_(dev)
+        self._nbytes = []
+        for dev in [d for d, _ in moved] + dropped:
+            if self.cuda:
+                self._nbytes.append(dev.untyped_storage().nbytes())
+                dev.untyped_storage().resize_(0)
+            else:
+                dev.fill_(float("nan"))
+        if self.cuda:
+            torch.cuda.empty_cache()
+        self._moved, self._dropped, self.offloaded = moved, dropped, kinds
+        if "params" in kinds:
+            opt.buffers.host_params = self._copies["params"]
+        if "params" in kinds or "grads" in kinds:
+            self._guards = [m.register_forward_pre_hook(self._refuse_forward(name))
+                            for name, m in self._modules]
+
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        if self.cuda:
+            self._last_h2d = self._to_device(self._moved, self._dropped, self._nbytes)
+            self._nbytes = []
+        else:
+            for dev, host in self._moved:
+                dev.copy_(host)
+            for grads in self._dropped:
+                grads.zero_()
+        self._moved, self._dropped = [], []
+        for guard in self._guards:
+            guard.remove()
+        self._guards = []
+        self.opt.buffers.host_params = None
+        self.opt._watch.rebase()  # the params' storage was re-allocated: new addresses
+        self.offloaded = ()
+
+    def release(self) -> None:
+        """Drop the host copies kept for the next offload (their pages unlocked)."""
+        if self.offloaded:
+            raise OffloadError(f"[dp rank {self.opt.dp.rank}] the host copies hold the "
+                               "offloaded state; call onload() before release_host_memory()")
+        if self._last_h2d is not None:
+            self._last_h2d.synchronize()  # the last onload has finished reading them
+            self._last_h2d = None
+        for bufs in self._pinned.values():
+            for buf in bufs:
+                buf.release()
+        self._pinned, self._copies = {}, {}
+
+    def check_onloaded(self, what: str, kinds: Iterable[str] = KINDS) -> None:
+        held = [k for k in self.offloaded if k in kinds]
+        if held:
+            raise OffloadError(f"[dp rank {self.opt.dp.rank}] {what} needs the optimizer's "
+                               f"{', '.join(held)} on the device, but they are offloaded; "
+                               "call onload() first")
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory kept for offloading."""
+        return sum(t.numel() * t.element_size() for ts in self._copies.values()
+                   for t in ts if t is not None)
+
+    # ------------------------------------------------------------- where state is
+    def local(self, name: str, buffer_index: int) -> torch.Tensor:
+        """This rank's local tensor of state ``name`` (fp32 main param or a moment) of
+        buffer ``buffer_index``, wherever its values are now."""
+        opt = self.opt
+        if name == "master_param":
+            kind, index, live = "main_params", buffer_index, opt._main[buffer_index]
+        else:
+            which = 0 if name == "exp_avg" else 1
+            if self.staged is not None:
+                return self.staged[which][buffer_index]
+            moments = opt._exp_avg if which == 0 else opt._exp_avg_sq
+            if moments is None:
+                raise RuntimeError(
+                    f"optimizer state {name!r} is not allocated before the first step")
+            kind, live = "moments", moments[buffer_index]
+            index = which * len(opt.layout.buffers) + buffer_index
+        assert live is not None
+        if kind in self.offloaded:
+            return self._copies[kind][index]
+        return live
+
+    def _device_tensors(self, kind: str) -> list[torch.Tensor | None]:
+        opt = self.opt
+        if kind == "params":
+            return list(opt.buffers.param_buffers)
+        if kind == "grads":
+            return list(opt.buffers.grad_buffers)
+        if kind == "main_params":
+            return list(opt._main)  # None: an fp32 buffer's main param is the param buffer
+        if opt._exp_avg is None or opt._exp_avg_sq is None:
+            return []  # not allocated yet, or staged on the host by a load
+        return [*opt._exp_avg, *opt._exp_avg_sq]
+
+    def _host_copies(self, kind: str, live: list[torch.Tensor | None]
+                     ) -> list[torch.Tensor | None]:
+        copies = self._copies.get(kind)
+        if copies is not None and [None if c is None else (c.numel(), c.dtype) for c in copies
+                                   ] == [None if t is None else (t.numel(), t.dtype)
+                                         for t in live]:
+            return copies
+        for buf in self._pinned.pop(kind, []):
+            buf.release()
+        copies, pinned = [], []
+        for t in live:
+            if t is None:
+                copies.append(None)
+            elif self.cuda:
+                pinned.append(PinnedBuffer(t.numel(), t.dtype))
+                copies.append(pinned[-1].tensor)
+            else:
+                copies.append(torch.empty_like(t))
+        self._copies[kind], self._pinned[kind] = copies, pinned
+        return copies
+
+    def _refuse_forward(self, module_name: str):
+        def hook(_module, _args):
+            raise OffloadError(
+                f"[dp rank {self.opt.dp.rank}] forward of module {module_name or '<root>'!r} "
+                f"while the optimizer's {', '.join(self.offloaded)} are offloaded; "
+                "call optimizer.onload() first")
+        return hook
+
+    # ------------------------------------------------------------ device copies
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.opt.device)
+        return self._stream
+
+    def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                   zero: Iterable[torch.Tensor] = (),
+                   nbytes: Iterable[int] | None = None) -> torch.cuda.Event:
+        """Queue ``dev.copy_(host)`` for each pair on the side stream, after the current
+        stream's work, and zero ``zero`` on the current stream beside them; then the current
+        stream waits for the copies, the host does not. With ``nbytes``, the storage of
+        each device tensor (pairs', then ``zero``'s) is re-allocated to that many bytes just
+        before its copy is queued, so that allocating the next overlaps the copies already
+        running. Returns the event after which the host tensors may be reused or unlocked."""
+        current = torch.cuda.current_stream(self.opt.device)
+        stream = self._side_stream()
+        # Memory allocated for the current stream may have been freed by its earlier work,
+        # still queued: the copies wait for it (nothing new is queued there meanwhile).
+        stream.wait_stream(current)
+        sizes = None if nbytes is None else iter(nbytes)
+        for dev, host in pairs:
+            if sizes is not None:  # for the current stream, which uses them from now on
+                dev.untyped_storage().resize_(next(sizes))
+            with torch.cuda.stream(stream):
+                dev.copy_(host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        for t in zero:
+            if sizes is not None:
+                t.untyped_storage().resize_(next(sizes))
+            t.zero_()
+        current.wait_event(event)
+        return event
+
+    # ------------------------------------------------------- low_memory_resume
+    def adopt(self, moments: Moments, on_host: bool, pinned: list[PinnedBuffer]) -> None:
+        """Take moments loaded by ``checkpoint.load``: on the host, they are staged."""
+        for buf in self._staged_pinned:  # moments staged by an earlier load are replaced
+            buf.release()
+        opt = self.opt
+        if on_host:
+            self.staged, opt._exp_avg, opt._exp_avg_sq = moments, None, None
+            self._staged_pinned = list(pinned)
+        else:
+            (opt._exp_avg, opt._exp_avg_sq), self.staged = moments, None
+            self._staged_pinned = []
+
+    def bring_staged(self) -> bool:
+        """Move staged moments to the device (inside ``step()``, after backward). Returns
+        whether there were any."""
+        staged, opt = self.staged, self.opt
+        if staged is None:
+            return False
+        if not self.cuda:
+            opt._exp_avg, opt._exp_avg_sq = staged
+        else:
+            dev = [[torch.empty_like(t, device=opt.device) for t in ts] for ts in staged]
+            event = self._to_device(list(zip(dev[0] + dev[1], staged[0] + staged[1])))
+            opt._exp_avg, opt._exp_avg_sq = dev
+            if self._staged_pinned:
+                self._unpin_after, self._staged_pinned = (event, self._staged_pinned), []
+        self.staged = None
+        return True
+
+    def after_step(self) -> None:
+        if self._unpin_after is not None:
+            event, pinned = self._unpin_after
+            self._unpin_after = None
+            event.synchronize()  # the staged moments have reached the device
+            for buf in pinned:
+                buf.release()
+
+
+def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(what, str):
+        what = (what,)
+    kinds = tuple(dict.fromkeys(what))
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise OffloadError(f"cannot offload {unknown or 'nothing'}; choose from {list(KINDS)}")
+    return tuple(k for k in KINDS if k in kinds)

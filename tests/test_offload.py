@@ -1,0 +1,365 @@
+"""offload() / onload() / release_host_memory() / iter_param_buckets().
+
+The reference for every continuation is the same training run without any
+offload: params, moments and losses must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _dist import run_distributed
+from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
+from shardopt.checkpoint import CheckpointError
+from shardopt.host_state import OffloadError
+from shardopt.pinned import PinnedBuffer
+
+CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
+
+
+class Mixed(nn.Module):
+    """bf16 linears around an fp32 norm: two flat buffers, several buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 24).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(24)
+        self.down = nn.Linear(24, 4).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.tanh(self.up(x.bfloat16()).float()))
+        return self.down(h.bfloat16()).float()
+
+
+def make(device="cpu", **cfg):
+    torch.manual_seed(0)
+    model = Mixed().to(device)
+    config = OptimizerConfig(lr=1e-2, bucket_numel=64, max_grad_norm=1.0, **cfg)
+    return model, DistributedOptimizer(model, config)
+
+
+def batch(i: int, rank: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * i + rank)
+    return torch.randn(6, 8, generator=g).to(device), torch.randn(6, 4, generator=g).to(device)
+
+
+def train(model, opt, steps, offload_at=(), rank=0, accumulate=False, cycle=None,
+          after_backward=False):
+    """Losses of ``steps`` iterations; before each step in ``offload_at`` the whole state
+    makes a round trip (``cycle(model, opt)`` between offload and onload): before the
+    forward, or with ``after_backward`` between backward (its reductions maybe still in
+    flight) and ``step()``."""
+    device = opt.device
+    losses = []
+    for i in range(steps):
+        if i in offload_at and not (accumulate or after_backward):
+            opt.offload()
+            if cycle is not None:
+                cycle(model, opt)
+            opt.onload()
+        x, y = batch(i, rank, device)
+        if accumulate:  # the first half under no_sync; the round trip keeps its grads
+            with opt.no_sync():
+                F.mse_loss(model(x[:3]), y[:3]).backward()
+            if i in offload_at:
+                opt.offload()
+                opt.onload()
+            x, y = x[3:], y[3:]
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if i in offload_at and after_backward:
+            opt.offload()
+            opt.onload()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def state_of(model, opt):
+    opt.finish_param_sync()
+    out = {f"p.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for s in opt.shards:
+        for name in ("master_param", "exp_avg", "exp_avg_sq"):
+            out[f"{s.fqn}.{name}"] = opt.state_view(name, s).clone()
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def check_refusals(model, opt):
+    """While offloaded: forward and step raise, state still readable from host copies."""
+    with pytest.raises(OffloadError, match=r"forward of module '<root>'.*onload\(\)"):
+        model(torch.zeros(2, 8, device=opt.device))
+    with pytest.raises(OffloadError, match=r"step\(\).*offloaded"):
+        opt.step()
+    with pytest.raises(OffloadError, match="already offloaded"):
+        opt.offload()
+    with pytest.raises(OffloadError, match="release_host_memory"):
+        opt.release_host_memory()
+    with pytest.raises(OffloadError, match="iter_param_buckets"):
+        opt.iter_param_buckets()
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("offload_at", [(0, 3), (2, 3, 4)], ids=["before-first-step", "later"])
+def test_round_trips_continue_bitwise(device, offload_at):
+    model, opt = make(device)
+    ref_losses = train(model, opt, 6)
+    ref = state_of(model, opt)
+    model, opt = make(device)
+    losses = train(model, opt, 6, offload_at, cycle=check_refusals)
+    assert losses == ref_losses
+    assert_same(state_of(model, opt), ref)
+
+
+def test_pending_accumulated_grads_survive_a_round_trip():
+    model, opt = make()
+    ref_losses = train(model, opt, 4, accumulate=True)
+    ref = state_of(model, opt)
+    model, opt = make()
+    assert train(model, opt, 4, (1, 2), accumulate=True) == ref_losses
+    assert_same(state_of(model, opt), ref)
+
+
+def test_state_reads_come_from_host_copies_and_params_are_unusable_meanwhile():
+    model, opt = make()
+    train(model, opt, 2)
+    before = state_of(model, opt)
+    opt.offload()
+    assert opt.offloaded == ("moments", "main_params", "grads", "params")
+    # on CPU the live tensors are poisoned, so nothing can read them by accident
+    assert all(torch.isnan(p).all() for p in model.parameters())
+    assert_same({k: v for k, v in before.items() if not k.startswith("p.")},
+                {k: v for k, v in state_of(model, opt).items() if not k.startswith("p.")})
+    opt.onload()
+    assert opt.offloaded == ()
+    assert_same(state_of(model, opt), before)
+    opt.onload()  # nothing offloaded: a no-op
+
+
+def test_partial_offload_keeps_forward_and_refuses_step_only():
+    model, opt = make()
+    train(model, opt, 1)
+    opt.offload(("moments", "main_params"))
+    x, y = batch(5)
+    F.mse_loss(model(x), y).backward()  # params and grads are on the device
+    with pytest.raises(OffloadError, match="moments, main_params"):
+        opt.step()
+    opt.onload()
+    opt.step()
+    with pytest.raises(OffloadError, match=r"cannot offload \['weights'\]"):
+        opt.offload(("weights",))
+    with pytest.raises(OffloadError, match="nothing"):
+        opt.offload(())
+    assert opt.offloaded == ()
+
+
+def test_a_failed_offload_changes_nothing(monkeypatch):
+    model, opt = make()
+    train(model, opt, 2)
+    before = state_of(model, opt)
+    real = opt._host._host_copies
+
+    def fail_on_params(kind, live):
+        if kind == "params":
+            raise MemoryError("host memory exhausted")
+        return real(kind, live)
+
+    monkeypatch.setattr(opt._host, "_host_copies", fail_on_params)
+    with pytest.raises(MemoryError):
+        opt.offload()
+    assert opt.offloaded == ()
+    assert_same(state_of(model, opt), before)
+    model(torch.zeros(2, 8))  # no guard left behind
+    opt.offload(("grads",))
+    with pytest.raises(OffloadError, match=r"module 'up' while the optimizer's grads"):
+        model.up(torch.zeros(2, 8, dtype=torch.bfloat16))  # a child called on its own
+    opt.onload()
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_checkpoint_save_while_offloaded_writes_the_same_state(tmp_path, device):
+    model, opt = make(device)
+    train(model, opt, 3)
+    on = checkpoint.save(tmp_path / "on", model, opt, step=3)
+    opt.offload()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        allocated = torch.cuda.memory_allocated()
+    off = checkpoint.save(tmp_path / "off", model, opt, step=3)
+    if device == "cuda":  # written from the host copies: nothing came back to the GPU
+        assert torch.cuda.max_memory_allocated() == allocated
+    model2, opt2 = make(device)
+    train(model2, opt2, 1)
+    before = state_of(model2, opt2)
+    opt2.offload()
+    with pytest.raises(CheckpointError, match=r"checkpoint.load.*offloaded.*onload"):
+        checkpoint.load(off, model2, opt2)
+    opt2.onload()
+    assert_same(state_of(model2, opt2), before)  # the refused load changed nothing
+    opt.onload()
+    exported = []
+    for path in (on, off):
+        out = tmp_path / f"export-{len(exported)}"
+        checkpoint.export(path, out)
+        exported.append({f.name: f.read_bytes() for f in sorted(out.iterdir())})
+    assert exported[0] == exported[1]
+    checkpoint.load(off, model2, opt2)
+    assert_same(state_of(model2, opt2), state_of(model, opt))
+
+
+def test_low_memory_resume_then_offload_continues_bitwise(tmp_path):
+    model, opt = make()
+    train(model, opt, 2)
+    checkpoint.save(tmp_path, model, opt, step=2)
+    ref_losses = train(model, opt, 3)
+    model2, opt2 = make()
+    checkpoint.load(tmp_path, model2, opt2, low_memory_resume=True)
+    assert opt2._host.staged is not None
+    opt2.offload()
+    opt2.onload()
+    assert train(model2, opt2, 3, offload_at=(1,)) == ref_losses
+    assert_same(state_of(model2, opt2), state_of(model, opt))
+
+
+def test_iter_param_buckets_concatenate_to_every_param():
+    model, opt = make()
+    train(model, opt, 1)
+    seen = {}
+    for fqns, flat in opt.iter_param_buckets():
+        assert flat.dtype in (torch.bfloat16, torch.float32)
+        offset = 0
+        for fqn in fqns:
+            p = dict(model.named_parameters())[fqn]
+            assert p.dtype == flat.dtype
+            assert flat.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()  # views
+            seen[fqn] = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        assert offset == flat.numel()
+    params = dict(model.named_parameters())
+    assert seen.keys() == params.keys()
+    for fqn, p in params.items():
+        assert torch.equal(seen[fqn], p), fqn
+
+
+def test_release_host_memory_reallocates_on_the_next_offload():
+    model, opt = make()
+    train(model, opt, 1)
+    opt.offload()
+    opt.onload()
+    kept = opt._host.host_bytes()
+    assert kept == sum(t.numel() * t.element_size() for t in
+                       opt.buffers.param_buffers + [m for m in opt._main if m is not None]
+                       + opt._exp_avg + opt._exp_avg_sq)  # grads were not pending
+    opt.release_host_memory()
+    assert opt._host.host_bytes() == 0
+    ref_model, ref_opt = make()
+    train(ref_model, ref_opt, 1)
+    assert train(model, opt, 2, offload_at=(1,)) == train(ref_model, ref_opt, 2)
+    assert_same(state_of(model, opt), state_of(ref_model, ref_opt))
+
+
+def test_pinned_buffer_release_reports_a_failed_unregister(monkeypatch):
+    class FakeCudart:
+        class cudaError:  # noqa: N801 - mirrors torch.cuda.cudart()
+            success = 0
+
+        @staticmethod
+        def cudaHostUnregister(ptr):  # noqa: N802
+            return 17
+
+        @staticmethod
+        def cudaGetErrorString(err):  # noqa: N802
+            return "invalid host pointer"
+
+    buf = PinnedBuffer(16, torch.float32)
+    buf.release()
+    buf._registered = buf.tensor.data_ptr()  # as if registered
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
+    with pytest.warns(ResourceWarning, match=r"64 bytes .*invalid host pointer"):
+        buf.release()
+    assert not buf.pinned
+
+
+def dp2_rank(rank, world_size, overlap):
+    model, opt = make(overlap_param_gather=overlap)
+    ref_losses = train(model, opt, 5, rank=rank)
+    ref = state_of(model, opt)
+    model, opt = make(overlap_param_gather=overlap)
+    losses = train(model, opt, 5, offload_at=(0, 2, 3), rank=rank)
+    # after step() with overlap_param_gather the all-gathers may still be in flight
+    buckets = {fqns: flat.clone() for fqns, flat in opt.iter_param_buckets()}
+    got = state_of(model, opt)
+    model, opt = make(overlap_param_gather=overlap)
+    assert train(model, opt, 5, offload_at=(1, 2), rank=rank, after_backward=True) == ref_losses
+    assert_same(state_of(model, opt), ref)
+    return ref_losses, losses, ref, got, buckets
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["gather", "overlap-gather"])
+def test_round_trips_continue_bitwise_at_dp2(tmp_path, overlap):
+    results = run_distributed(dp2_rank, 2, overlap, tmp_path=tmp_path)
+    for ref_losses, losses, ref, got, _ in results:
+        assert losses == ref_losses
+        assert_same(got, ref)
+    assert results[0][4].keys() == results[1][4].keys()
+    for fqns, flat in results[0][4].items():
+        assert torch.equal(flat, results[1][4][fqns])
+        offset = 0
+        for fqn in fqns:
+            p = results[0][3][f"p.{fqn}"]
+            assert torch.equal(flat[offset:offset + p.numel()].view(p.shape), p)
+            offset += p.numel()
+
+
+# ------------------------------------------------------------------------ CUDA
+def _big(device="cuda"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 1024)).to(device)
+    model[0].to(torch.bfloat16)
+    model[1].to(torch.bfloat16)
+    return model, DistributedOptimizer(model, OptimizerConfig(lr=1e-3))
+
+
+@pytest.mark.cuda
+def test_offload_returns_device_memory_and_reuses_pinned_host_buffers():
+    model, opt = _big()
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    # cuBLAS keeps its workspace through empty_cache(): allocate it before the baseline
+    (x @ x.T).sum().item()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved() - sum(
+        t.untyped_storage().nbytes() for t in opt.buffers.param_buffers + opt.buffers.grad_buffers
+        + [m for m in opt._main if m is not None])
+    for cycle in range(3):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref = [p.detach().clone().cpu() for p in model.parameters()]
+        held = torch.cuda.memory_reserved()
+        opt.offload()
+        torch.cuda.synchronize()
+        # only small device tensors (the input, chunk tables, norms) may remain; a
+        # fresh process with just a CUDA context reserves nothing at all
+        assert torch.cuda.memory_reserved() - base <= 16 << 20
+        assert held - torch.cuda.memory_reserved() >= 8 * sum(p.numel() for p in ref)
+        addresses = sorted(t.data_ptr() for ts in opt._host._copies.values() for t in ts
+                           if t is not None)
+        assert all(t.is_pinned() for ts in opt._host._copies.values() for t in ts
+                   if t is not None)
+        if cycle:
+            assert addresses == first  # noqa: F821 - the same host buffers every cycle
+        first = addresses
+        opt.onload()
+        for p, r in zip(model.parameters(), ref):
+            assert torch.equal(p.cpu(), r)
+    opt.release_host_memory()
