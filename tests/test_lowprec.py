@@ -20,7 +20,7 @@ from torch import nn
 from _dist import device_for, run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint, kernels
 from shardopt.optimizer import LowPrecisionStateError
-from shardopt.quant import QBLOCK
+from shardopt.quant import QBLOCK, Moment
 from test_optimizer import MixedNet, bits, mixed_config, mixed_data
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -140,6 +140,60 @@ def test_triton_path_matches_reference(c):
     (got,) = train(0, 1, [c], same_data=True, step_kernel="triton", backend=None)
     assert_same_history(got["history"][:3], reference_history(c, 3), exact=False, what=_name(c),
                         rtol=1e-2, atol=2e-3)
+
+
+@pytest.mark.skipif(not kernels.available(torch.device("cpu")), reason="Triton is not installed")
+@pytest.mark.parametrize("m_kind,v_kind,grad_dtype", [(BF16, "fp8", BF16), ("fp8", BF16, FP32),
+                                                      ("fp8", "fp8", FP32)])
+def test_kernel_packed_moments_match_torch(m_kind, v_kind, grad_dtype):
+    """One launch over whole blocks, ragged param ends and a last block that runs past the
+    end of the tensors, against dequantise / torch's fused AdamW / requantise."""
+    B = kernels.BLOCK
+    parts = [(0, 0, 0, B + 7 * QBLOCK + 5), (0, 0, B + 8 * QBLOCK, 3 * B),
+             (3 * B, 4 * B, QBLOCK, B + 100)]  # params start on blocks, as the layout puts them
+    numel = 4 * B + 2 * QBLOCK
+    g = torch.Generator().manual_seed(1)
+    inside = torch.zeros(numel, dtype=torch.bool)
+    for lb, _, a, b in parts:
+        inside[lb + a:lb + b] = True
+    grads = torch.zeros(numel + B)
+    main, m0, v0 = (torch.zeros(numel) for _ in range(3))
+    main[inside] = torch.randn(int(inside.sum()), generator=g)
+    m0[inside] = torch.randn(int(inside.sum()), generator=g) * 1e-3
+    v0[inside] = torch.rand(int(inside.sum()), generator=g) * 1e-6 * 10.0 ** torch.randint(
+        -6, 1, (int(inside.sum()),), generator=g)
+    for lb, gb, a, b in parts:
+        grads[gb + a:gb + b] = torch.randn(b - a, generator=g) * 1e-3
+    grads = grads.to(grad_dtype)
+    moments = [Moment(m_kind, numel, torch.device("cpu")), Moment(v_kind, numel, torch.device("cpu"),
+                                                                  sqrt=True)]
+    for mo, x in zip(moments, (m0, v0)):
+        mo.store_(x)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    want_main, want_m, want_v = main.clone(), moments[0].to_fp32(), moments[1].to_fp32()
+    for lb, gb, a, b in parts:
+        torch._fused_adamw_([want_main[lb + a:lb + b]], [grads[gb + a:gb + b].float()],
+                            [want_m[lb + a:lb + b]], [want_v[lb + a:lb + b]], [],
+                            [torch.tensor(7.0)], amsgrad=False, maximize=False, **hp)
+    want = [Moment(m_kind, numel, torch.device("cpu")), Moment(v_kind, numel, torch.device("cpu"),
+                                                               sqrt=True)]
+    want[0].store_(want_m)
+    want[1].store_(want_v)
+
+    out = torch.zeros(numel + B, dtype=BF16)
+    table = kernels.chunk_table(parts, torch.device("cpu"))
+    assert table.full.shape[0] >= 1 and table.partial.shape[0] >= 3
+    kernels.adamw_(table, main, grads, *(kernels.Packed(mo.values, mo.scales) for mo in moments),
+                   out, main_global=False, step=7, grad_scale=None, **hp)
+    torch.testing.assert_close(main, want_main, rtol=2e-6, atol=1e-7)
+    for got, exp in zip(moments, want):
+        if exp.scales is not None:
+            torch.testing.assert_close(got.scales, exp.scales, rtol=1e-6, atol=0)
+        same = got.values.view(torch.uint8) == exp.values.view(torch.uint8)
+        assert same.float().mean() > 0.99  # a last-bit difference may flip a rounding
+        torch.testing.assert_close(got.to_fp32(), exp.to_fp32(), rtol=0.07, atol=0)
+        assert not got.to_fp32()[~inside].any(), "padding must stay zero"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

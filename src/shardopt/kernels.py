@@ -161,8 +161,9 @@ if triton is not None:
         if HAS_SCALE:
             grad = tl.div_rn(grad, tl.load(scale_ptr))
         param = tl.load(main_ptr + m_idx, mask=mask)
-        exp_avg = _load_moment(exp_avg_ptr, m_scale_ptr, l_idx, mask, M_KIND, False, QBLOCK)
-        exp_avg_sq = _load_moment(exp_avg_sq_ptr, v_scale_ptr, l_idx, mask, V_KIND, True, QBLOCK)
+        exp_avg = _load_moment(exp_avg_ptr, m_scale_ptr, l_idx, mask, M_KIND, False, FULL, QBLOCK)
+        exp_avg_sq = _load_moment(exp_avg_sq_ptr, v_scale_ptr, l_idx, mask, V_KIND, True, FULL,
+                                  QBLOCK)
         param = param - lr_wd * param
         exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
         exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
@@ -180,14 +181,21 @@ if triton is not None:
 
     @triton.jit
     def _load_moment(ptr, scale_ptr, idx, mask, KIND: tl.constexpr, SQRT: tl.constexpr,
-                     QBLOCK: tl.constexpr):
+                     FULL: tl.constexpr, QBLOCK: tl.constexpr):
+        if FULL:
+            raw = tl.load(ptr + idx)
+        else:  # masked lanes read as zero (they may lie past the end of the tensor)
+            raw = tl.load(ptr + idx, mask=mask, other=0)
         if KIND == 2:
-            q = tl.load(ptr + idx, mask=mask, other=0)
-            x = _e4m3_decode(q) * tl.load(scale_ptr + idx // QBLOCK, mask=mask, other=0.0)
+            if FULL:
+                scale = tl.load(scale_ptr + idx // QBLOCK)
+            else:
+                scale = tl.load(scale_ptr + idx // QBLOCK, mask=mask, other=0.0)
+            x = _e4m3_decode(raw) * scale
             if SQRT:
                 x = x * x
         else:
-            x = tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            x = raw.to(tl.float32)
         return x
 
     @triton.jit
