@@ -33,9 +33,9 @@ SETTINGS = {  # name -> OptimizerConfig fields
     "bf16_moments": {"exp_avg_dtype": "bfloat16", "exp_avg_sq_dtype": "bfloat16"},
     "bf16_moments_bf16_grads": {"exp_avg_dtype": "bfloat16", "exp_avg_sq_dtype": "bfloat16",
                                 "grad_dtype": "bfloat16"},
-    "fp8_m_bf16_v": {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "bfloat16"},
-    "fp8_moments": {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"},
-    "fp8_moments_bf16_grads": {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+    "int8_m_bf16_v": {"exp_avg_dtype": "int8", "exp_avg_sq_dtype": "bfloat16"},
+    "int8_moments": {"exp_avg_dtype": "int8", "exp_avg_sq_dtype": "int8"},
+    "int8_moments_bf16_grads": {"exp_avg_dtype": "int8", "exp_avg_sq_dtype": "int8",
                                "grad_dtype": "bfloat16"},
 }
 TAIL = 20  # steps averaged for the final loss

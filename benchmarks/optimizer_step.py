@@ -20,9 +20,9 @@ What is compared (all on the same parameter shapes, in the same process):
                             (2): 34 B with clipping, 30 B without; an fp32 param has no separate
                             main copy: 32 / 28 B.
 
-``--exp-avg-dtype/--exp-avg-sq-dtype/--grad-dtype`` (float32, bfloat16, fp8 for the moments)
+``--exp-avg-dtype/--exp-avg-sq-dtype/--grad-dtype`` (float32, bfloat16, int8 for the moments)
 run shardopt with low-precision state; its limit then counts the bytes that state really moves
-(a bf16 moment 2 + 2 B, an fp8 one 1 + 1 B plus 8 B of scale per 64 elements, a bf16 grad 2 B
+(a bf16 moment 2 + 2 B, an int8 one 1 + 1 B plus 8 B of scale per 64 elements, a bf16 grad 2 B
 per read), and torchao's ``AdamW8bit`` (fp32 params) runs too when torchao is installed.
 Results then go to ``optimizer_step_{exp_avg}_{exp_avg_sq}_{grad}.json``.
 
@@ -33,7 +33,7 @@ steps; its kernel table is saved as ``optimizer_step_profile.txt``.
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results        # GPU
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --device cpu --numel 2e6 --repeats 3
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results \
-        --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 --grad-dtype bfloat16                 # GPU
+        --exp-avg-dtype int8 --exp-avg-sq-dtype int8 --grad-dtype bfloat16                 # GPU
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--copy-bytes", type=float, default=4 * 2**30, help="size of the copy test")
     for name in ("exp-avg-dtype", "exp-avg-sq-dtype", "grad-dtype"):
-        ap.add_argument(f"--{name}", default="float32", help="float32, bfloat16 (or fp8: moments)")
+        ap.add_argument(f"--{name}", default="float32", help="float32, bfloat16 (or int8: moments)")
     args = ap.parse_args(argv)
     lowprec = {"exp_avg_dtype": args.exp_avg_dtype, "exp_avg_sq_dtype": args.exp_avg_sq_dtype,
                "grad_dtype": args.grad_dtype}
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         clip = name.endswith("_clip")
         bf16_copy = name.startswith(("shardopt", "adamw_fused_master"))
         moved = must_bytes(shapes, clip, bf16_copy, lowprec if name.startswith("shardopt") else
-                           {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
+                           {"exp_avg_dtype": "int8", "exp_avg_sq_dtype": "int8"}
                            if name.startswith("torchao") else None)
         limit_ms = moved / gbps / 1e6
         med = r["ms"]["median"]

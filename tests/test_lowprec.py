@@ -1,8 +1,8 @@
-"""Adam moments in bf16 or fp8 and bf16 grads (``exp_avg_dtype``, ``exp_avg_sq_dtype``,
+"""Adam moments in bf16 or blockwise int8 and bf16 grads (``exp_avg_dtype``, ``exp_avg_sq_dtype``,
 ``grad_dtype``) against a plain-torch reference that rounds the moments in model space.
 
 The reference keeps, per param, an fp32 master and fp32 moments, runs torch's fused AdamW,
-then rounds each moment as the storage would: bf16 by torch's cast, fp8 by blocks of
+then rounds each moment as the storage would: bf16 by torch's cast, int8 by blocks of
 ``QBLOCK`` elements of the flattened param. The optimizer does the same on each rank's
 local tensor, so agreeing with it also shows that a block never depends on the DP size.
 """
@@ -24,13 +24,13 @@ from shardopt.quant import QBLOCK, Moment
 from test_optimizer import MixedNet, bits, mixed_config, mixed_data
 
 BF16, FP32 = torch.bfloat16, torch.float32
-MOMENTS = (FP32, BF16, "fp8")
+MOMENTS = (FP32, BF16, "int8")
 ALL = [dict(exp_avg_dtype=m, exp_avg_sq_dtype=v, grad_dtype=g)
        for m, v, g in itertools.product(MOMENTS, MOMENTS, (FP32, BF16))]
 SOME = [dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, grad_dtype=BF16),
-        dict(exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8", grad_dtype=FP32),
-        dict(exp_avg_dtype="fp8", exp_avg_sq_dtype=BF16, grad_dtype=BF16),
-        dict(exp_avg_dtype=FP32, exp_avg_sq_dtype="fp8", grad_dtype=BF16)]
+        dict(exp_avg_dtype="int8", exp_avg_sq_dtype="int8", grad_dtype=FP32),
+        dict(exp_avg_dtype="int8", exp_avg_sq_dtype=BF16, grad_dtype=BF16),
+        dict(exp_avg_dtype=FP32, exp_avg_sq_dtype="int8", grad_dtype=BF16)]
 STEPS = 6
 
 
@@ -44,11 +44,12 @@ def round_moment(x: torch.Tensor, kind: Any, sqrt: bool) -> torch.Tensor:
         return x
     if kind == BF16:
         return x.to(BF16).float()
-    y = x.sqrt() if sqrt else x
+    y = x.sqrt() if sqrt else x  # sqrt(v) >= 0: unsigned codes up to 255, m: signed to 127
+    top = 255 if sqrt else 127
     blocks = F.pad(y, (0, -y.numel() % QBLOCK)).view(-1, QBLOCK)
-    scale = blocks.abs().amax(dim=1, keepdim=True) / 448
-    q = (blocks / torch.where(scale == 0, 1.0, scale)).clamp(-448, 448)
-    y = (q.to(torch.float8_e4m3fn).float() * scale).view(-1)[:x.numel()]
+    scale = blocks.abs().amax(dim=1, keepdim=True) / top
+    q = (blocks / torch.where(scale == 0, 1.0, scale)).round().clamp(-top, top)
+    y = (q * scale).view(-1)[:x.numel()]
     return y.square() if sqrt else y
 
 
@@ -108,14 +109,21 @@ def train(rank: int, world_size: int, combos: list[dict[str, Any]], same_data: b
     return out
 
 
-def assert_same_history(got, want, exact: bool, what: str, **tol) -> None:
+def assert_same_history(got, want, exact: bool, what: str) -> None:
+    """Bit for bit, or (not ``exact``) runs whose fp32 arithmetic differs in last bits:
+    nearly every element within bf16 rounding, and none off by half a step (``lr`` / 2).
+    An 8-bit moment turns a last-bit difference into a whole code now and then, and one
+    code of a block's largest m is a sizeable change of a small element's step."""
+    lr = mixed_config().lr
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         for fqn in w:
             if exact:
                 assert torch.equal(bits(g[fqn]), bits(w[fqn])), f"{what}: {fqn} after step {step}"
-            else:
-                torch.testing.assert_close(g[fqn], w[fqn], **tol,
-                                           msg=lambda m, f=fqn, s=step: f"{what}: {f}, step {s}: {m}")
+                continue
+            diff = (g[fqn].double() - w[fqn].double()).abs()
+            near = diff <= 1e-2 * w[fqn].double().abs() + 2e-4
+            assert diff.max() <= lr / 2, f"{what}: {fqn}, step {step}: max diff {diff.max()}"
+            assert near.double().mean() >= 0.98, f"{what}: {fqn}, step {step}: {near.sum()} near"
 
 
 @pytest.mark.parametrize("c", ALL, ids=_name)
@@ -138,13 +146,12 @@ def test_triton_path_matches_reference(c):
     test_optimizer); in 8 bits such a bit now and then flips a rounding, and the runs drift
     apart from there, so: close, over the first steps."""
     (got,) = train(0, 1, [c], same_data=True, step_kernel="triton", backend=None)
-    assert_same_history(got["history"][:3], reference_history(c, 3), exact=False, what=_name(c),
-                        rtol=1e-2, atol=2e-3)
+    assert_same_history(got["history"][:3], reference_history(c, 3), exact=False, what=_name(c))
 
 
 @pytest.mark.skipif(not kernels.available(torch.device("cpu")), reason="Triton is not installed")
-@pytest.mark.parametrize("m_kind,v_kind,grad_dtype", [(BF16, "fp8", BF16), ("fp8", BF16, FP32),
-                                                      ("fp8", "fp8", FP32)])
+@pytest.mark.parametrize("m_kind,v_kind,grad_dtype", [(BF16, "int8", BF16), ("int8", BF16, FP32),
+                                                      ("int8", "int8", FP32)])
 def test_kernel_packed_moments_match_torch(m_kind, v_kind, grad_dtype):
     """One launch over whole blocks, ragged param ends and a last block that runs past the
     end of the tensors, against dequantise / torch's fused AdamW / requantise."""
@@ -198,7 +205,7 @@ def test_kernel_packed_moments_match_torch(m_kind, v_kind, grad_dtype):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_dp_sizes_agree_with_dp1(world_size, tmp_path):
-    """DP 2 and 3 equal DP 1 up to rounding: the fp8 blocks are the param's, wherever the
+    """DP 2 and 3 equal DP 1 up to rounding: the int8 blocks are the param's, wherever the
     shard cut falls (a block that depended on it would give other scales, not a last bit).
     Not bitwise: torch's CPU fused AdamW rounds an element differently in its vectorised
     body and its scalar tail, and where an element falls differs with the DP size; and
@@ -210,14 +217,14 @@ def test_dp_sizes_agree_with_dp1(world_size, tmp_path):
     for rank, res in enumerate(results):
         for c, got, want in zip(SOME, res, dp1):
             assert_same_history(got["history"][:3], want["history"][:3], exact=False,
-                                what=f"{_name(c)} rank {rank}", rtol=1e-2, atol=2e-3)
+                                what=f"{_name(c)} rank {rank}")
             assert_same_history(got["history"], results[0][SOME.index(c)]["history"],
                                 exact=True, what=f"{_name(c)} rank {rank} vs rank 0")
 
 
 @pytest.mark.parametrize("m,v,g,state,grad", [
     (FP32, FP32, FP32, 12, 4), (BF16, BF16, FP32, 8, 4), (BF16, BF16, BF16, 8, 2),
-    ("fp8", "fp8", BF16, 4 + 2 * (1 + 4 / QBLOCK), 2), ("fp8", BF16, FP32, 4 + 3 + 4 / QBLOCK, 4),
+    ("int8", "int8", BF16, 4 + 2 * (1 + 4 / QBLOCK), 2), ("int8", BF16, FP32, 4 + 3 + 4 / QBLOCK, 4),
 ])
 def test_memory_bytes_per_bf16_param(m, v, g, state, grad):
     model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)).to(BF16)
@@ -243,8 +250,8 @@ def test_grad_accum_fp32_is_an_alias_of_grad_dtype():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(exp_avg_dtype=torch.float16), "exp_avg_dtype"),
-    (dict(exp_avg_sq_dtype="int8"), "exp_avg_sq_dtype"),
-    (dict(grad_dtype="fp8"), "grad_dtype"),
+    (dict(exp_avg_sq_dtype="fp8"), "exp_avg_sq_dtype"),
+    (dict(grad_dtype="int8"), "grad_dtype"),
     (dict(grad_dtype=torch.float16), "grad_dtype"),
 ])
 def test_config_rejects_unsupported_dtypes(kwargs, match):
@@ -253,16 +260,16 @@ def test_config_rejects_unsupported_dtypes(kwargs, match):
 
 
 def test_config_round_trips_through_json_names():
-    cfg = OptimizerConfig(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype="bfloat16",
+    cfg = OptimizerConfig(exp_avg_dtype=torch.int8, exp_avg_sq_dtype="bfloat16",
                           grad_dtype="torch.bfloat16")
-    assert (cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype, cfg.grad_dtype) == ("fp8", BF16, BF16)
+    assert (cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype, cfg.grad_dtype) == ("int8", BF16, BF16)
     data = cfg.to_dict()
     assert (data["exp_avg_dtype"], data["exp_avg_sq_dtype"], data["grad_dtype"]) == (
-        "fp8", "bfloat16", "bfloat16")
+        "int8", "bfloat16", "bfloat16")
     assert OptimizerConfig.from_dict(data) == cfg
 
 
-@pytest.mark.parametrize("setting", [dict(exp_avg_dtype=BF16), dict(exp_avg_sq_dtype="fp8")])
+@pytest.mark.parametrize("setting", [dict(exp_avg_dtype=BF16), dict(exp_avg_sq_dtype="int8")])
 def test_checkpoint_refuses_lowprec_moments_and_writes_nothing(setting, tmp_path):
     model = nn.Linear(8, 4)
     opt = DistributedOptimizer(model, OptimizerConfig(**setting))
@@ -277,7 +284,7 @@ def test_checkpoint_refuses_lowprec_moments_and_writes_nothing(setting, tmp_path
     assert issubclass(LowPrecisionStateError, ValueError)
 
 
-def test_default_layout_is_unchanged_and_fp8_aligns_params():
+def test_default_layout_is_unchanged_and_int8_aligns_params():
     def starts(cfg: OptimizerConfig) -> list[int]:
         torch.manual_seed(0)
         opt = DistributedOptimizer(MixedNet(), cfg)
@@ -286,4 +293,4 @@ def test_default_layout_is_unchanged_and_fp8_aligns_params():
     plain = starts(mixed_config())
     assert plain == starts(mixed_config(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16))
     assert any(s % QBLOCK for s in plain)
-    assert all(s % QBLOCK == 0 for s in starts(mixed_config(exp_avg_sq_dtype="fp8")))
+    assert all(s % QBLOCK == 0 for s in starts(mixed_config(exp_avg_sq_dtype="int8")))

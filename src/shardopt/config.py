@@ -45,10 +45,10 @@ class OptimizerConfig:
     derived from ``grad_dtype`` when left ``None``, an error when the two disagree."""
     exp_avg_dtype: torch.dtype | str = torch.float32
     """Storage of the first Adam moment: ``torch.float32``, ``torch.bfloat16`` (rounded to
-    nearest even) or ``"fp8"`` (e4m3 with one fp32 scale per block, :mod:`shardopt.quant`)."""
+    nearest even) or ``"int8"`` (one fp32 scale per block of 64, :mod:`shardopt.quant`)."""
     exp_avg_sq_dtype: torch.dtype | str = torch.float32
-    """Storage of the second Adam moment, as ``exp_avg_dtype``; ``"fp8"`` stores its square
-    root, whose dynamic range is half as wide in exponent."""
+    """Storage of the second Adam moment, as ``exp_avg_dtype``; ``"int8"`` stores its square
+    root as unsigned 8-bit codes, whose dynamic range is half as wide in exponent."""
     low_memory_resume: bool = False
     """Default for ``checkpoint.load``: keep loaded Adam moments on the host until the first step."""
     step_kernel: str = "auto"
@@ -97,7 +97,7 @@ class OptimizerConfig:
     @property
     def quantized_moments(self) -> bool:
         """Whether either Adam moment is stored in 8 bits (the layout then aligns params)."""
-        return FP8 in (self.exp_avg_dtype, self.exp_avg_sq_dtype)
+        return INT8 in (self.exp_avg_dtype, self.exp_avg_sq_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (the checkpoint manifest stores it)."""
@@ -115,17 +115,16 @@ class OptimizerConfig:
 
 
 STEP_KERNELS = ("auto", "triton", "torch")
-FP8 = "fp8"
-MOMENT_DTYPES = (torch.float32, torch.bfloat16, FP8)
+INT8 = "int8"  # blockwise 8-bit moments (shardopt.quant)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, INT8)
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
-_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, FP8: FP8,
-            "float8_e4m3fn": FP8}
+_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, INT8: INT8}
 
 
 def _state_dtype(name: str, value: Any, allowed: tuple) -> torch.dtype | str:
     """``value`` as one of ``allowed``; names (as ``to_dict`` writes them) are accepted."""
-    if value == torch.float8_e4m3fn:
-        value = FP8
+    if value == torch.int8:
+        value = INT8
     elif isinstance(value, str):
         value = _BY_NAME.get(value.removeprefix("torch."), value)
     if value not in allowed:

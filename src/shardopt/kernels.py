@@ -18,11 +18,11 @@ decay, then the moments, then ``param -= (lr / bc1) * exp_avg / (sqrt(exp_avg_sq
 / sqrt(bc2) + eps)``; bias corrections are computed on the host in double.
 Clipping divides the grad by ``grad_scale`` (a device scalar: no host sync).
 
-Moments may be stored in fp32, bf16 (rounded to nearest even) or fp8 e4m3 with
-one fp32 scale per :data:`shardopt.quant.QBLOCK` elements (``exp_avg_sq`` as its
-square root); the kernel widens them to fp32 in registers, updates, and narrows
-them again: per element, 30 bytes become 22 (bf16) or about 20 (fp8); with bf16
-grads, 2 fewer. A block's scale is its new absolute maximum, so each scale block
+Moments may be stored in fp32, bf16 (rounded to nearest even) or blockwise int8
+with one fp32 scale per :data:`shardopt.quant.QBLOCK` elements (``exp_avg_sq`` as
+unsigned codes of its square root); the kernel widens them to fp32 in registers,
+updates, and narrows them again: per element, 30 bytes become 22 (bf16) or about
+20 (int8); with bf16 grads, 2 fewer. A block's scale is its new absolute maximum, so each scale block
 must lie whole inside one launch: :mod:`shardopt.quant` explains why the layout
 guarantees it.
 
@@ -52,12 +52,12 @@ BLOCK = 1024  # with NUM_WARPS, the fastest in benchmarks/step_kernel_sweep.py o
 NUM_WARPS = 4
 
 
-_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 2}
 
 
 class Packed(NamedTuple):
-    """A moment stored in low precision: ``values`` (fp32, bf16 or float8_e4m3fn) and, for
-    fp8, ``scales`` (one fp32 per ``QBLOCK`` elements; the values hold sqrt for exp_avg_sq)."""
+    """A moment stored in low precision: ``values`` (fp32, bf16, or int8 / uint8 codes) and,
+    for codes, ``scales`` (one fp32 per ``QBLOCK`` elements; uint8 codes hold sqrt(exp_avg_sq))."""
 
     values: torch.Tensor
     scales: torch.Tensor | None
@@ -191,7 +191,7 @@ if triton is not None:
                 scale = tl.load(scale_ptr + idx // QBLOCK)
             else:
                 scale = tl.load(scale_ptr + idx // QBLOCK, mask=mask, other=0.0)
-            x = _e4m3_decode(raw) * scale
+            x = raw.to(tl.float32) * scale
             if SQRT:
                 x = x * x
         else:
@@ -203,19 +203,23 @@ if triton is not None:
                       SQRT: tl.constexpr, FULL: tl.constexpr, QBLOCK: tl.constexpr,
                       BLOCK: tl.constexpr):
         if KIND == 2:
-            # One scale per QBLOCK elements: the block's absolute maximum over 448. Lanes
-            # outside the mask are padding of this block's param (zero), or blocks of another
-            # launch, whose scales are not written.
+            # One scale per QBLOCK elements: the block's absolute maximum over the largest
+            # code (127; 255 for sqrt(v), never negative). Lanes outside the mask are padding
+            # of this block's param (zero), or blocks of another launch, whose scales are not
+            # written.
             y = tl.sqrt_rn(x) if SQRT else x
             a = tl.abs(y)
             if not FULL:
                 a = tl.where(mask, a, 0.0)
-            scale = tl.div_rn(tl.max(tl.reshape(a, (BLOCK // QBLOCK, QBLOCK)), axis=1), 448.0)
+            top = 255.0 if SQRT else 127.0
+            scale = tl.div_rn(tl.max(tl.reshape(a, (BLOCK // QBLOCK, QBLOCK)), axis=1), top)
             safe = tl.where(scale == 0.0, 1.0, scale)
             per_elem = tl.reshape(tl.broadcast_to(safe[:, None], (BLOCK // QBLOCK, QBLOCK)),
                                   (BLOCK,))
-            q = _e4m3_encode(tl.minimum(tl.maximum(tl.div_rn(y, per_elem), -448.0), 448.0))
-            tl.store(ptr + idx, q, mask=mask)
+            q = tl.minimum(tl.maximum(tl.div_rn(y, per_elem), -top), top)
+            # Round to nearest even as torch.round: adding 1.5 * 2**23 leaves no fraction bits.
+            q = (q + 12582912.0) - 12582912.0
+            tl.store(ptr + idx, q.to(ptr.dtype.element_ty), mask=mask)
             s_idx = local // QBLOCK + tl.arange(0, BLOCK // QBLOCK)
             if FULL:
                 tl.store(scale_ptr + s_idx, scale)
@@ -226,30 +230,6 @@ if triton is not None:
             tl.store(ptr + idx, _to_bf16_rne(x), mask=mask)
         else:
             tl.store(ptr + idx, x, mask=mask)
-
-    @triton.jit
-    def _e4m3_encode(y):
-        """fp32 in [-448, 448] -> e4m3fn bits, rounding to nearest even as torch's cast."""
-        u = y.to(tl.uint32, bitcast=True)
-        a = tl.abs(y)
-        au = a.to(tl.uint32, bitcast=True)
-        # Normal: round the fp32 mantissa to 3 bits, then rebias the exponent (127 -> 7).
-        normal = ((au + 0x7FFFF + ((au >> 20) & 1)) >> 20) - 960
-        # Subnormal (< 2**-6): multiples of 2**-9; adding 2**23 rounds to an integer, and
-        # 8 (rounded up to 2**-6) is the smallest normal's code, so it needs no special case.
-        sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
-        q = tl.where(a < 0.015625, sub, normal) | ((u >> 24) & 0x80)
-        return q.to(tl.uint8)
-
-    @triton.jit
-    def _e4m3_decode(q):
-        """e4m3fn bits -> fp32 (the code 0x7F, NaN, is never written)."""
-        b = q.to(tl.uint32)
-        e = (b >> 3) & 0xF
-        m = b & 7
-        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-        mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-        return tl.where((b & 0x80) != 0, -mag, mag)
 
     @triton.jit
     def _to_bf16_rne(x):
@@ -285,7 +265,7 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
         if n == 0:
             continue
         _adamw_kernel[(n,)](
-            rows, main, grads, _raw(m), _raw(v), out if out is not None else main,
+            rows, main, grads, m, v, out if out is not None else main,
             grad_scale if grad_scale is not None else main,
             sum_sq[first:first + n] if sum_sq is not None else main,
             m_scales if m_scales is not None else main, v_scales if v_scales is not None else main,
@@ -302,8 +282,3 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
 def _packed(t: torch.Tensor | Packed) -> Packed:
     return t if isinstance(t, Packed) else Packed(t, None)
 
-
-def _raw(values: torch.Tensor) -> torch.Tensor:
-    """fp8 values travel as their bits: the kernel encodes and decodes e4m3 itself, so the
-    compiled kernel and the interpreter (which has no fp8 type) agree with torch's cast."""
-    return values.view(torch.uint8) if values.dtype == torch.float8_e4m3fn else values

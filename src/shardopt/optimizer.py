@@ -121,7 +121,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._main.append(main)
         self._exp_avg: list[torch.Tensor] | None = None
         self._exp_avg_sq: list[torch.Tensor] | None = None
-        # Moments stored in bf16 or fp8 (exp_avg_dtype / exp_avg_sq_dtype): (exp_avg, exp_avg_sq)
+        # Moments stored in bf16 or int8 (exp_avg_dtype / exp_avg_sq_dtype): (exp_avg, exp_avg_sq)
         # per buffer, allocated lazily like the fp32 ones, which then stay None.
         self._packed: tuple[list[quant.Moment], list[quant.Moment]] | None = None
         # low_memory_resume parks loaded moments here (host) until the first step.
@@ -517,7 +517,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def require_fp32_moments(self, what: str) -> None:
         """Raise :class:`LowPrecisionStateError` unless both moments are stored in fp32
-        (checkpoints of bf16/fp8 moments are not written yet)."""
+        (checkpoints of bf16/int8 moments are not written yet)."""
         cfg = self.config
         if cfg.lowprec_moments:
             raise LowPrecisionStateError(
