@@ -282,6 +282,11 @@ def test_checkpoint_refuses_lowprec_moments_and_writes_nothing(setting, tmp_path
         checkpoint.load(tmp_path / "ckpt", model, opt)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert issubclass(LowPrecisionStateError, ValueError)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with pytest.raises(LowPrecisionStateError, match="state_view"):
+        opt.state_view("exp_avg", opt.shards[0])
+    assert opt.state_view("master_param", opt.shards[0]).dtype == torch.float32
 
 
 def test_default_layout_is_unchanged_and_int8_aligns_params():

@@ -532,6 +532,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if main is None:
                 return self.buffers.shard_params(shard)
             return main[shard.range_local.as_slice()]
+        self.require_fp32_moments(f"state_view({name!r})")  # no fp32 view of bf16/int8 state
         staged = self._staged_moments
         if staged is not None:
             moments = staged[0] if name == "exp_avg" else staged[1]
