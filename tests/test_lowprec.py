@@ -149,12 +149,16 @@ def test_triton_path_matches_reference(c):
     assert_same_history(got["history"][:3], reference_history(c, 3), exact=False, what=_name(c))
 
 
-@pytest.mark.skipif(not kernels.available(torch.device("cpu")), reason="Triton is not installed")
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(not kernels.available(KERNEL_DEVICE), reason="Triton is not installed")
 @pytest.mark.parametrize("m_kind,v_kind,grad_dtype", [(BF16, "int8", BF16), ("int8", BF16, FP32),
                                                       ("int8", "int8", FP32)])
 def test_kernel_packed_moments_match_torch(m_kind, v_kind, grad_dtype):
     """One launch over whole blocks, ragged param ends and a last block that runs past the
-    end of the tensors, against dequantise / torch's fused AdamW / requantise."""
+    end of the tensors, against dequantise / torch's fused AdamW / requantise. Compiled on
+    a GPU, else in Triton's interpreter; the reference runs on the CPU."""
     B = kernels.BLOCK
     parts = [(0, 0, 0, B + 7 * QBLOCK + 5), (0, 0, B + 8 * QBLOCK, 3 * B),
              (3 * B, 4 * B, QBLOCK, B + 100)]  # params start on blocks, as the layout puts them
@@ -188,11 +192,20 @@ def test_kernel_packed_moments_match_torch(m_kind, v_kind, grad_dtype):
     want[0].store_(want_m)
     want[1].store_(want_v)
 
-    out = torch.zeros(numel + B, dtype=BF16)
-    table = kernels.chunk_table(parts, torch.device("cpu"))
+    dev = KERNEL_DEVICE
+    table = kernels.chunk_table(parts, dev)
     assert table.full.shape[0] >= 1 and table.partial.shape[0] >= 3
-    kernels.adamw_(table, main, grads, *(kernels.Packed(mo.values, mo.scales) for mo in moments),
-                   out, main_global=False, step=7, grad_scale=None, **hp)
+    packed = [kernels.Packed(mo.values.to(dev), None if mo.scales is None else mo.scales.to(dev))
+              for mo in moments]
+    main_dev = main.to(dev)
+    kernels.adamw_(table, main_dev, grads.to(dev), *packed,
+                   torch.zeros(numel + B, dtype=BF16, device=dev), main_global=False, step=7,
+                   grad_scale=None, **hp)
+    main = main_dev.cpu()
+    for mo, pk in zip(moments, packed):
+        mo.values.copy_(pk.values.cpu())
+        if mo.scales is not None:
+            mo.scales.copy_(pk.scales.cpu())
     torch.testing.assert_close(main, want_main, rtol=2e-6, atol=1e-7)
     for got, exp in zip(moments, want):
         if exp.scales is not None:
