@@ -20,12 +20,20 @@ What is compared (all on the same parameter shapes, in the same process):
                             (2): 34 B with clipping, 30 B without; an fp32 param has no separate
                             main copy: 32 / 28 B.
 
+``--exp-avg-dtype/--exp-avg-sq-dtype/--grad-dtype`` (float32, bfloat16, int8 for the moments)
+run shardopt with low-precision state; its limit then counts the bytes that state really moves
+(a bf16 moment 2 + 2 B, an int8 one 1 + 1 B plus 8 B of scale per 64 elements, a bf16 grad 2 B
+per read), and torchao's ``AdamW8bit`` (fp32 params) runs too when torchao is installed.
+Results then go to ``optimizer_step_{exp_avg}_{exp_avg_sq}_{grad}.json``.
+
 The parts of shardopt's step (grad norm and clipping, the Adam kernel, the main -> bf16 copy, and the
 time the GPU sits idle: Python, launches, host syncs) come from a torch.profiler trace of a few
 steps; its kernel table is saved as ``optimizer_step_profile.txt``.
 
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results        # GPU
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --device cpu --numel 2e6 --repeats 3
+    PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results \
+        --exp-avg-dtype int8 --exp-avg-sq-dtype int8 --grad-dtype bfloat16                 # GPU
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-from shardopt import DistributedOptimizer, OptimizerConfig  # noqa: E402
+from shardopt import DistributedOptimizer, OptimizerConfig, quant  # noqa: E402
 
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -75,12 +83,17 @@ def count(shapes, dtype: torch.dtype) -> int:
     return sum(torch.Size(s).numel() for s, dt in shapes if dt == dtype)
 
 
-def must_bytes(shapes, clip: bool, bf16_copy: bool = True) -> int:
-    """Bytes a step must move (see the module docstring)."""
+def must_bytes(shapes, clip: bool, bf16_copy: bool = True,
+               lowprec: dict | None = None) -> float:
+    """Bytes a step must move (see the module docstring); ``lowprec``: OptimizerConfig
+    fields ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``grad_dtype`` of the state."""
     n16, n32 = count(shapes, torch.bfloat16), count(shapes, torch.float32)
-    norm = 4 if clip else 0
-    adam = 4 + 8 + 8 + 8
-    return n16 * (norm + adam + (2 if bf16_copy else 0)) + n32 * (norm + adam)
+    cfg = OptimizerConfig(**(lowprec or {}))
+    moments = 2 * (quant.bytes_per_element(cfg.exp_avg_dtype)
+                   + quant.bytes_per_element(cfg.exp_avg_sq_dtype))
+    g16 = cfg.grad_dtype.itemsize  # fp32 params always keep fp32 grads
+    return (n16 * ((2 if clip else 1) * g16 + 8 + moments + (2 if bf16_copy else 0))
+            + n32 * ((8 if clip else 4) + 8 + moments))
 
 
 # ----------------------------------------------------------------------------- timing
@@ -141,10 +154,11 @@ def _step_with_grads(opt: DistributedOptimizer) -> None:
     opt.step()
 
 
-def bench_shardopt(shapes, device, timer: Timer, clip: bool, step_kernel: str = "auto"
-                   ) -> tuple[dict, DistributedOptimizer, nn.Module]:
+def bench_shardopt(shapes, device, timer: Timer, clip: bool, step_kernel: str = "auto",
+                   lowprec: dict | None = None) -> tuple[dict, DistributedOptimizer, nn.Module]:
     model = FlatModel(shapes, device)
-    cfg = OptimizerConfig(**HYPER, max_grad_norm=1.0 if clip else None, step_kernel=step_kernel)
+    cfg = OptimizerConfig(**HYPER, max_grad_norm=1.0 if clip else None, step_kernel=step_kernel,
+                          **(lowprec or {}))
     opt = DistributedOptimizer(model, cfg)
     for g in opt.buffers.grad_buffers:
         g.normal_(0, 1e-3)
@@ -152,12 +166,12 @@ def bench_shardopt(shapes, device, timer: Timer, clip: bool, step_kernel: str = 
     return result, opt, model
 
 
-def bench_adamw_fp32(shapes, device, timer: Timer, clip: bool) -> dict:
+def bench_adamw_fp32(shapes, device, timer: Timer, clip: bool, make_opt=None) -> dict:
     params = [torch.empty(s, dtype=torch.float32, device=device).normal_(0, 0.02).requires_grad_()
               for s, _ in shapes]
     for p in params:
         p.grad = torch.empty_like(p).normal_(0, 1e-3)
-    opt = torch.optim.AdamW(params, **HYPER, fused=True)
+    opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, **HYPER, fused=True)))(params)
 
     def step() -> None:
         if clip:
@@ -189,6 +203,14 @@ def bench_adamw_master(shapes, device, timer: Timer, clip: bool) -> dict:
     return result
 
 
+def _torchao_adamw8bit():
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        return None
+    return AdamW8bit
+
+
 # ----------------------------------------------------------------------------- profile
 CATEGORIES = (  # (category, lower-case substrings of kernel / op names); first match wins
     ("host<->device copies", ("memcpy", "memset")),
@@ -218,7 +240,7 @@ def _self_time_us(evt, cuda: bool) -> float:
 
 
 def profile_step(opt: DistributedOptimizer, device: torch.device, steps: int, out_dir: Path,
-                 step_ms: float) -> dict:
+                 step_ms: float, suffix: str = "") -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -253,7 +275,7 @@ def profile_step(opt: DistributedOptimizer, device: torch.device, steps: int, ou
             + "\n\nother kernels (ms/step):\n"
             + "\n".join(f"  {k[:90]:90s} {v:8.3f}" for k, v in sorted(uncategorised.items(), key=lambda kv: -kv[1]))
             + "\n\n" + table + "\n")
-    (out_dir / "optimizer_step_profile.txt").write_text(text)
+    (out_dir / f"optimizer_step{suffix}_profile.txt").write_text(text)
     return {"gpu_kernel_ms_per_step": gpu_ms, "parts_ms": parts,
             "uncategorised_ms": {k: round(v, 4) for k, v in uncategorised.items()}}
 
@@ -269,7 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--copy-bytes", type=float, default=4 * 2**30, help="size of the copy test")
+    for name in ("exp-avg-dtype", "exp-avg-sq-dtype", "grad-dtype"):
+        ap.add_argument(f"--{name}", default="float32", help="float32, bfloat16 (or int8: moments)")
     args = ap.parse_args(argv)
+    lowprec = {"exp_avg_dtype": args.exp_avg_dtype, "exp_avg_sq_dtype": args.exp_avg_sq_dtype,
+               "grad_dtype": args.grad_dtype}
+    OptimizerConfig(**lowprec)  # a bad name fails here, before any work
+    suffix = "" if set(lowprec.values()) == {"float32"} else "_" + "_".join(lowprec.values())
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -281,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = layer_shapes(int(args.numel), args.d_model)
     n16, n32 = count(shapes, torch.bfloat16), count(shapes, torch.float32)
     timer = Timer(device, args.warmup, args.repeats)
-    config = {"numel": n16 + n32, "numel_bf16": n16, "numel_fp32": n32, "num_tensors": len(shapes),
+    config = {"state_dtypes": lowprec, "numel": n16 + n32, "numel_bf16": n16, "numel_fp32": n32, "num_tensors": len(shapes),
               "d_model": args.d_model, "warmup": args.warmup, "repeats": args.repeats,
               "hyperparameters": {**HYPER, "betas": list(HYPER["betas"])}}
     print(f"optimizer_step: {(n16 + n32) / 1e9:.3f}B params ({n16 / 1e9:.3f}B bf16, {n32 / 1e6:.2f}M fp32) "
@@ -296,16 +324,19 @@ def main(argv: list[str] | None = None) -> int:
     profile_info: dict = {}
     for clip in (True, False):
         tag = "clip" if clip else "noclip"
-        r, opt, model = bench_shardopt(shapes, device, timer, clip)
+        r, opt, model = bench_shardopt(shapes, device, timer, clip, lowprec=lowprec)
         r["step_kernel"] = opt.step_kernel
+        r["memory_bytes"] = opt.memory_bytes()
         results[f"shardopt_{tag}"] = r
         print(f"  shardopt ({tag}, {opt.step_kernel} step): {r['ms']['median']:.3f} ms", flush=True)
         if clip:
-            profile_info = profile_step(opt, device, args.profile_steps, out, r["ms"]["median"])
+            profile_info = profile_step(opt, device, args.profile_steps, out, r["ms"]["median"],
+                                        suffix)
         del opt, model
         free(device)
         if device.type == "cuda":  # the same optimizer with torch's fused AdamW + copy
-            r, opt, model = bench_shardopt(shapes, device, timer, clip, step_kernel="torch")
+            r, opt, model = bench_shardopt(shapes, device, timer, clip, step_kernel="torch",
+                                           lowprec=lowprec)
             r["step_kernel"] = opt.step_kernel
             results[f"shardopt_torch_step_{tag}"] = r
             print(f"  shardopt ({tag}, torch step): {r['ms']['median']:.3f} ms", flush=True)
@@ -315,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         free(device)
         results[f"adamw_fused_master_{tag}"] = bench_adamw_master(shapes, device, timer, clip)
         free(device)
+        adamw8bit = _torchao_adamw8bit()
+        if suffix and adamw8bit is not None:
+            results[f"torchao_adamw8bit_{tag}"] = bench_adamw_fp32(
+                shapes, device, timer, clip, lambda ps: adamw8bit(ps, **HYPER))
+            free(device)
         print(f"  adamw fused fp32 ({tag}): {results[f'adamw_fused_fp32_{tag}']['ms']['median']:.3f} ms, "
               f"bf16+master ({tag}): {results[f'adamw_fused_master_{tag}']['ms']['median']:.3f} ms",
               flush=True)
@@ -323,8 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, figures = [], {}
     for name, r in results.items():
         clip = name.endswith("_clip")
-        bf16_copy = not name.startswith("adamw_fused_fp32")
-        moved = must_bytes(shapes, clip, bf16_copy)
+        bf16_copy = name.startswith(("shardopt", "adamw_fused_master"))
+        moved = must_bytes(shapes, clip, bf16_copy, lowprec if name.startswith("shardopt") else
+                           {"exp_avg_dtype": "int8", "exp_avg_sq_dtype": "int8"}
+                           if name.startswith("torchao") else None)
         limit_ms = moved / gbps / 1e6
         med = r["ms"]["median"]
         figures[name] = {"bytes_must_move": moved, "limit_ms": limit_ms,
@@ -351,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 "profile": profile_info,
                 "notes": ["limit = bytes the step must move / measured copy bandwidth (median)",
                           "ratios vs_* are shardopt time / peer time (below 1 = shardopt faster)"]})
-    _common.write_json(out / "optimizer_step.json", doc)
+    _common.write_json(out / f"optimizer_step{suffix}.json", doc)
 
     print()
     print(_common.format_table(rows, ["system", "median ms", "min ms", "max ms", "host ms",
@@ -366,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = profile_info.get("parts_ms", {})
     if parts:
         print("shardopt step parts (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
-    print(f"wrote {out / 'optimizer_step.json'} and {out / 'optimizer_step_profile.txt'}")
+    print(f"wrote {out / f'optimizer_step{suffix}.json'} and the profile beside it")
     return 0
 
 

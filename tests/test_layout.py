@@ -52,8 +52,12 @@ def tiles(ranges: list[Range], start: int, end: int) -> bool:
     return cursor == end
 
 
+def _up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def check_layout(layout: Layout, specs: list[ParamSpec], dp_size: int,
-                 bucket_numel: int, align_numel: int) -> None:
+                 bucket_numel: int, align_numel: int, param_align: int = 1) -> None:
     """Assert every structural invariant of ``layout`` for ``specs``."""
     by_fqn = {s.fqn: s for s in specs}
     assert layout.dp_size == dp_size
@@ -82,18 +86,21 @@ def check_layout(layout: Layout, specs: list[ParamSpec], dp_size: int,
             assert size > 0 and size % (dp_size * align_numel) == 0
             assert bucket.shard_numel * dp_size == size
             assert bucket.shard_numel % align_numel == 0
-            assert bucket.numel_unpadded == sum(by_fqn[f].numel for f in bucket.param_fqns)
+            assert bucket.numel_unpadded == sum(_up(by_fqn[f].numel, param_align)
+                                                for f in bucket.param_fqns)
             # Padding is minimal: less than one more round of dp_size * align_numel.
             assert size - max(bucket.numel_unpadded, 1) < dp_size * align_numel
-            assert bucket.numel_unpadded <= bucket_numel or len(bucket.param_fqns) == 1
+            assert (sum(by_fqn[f].numel for f in bucket.param_fqns) <= bucket_numel
+                    or len(bucket.param_fqns) == 1)
             shards = [bucket.shard_range_global(r) for r in range(dp_size)]
             assert all(s.size == bucket.shard_numel for s in shards)
             assert tiles(shards, bucket.range_global.start, bucket.range_global.end)
-            # The bucket's params sit back to back from its start (padding at the end).
+            # The bucket's params sit back to back from its start (padding at the end),
+            # each at the first multiple of param_align.
             offset = bucket.range_global.start
             for fqn in bucket.param_fqns:
                 slot = layout.slots[fqn]
-                assert slot.range_global.start == offset
+                assert slot.range_global.start == _up(offset, param_align)
                 offset = slot.range_global.end
         assert cursor == buf.numel
         assert buf.local_numel * dp_size == buf.numel
@@ -143,6 +150,10 @@ def check_layout(layout: Layout, specs: list[ParamSpec], dp_size: int,
             assert 0 <= s.range_local.start and s.range_local.end <= buf.local_numel
             local_by_buffer.setdefault(s.buffer_index, []).append(s.range_local)
             param_pieces[s.fqn].append(s.range_param)
+            # Blockwise state: each rank's piece starts on a block of the flattened param
+            # and ends on one, or at the param's end.
+            assert s.range_param.start % param_align == 0
+            assert s.range_param.end % param_align == 0 or s.range_param.end == slot.range_global.size
         for ranges in local_by_buffer.values():
             ranges.sort(key=lambda r: r.start)
             assert all(a.end <= b.start for a, b in zip(ranges, ranges[1:])), "local overlap"
@@ -159,6 +170,24 @@ def check_layout(layout: Layout, specs: list[ParamSpec], dp_size: int,
 def test_layout_invariants(specs, dp_size, bucket_numel, align_numel):
     layout = build_layout(specs, dp_size, bucket_numel, align_numel)
     check_layout(layout, specs, dp_size, bucket_numel, align_numel)
+
+
+@given(param_lists(), dp_sizes, bucket_numels, st.sampled_from([1, 16, 64, 128]),
+       st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 16, 64, 128]))
+def test_param_align_puts_blocks_whole_on_one_rank(specs, dp_size, bucket_numel, block,
+                                                   align_factor, param_align):
+    """With 8-bit moments every param starts on a block boundary and shards cut on them."""
+    param_align = min(param_align, block)
+    align_numel = block * align_factor
+    layout = build_layout(specs, dp_size, bucket_numel, align_numel, param_align)
+    check_layout(layout, specs, dp_size, bucket_numel, align_numel, param_align)
+    for slot in layout.slots.values():
+        assert slot.range_global.start % param_align == 0
+
+
+def test_param_align_one_is_the_default_layout():
+    specs = [ParamSpec(f"w{i}", (i * 7 + 1,), torch.bfloat16) for i in range(5)]
+    assert build_layout(specs, 3, 100, 64, 1) == build_layout(specs, 3, 100, 64)
 
 
 @given(param_lists(), dp_sizes, bucket_numels, align_numels)
@@ -269,7 +298,8 @@ def test_huge_param_is_pure_arithmetic():
 @pytest.mark.parametrize(
     "kwargs",
     [dict(dp_size=0), dict(dp_size=-2), dict(bucket_numel=0), dict(bucket_numel=-1),
-     dict(align_numel=0), dict(align_numel=-64)],
+     dict(align_numel=0), dict(align_numel=-64), dict(param_align=0),
+     dict(align_numel=8, param_align=16), dict(align_numel=8, param_align=3)],
 )
 def test_invalid_arguments_raise(kwargs):
     args = dict(dp_size=2, bucket_numel=100, align_numel=8) | kwargs

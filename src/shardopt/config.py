@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
@@ -34,8 +36,19 @@ class OptimizerConfig:
     forward. A param read other than by its module's forward (a parent module using a child's
     weight before the child runs, logging, ``state_dict()``) must come after
     ``optimizer.finish_param_sync()``; shardopt's checkpoint functions call it."""
-    grad_accum_fp32: bool = True
-    """Accumulate and reduce gradients of bf16/fp16 params in fp32 (else in the model dtype)."""
+    grad_dtype: torch.dtype = torch.float32
+    """Grad buffer and reduce-scatter dtype of bf16/fp16 params: ``torch.float32``, or
+    ``torch.bfloat16`` to halve grad memory and traffic (fp16 params then keep fp16 grads;
+    fp32 params always keep fp32 grads). The optimizer math stays fp32."""
+    grad_accum_fp32: bool | None = None
+    """Deprecated alias of ``grad_dtype`` (``True`` = fp32, ``False`` = low precision);
+    derived from ``grad_dtype`` when left ``None``, an error when the two disagree."""
+    exp_avg_dtype: torch.dtype | str = torch.float32
+    """Storage of the first Adam moment: ``torch.float32``, ``torch.bfloat16`` (rounded to
+    nearest even) or ``"int8"`` (one fp32 scale per block of 64, :mod:`shardopt.quant`)."""
+    exp_avg_sq_dtype: torch.dtype | str = torch.float32
+    """Storage of the second Adam moment, as ``exp_avg_dtype``; ``"int8"`` stores its square
+    root as unsigned 8-bit codes, whose dynamic range is half as wide in exponent."""
     low_memory_resume: bool = False
     """Default for ``checkpoint.load``: keep loaded Adam moments on the host until the first step."""
     step_kernel: str = "auto"
@@ -61,11 +74,38 @@ class OptimizerConfig:
             raise ValueError(f"step_kernel must be one of {STEP_KERNELS}, got {self.step_kernel!r}")
         if not (isinstance(self.align_numel, int) and self.align_numel >= 1):
             raise ValueError(f"align_numel must be an int >= 1, got {self.align_numel!r}")
+        self.exp_avg_dtype = _state_dtype("exp_avg_dtype", self.exp_avg_dtype, MOMENT_DTYPES)
+        self.exp_avg_sq_dtype = _state_dtype("exp_avg_sq_dtype", self.exp_avg_sq_dtype,
+                                             MOMENT_DTYPES)
+        self.grad_dtype = _state_dtype("grad_dtype", self.grad_dtype, GRAD_DTYPES)
+        fp32_grads = self.grad_dtype == torch.float32
+        if self.grad_accum_fp32 is None:
+            self.grad_accum_fp32 = fp32_grads
+        elif not isinstance(self.grad_accum_fp32, bool):
+            raise ValueError(f"grad_accum_fp32 must be a bool or None, got {self.grad_accum_fp32!r}")
+        elif self.grad_accum_fp32 != fp32_grads:
+            if self.grad_dtype != torch.float32:
+                raise ValueError(f"grad_accum_fp32=True contradicts grad_dtype={self.grad_dtype}; "
+                                 "set grad_dtype only (grad_accum_fp32 is its deprecated alias)")
+            self.grad_dtype = torch.bfloat16  # the alias was the only setting given
+
+    @property
+    def lowprec_moments(self) -> bool:
+        """Whether either Adam moment is stored in less than fp32."""
+        return (self.exp_avg_dtype, self.exp_avg_sq_dtype) != (torch.float32, torch.float32)
+
+    @property
+    def quantized_moments(self) -> bool:
+        """Whether either Adam moment is stored in 8 bits (the layout then aligns params)."""
+        return INT8 in (self.exp_avg_dtype, self.exp_avg_sq_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (the checkpoint manifest stores it)."""
         out = dataclasses.asdict(self)
         out["betas"] = list(self.betas)
+        for key in ("grad_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            value = out[key]
+            out[key] = value if isinstance(value, str) else str(value).removeprefix("torch.")
         return out
 
     @classmethod
@@ -75,6 +115,22 @@ class OptimizerConfig:
 
 
 STEP_KERNELS = ("auto", "triton", "torch")
+INT8 = "int8"  # blockwise 8-bit moments (shardopt.quant)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, INT8)
+GRAD_DTYPES = (torch.float32, torch.bfloat16)
+_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, INT8: INT8}
+
+
+def _state_dtype(name: str, value: Any, allowed: tuple) -> torch.dtype | str:
+    """``value`` as one of ``allowed``; names (as ``to_dict`` writes them) are accepted."""
+    if value == torch.int8:
+        value = INT8
+    elif isinstance(value, str):
+        value = _BY_NAME.get(value.removeprefix("torch."), value)
+    if value not in allowed:
+        shown = ", ".join(a if isinstance(a, str) else str(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {shown}, got {value!r}")
+    return value
 
 # Hyperparameters a param group may override through ``param_group_fn``.
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")

@@ -18,6 +18,14 @@ decay, then the moments, then ``param -= (lr / bc1) * exp_avg / (sqrt(exp_avg_sq
 / sqrt(bc2) + eps)``; bias corrections are computed on the host in double.
 Clipping divides the grad by ``grad_scale`` (a device scalar: no host sync).
 
+Moments may be stored in fp32, bf16 (rounded to nearest even) or blockwise int8
+with one fp32 scale per :data:`shardopt.quant.QBLOCK` elements (``exp_avg_sq`` as
+unsigned codes of its square root); the kernel widens them to fp32 in registers,
+updates, and narrows them again: per element, 30 bytes become 22 (bf16) or about
+20 (int8); with bf16 grads, 2 fewer. A block's scale is its new absolute maximum, so each scale block
+must lie whole inside one launch: :mod:`shardopt.quant` explains why the layout
+guarantees it.
+
 Triton is optional: :func:`available` says whether this path can run (CUDA, or
 Triton's interpreter on the CPU with ``TRITON_INTERPRET=1``, which the tests use).
 """
@@ -28,8 +36,11 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from .quant import QBLOCK
 
 try:
     import triton
@@ -39,6 +50,17 @@ except ImportError:  # optional: the optimizer falls back to torch's fused AdamW
 
 BLOCK = 1024  # with NUM_WARPS, the fastest in benchmarks/step_kernel_sweep.py on an H200
 NUM_WARPS = 4
+
+
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 2}
+
+
+class Packed(NamedTuple):
+    """A moment stored in low precision: ``values`` (fp32, bf16, or int8 / uint8 codes) and,
+    for codes, ``scales`` (one fp32 per ``QBLOCK`` elements; uint8 codes hold sqrt(exp_avg_sq))."""
+
+    values: torch.Tensor
+    scales: torch.Tensor | None
 
 
 def available(device: torch.device) -> bool:
@@ -110,10 +132,12 @@ if triton is not None:
 
     @triton.jit
     def _adamw_kernel(table_ptr, main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
-                      scale_ptr, sq_ptr, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps,
+                      scale_ptr, sq_ptr, m_scale_ptr, v_scale_ptr, lr_wd, beta1, beta2,
+                      step_size, bc2_sqrt, eps,
                       FULL: tl.constexpr, SUM_SQ: tl.constexpr, ALIGNED: tl.constexpr,
                       MAIN_GLOBAL: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_SCALE: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
+                      QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
         row = table_ptr + tl.program_id(0).to(tl.int64) * (2 if FULL else 4)
         local = tl.load(row)
         glob = tl.load(row + 1)
@@ -137,20 +161,75 @@ if triton is not None:
         if HAS_SCALE:
             grad = tl.div_rn(grad, tl.load(scale_ptr))
         param = tl.load(main_ptr + m_idx, mask=mask)
-        exp_avg = tl.load(exp_avg_ptr + l_idx, mask=mask)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + l_idx, mask=mask)
+        exp_avg = _load_moment(exp_avg_ptr, m_scale_ptr, l_idx, mask, M_KIND, False, FULL, QBLOCK)
+        exp_avg_sq = _load_moment(exp_avg_sq_ptr, v_scale_ptr, l_idx, mask, V_KIND, True, FULL,
+                                  QBLOCK)
         param = param - lr_wd * param
         exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
         exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
         denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt) + eps
         param = param - tl.div_rn(step_size * exp_avg, denom)
         tl.store(main_ptr + m_idx, param, mask=mask)
-        tl.store(exp_avg_ptr + l_idx, exp_avg, mask=mask)
-        tl.store(exp_avg_sq_ptr + l_idx, exp_avg_sq, mask=mask)
+        _store_moment(exp_avg_ptr, m_scale_ptr, exp_avg, local, l_idx, mask, M_KIND, False,
+                      FULL, QBLOCK, BLOCK)
+        _store_moment(exp_avg_sq_ptr, v_scale_ptr, exp_avg_sq, local, l_idx, mask, V_KIND, True,
+                      FULL, QBLOCK, BLOCK)
         if OUT_BF16:
             tl.store(out_ptr + g_idx, _to_bf16_rne(param), mask=mask)
         elif HAS_OUT:
             tl.store(out_ptr + g_idx, param.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _load_moment(ptr, scale_ptr, idx, mask, KIND: tl.constexpr, SQRT: tl.constexpr,
+                     FULL: tl.constexpr, QBLOCK: tl.constexpr):
+        if FULL:
+            raw = tl.load(ptr + idx)
+        else:  # masked lanes read as zero (they may lie past the end of the tensor)
+            raw = tl.load(ptr + idx, mask=mask, other=0)
+        if KIND == 2:
+            if FULL:
+                scale = tl.load(scale_ptr + idx // QBLOCK)
+            else:
+                scale = tl.load(scale_ptr + idx // QBLOCK, mask=mask, other=0.0)
+            x = raw.to(tl.float32) * scale
+            if SQRT:
+                x = x * x
+        else:
+            x = raw.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _store_moment(ptr, scale_ptr, x, local, idx, mask, KIND: tl.constexpr,
+                      SQRT: tl.constexpr, FULL: tl.constexpr, QBLOCK: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        if KIND == 2:
+            # One scale per QBLOCK elements: the block's absolute maximum over the largest
+            # code (127; 255 for sqrt(v), never negative). Lanes outside the mask are padding
+            # of this block's param (zero), or blocks of another launch, whose scales are not
+            # written.
+            y = tl.sqrt_rn(x) if SQRT else x
+            a = tl.abs(y)
+            if not FULL:
+                a = tl.where(mask, a, 0.0)
+            top = 255.0 if SQRT else 127.0
+            scale = tl.div_rn(tl.max(tl.reshape(a, (BLOCK // QBLOCK, QBLOCK)), axis=1), top)
+            safe = tl.where(scale == 0.0, 1.0, scale)
+            per_elem = tl.reshape(tl.broadcast_to(safe[:, None], (BLOCK // QBLOCK, QBLOCK)),
+                                  (BLOCK,))
+            q = tl.minimum(tl.maximum(tl.div_rn(y, per_elem), -top), top)
+            # Round to nearest even as torch.round: adding 1.5 * 2**23 leaves no fraction bits.
+            q = (q + 12582912.0) - 12582912.0
+            tl.store(ptr + idx, q.to(ptr.dtype.element_ty), mask=mask)
+            s_idx = local // QBLOCK + tl.arange(0, BLOCK // QBLOCK)
+            if FULL:
+                tl.store(scale_ptr + s_idx, scale)
+            else:
+                hit = tl.reshape(mask.to(tl.int32), (BLOCK // QBLOCK, QBLOCK))
+                tl.store(scale_ptr + s_idx, scale, mask=tl.max(hit, axis=1) > 0)
+        elif KIND == 1:
+            tl.store(ptr + idx, _to_bf16_rne(x), mask=mask)
+        else:
+            tl.store(ptr + idx, x, mask=mask)
 
     @triton.jit
     def _to_bf16_rne(x):
@@ -163,18 +242,21 @@ if triton is not None:
         return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
-           exp_avg_sq: torch.Tensor, out: torch.Tensor | None, *, main_global: bool,
+def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
+           exp_avg: torch.Tensor | Packed, exp_avg_sq: torch.Tensor | Packed,
+           out: torch.Tensor | None, *, main_global: bool,
            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
            grad_scale: torch.Tensor | None, sum_sq: torch.Tensor | None = None) -> None:
     """One AdamW step over the blocks of ``table`` (see :func:`chunk_table`).
 
     ``grads`` and ``out`` (model-dtype params, or None) are whole flat buffers indexed
     by the global column; ``exp_avg``/``exp_avg_sq`` are local state tensors indexed by
-    the local column; ``main`` is either (``main_global``: the fp32 param buffer itself).
+    the local column (fp32, or :class:`Packed` low-precision storage); ``main`` is either
+    (``main_global``: the fp32 param buffer itself).
     ``sum_sq`` (fp32, ``table.num_blocks`` elements) receives each block's sum of squared
     grads (before ``grad_scale``), for the grad norm at no extra memory traffic.
     """
+    (m, m_scales), (v, v_scales) = (_packed(t) for t in (exp_avg, exp_avg_sq))
     bc1 = 1.0 - beta1 ** step
     bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
     first = 0
@@ -183,13 +265,20 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor, exp_avg: 
         if n == 0:
             continue
         _adamw_kernel[(n,)](
-            rows, main, grads, exp_avg, exp_avg_sq, out if out is not None else main,
+            rows, main, grads, m, v, out if out is not None else main,
             grad_scale if grad_scale is not None else main,
             sum_sq[first:first + n] if sum_sq is not None else main,
+            m_scales if m_scales is not None else main, v_scales if v_scales is not None else main,
             lr * weight_decay, beta1, beta2, lr / bc1, bc2_sqrt, eps,
             FULL=full, SUM_SQ=sum_sq is not None, ALIGNED=table.aligned,
             MAIN_GLOBAL=main_global, HAS_OUT=out is not None,
             OUT_BF16=out is not None and out.dtype == torch.bfloat16,
-            HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            HAS_SCALE=grad_scale is not None, M_KIND=_KIND[m.dtype], V_KIND=_KIND[v.dtype],
+            QBLOCK=QBLOCK, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
         first += n
+
+
+def _packed(t: torch.Tensor | Packed) -> Packed:
+    return t if isinstance(t, Packed) else Packed(t, None)
+

@@ -183,12 +183,19 @@ def build_layout(
     dp_size: int,
     bucket_numel: int,
     align_numel: int = 64,
+    param_align: int = 1,
 ) -> Layout:
     """Lay ``params`` (in registration order) out for ``dp_size`` ranks.
 
     Buffers are ordered by first appearance of their dtype in reversed
     registration order; within a buffer params are placed in reverse
     registration order so the first bucket fills first during backward.
+
+    ``param_align`` > 1 (blockwise 8-bit state) starts every param at a multiple of it in
+    its buffer and cuts shards at multiples of it, so that every shard of a param starts on
+    a multiple of ``param_align`` in the flattened param: block ``k`` of a param, elements
+    ``[k * param_align, (k + 1) * param_align)``, then always lies whole on one rank.
+    It must divide ``align_numel``. The default, 1, packs params back to back.
     """
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
@@ -196,6 +203,9 @@ def build_layout(
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
     if align_numel < 1:
         raise ValueError(f"align_numel must be >= 1, got {align_numel}")
+    if param_align < 1 or align_numel % param_align:
+        raise ValueError(f"param_align ({param_align}) must be >= 1 and divide "
+                         f"align_numel ({align_numel})")
     seen: set[str] = set()
     for p in params:
         if p.fqn in seen:
@@ -222,7 +232,7 @@ def build_layout(
                     ParamSlot(spec.fqn, spec.shape, buffer_index, len(buckets),
                               Range(offset, offset + spec.numel))
                 )
-                offset += spec.numel
+                offset = _round_up(offset + spec.numel, param_align)
             used = offset - start
             padded = _round_up(max(used, 1), dp_size * align_numel)
             buckets.append(

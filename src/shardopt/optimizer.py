@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from . import comm, guards, kernels, step_plan
+from . import comm, guards, kernels, quant, step_plan
 from . import state_dict as state_dicts
 from .buffers import FlatBuffers
 from .config import GROUP_KEYS, OptimizerConfig
@@ -52,6 +52,10 @@ ParamGroupFn = Callable[[str, torch.nn.Parameter], dict[str, Any]]
 
 class GradientOrderError(RuntimeError):
     """A gradient arrived for a bucket whose reduction had already started."""
+
+
+class LowPrecisionStateError(ValueError):
+    """The operation does not support Adam moments stored in less than fp32 (yet)."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -111,7 +115,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             specs,
             self.dp.size,
             self.config.bucket_numel,
-            self.config.align_numel,
+            *_alignment(self.config),
         )
         self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_accum_fp32)
         self.fqn_of = {p: fqn for fqn, p in named}
@@ -153,6 +157,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._group_fqns = [[self.fqn_of[p] for p in g["params"]] for g in self.param_groups]
         self._fqns = tuple(fqn for fqn, _ in named)  # order of the grad-presence flags
         self._all_present: torch.Tensor | None = None  # flags of a rank that has every grad
+        # Moments stored in bf16 or int8 (exp_avg_dtype / exp_avg_sq_dtype): (exp_avg, exp_avg_sq)
+        # per buffer, allocated lazily like the fp32 ones, which then stay None.
+        self._packed: tuple[list[quant.Moment], list[quant.Moment]] | None = None
         self._grad_norm: torch.Tensor | None = None
         self.step_kernel = self._choose_kernel()
         self._chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
@@ -356,7 +363,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 parts = step_plan.split(self._group_shards[gi], self.shards, self.param_steps, got)
                 launches += [(bi, gi, count, self._subset_table(tuple(ids)))
                              for (bi, count), ids in parts.items()]
-        assert self._exp_avg is not None and self._exp_avg_sq is not None
         partials = None
         if sum_sq:
             partials = torch.empty(sum(t.num_blocks for *_, t in launches),
@@ -368,7 +374,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             params = self.buffers.param_buffers[bi]
             kernels.adamw_(
                 table, params if main is None else main, self.buffers.grad_buffers[bi],
-                self._exp_avg[bi], self._exp_avg_sq[bi], None if main is None else params,
+                *self._kernel_moments(bi), None if main is None else params,
                 main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
                 beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
                 step=count, grad_scale=grad_scale,
@@ -398,12 +404,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             table = self._subset_tables[shard_ids] = self._chunk_table(shard_ids)
         return table
 
+    def _kernel_moments(self, bi: int) -> tuple[torch.Tensor | kernels.Packed, ...]:
+        if self._packed is None:
+            assert self._exp_avg is not None and self._exp_avg_sq is not None
+            return self._exp_avg[bi], self._exp_avg_sq[bi]
+        return tuple(kernels.Packed(m.values, m.scales) for m in
+                     (self._packed[0][bi], self._packed[1][bi]))
+
     def _update_torch(self, grad_scale: torch.Tensor | None, steps: list[int | None],
                       got: frozenset[str] | None) -> None:
         """torch's fused AdamW on the fp32 main params of each param group (only the params
-        this step updates, each at its own step count: ``steps``, ``got``, :mod:`.step_plan`)."""
+        this step updates, each at its own step count: ``steps``, ``got``, :mod:`.step_plan`).
+        Low-precision moments are widened to fp32 copies first and stored back after (the
+        reference for the Triton path, which does it in registers)."""
         grads = self._grad_shards()
-        views = self._state_views()
+        work = None
+        if self._packed is None:
+            views = self._state_views()
+        else:
+            work = ([m.to_fp32() for m in self._packed[0]], [m.to_fp32() for m in self._packed[1]])
+            main_views = [self.state_view("master_param", s) for s in self.shards]
+            views = [[[main_views[i] for i in idx]]
+                     + [[w[self.shards[i].buffer_index][self.shards[i].range_local.as_slice()]
+                         for i in idx] for w in work] for idx in self._group_shards]
         for gi, group in enumerate(self.param_groups):
             idx = self._group_shards[gi]
             main, exp_avg, exp_avg_sq = views[gi]
@@ -435,6 +458,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 maximize=False,
                 grad_scale=grad_scale,
             )
+        if work is not None:
+            for packed, wide in zip(self._packed, work):
+                for moment, w in zip(packed, wide):
+                    moment.store_(w)
 
     def _state_views(self) -> list[list[list[torch.Tensor]]]:
         """Per param group: views of main params, exp_avg, exp_avg_sq (cached until moments move)."""
@@ -536,6 +563,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return local.narrow(0, offset, bucket.shard_numel)
 
     def _ensure_moments(self) -> None:
+        if self.config.lowprec_moments:
+            if self._packed is None:
+                kinds = (self.config.exp_avg_dtype, self.config.exp_avg_sq_dtype)
+                self._packed = tuple(  # type: ignore[assignment]
+                    [quant.Moment(kind, b.local_numel, self.device, sqrt=name == "exp_avg_sq")
+                     for b in self.layout.buffers]
+                    for kind, name in zip(kinds, STATE_NAMES[1:]))
+            return
         if self._host.bring_staged():  # low_memory_resume: moments waited until after backward
             self._views = None
         elif self._exp_avg is None:
@@ -551,13 +586,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def has_moments(self) -> bool:
-        return self._exp_avg is not None or self._host.staged is not None
+        return (self._exp_avg is not None or self._host.staged is not None
+                or self._packed is not None)
+
+    def require_fp32_moments(self, what: str) -> None:
+        """Raise :class:`LowPrecisionStateError` unless both moments are stored in fp32
+        (checkpoints of bf16/int8 moments are not written yet)."""
+        cfg = self.config
+        if cfg.lowprec_moments:
+            raise LowPrecisionStateError(
+                f"[dp rank {self.dp.rank}] {what} supports only fp32 Adam moments; this "
+                f"optimizer has exp_avg_dtype={cfg.to_dict()['exp_avg_dtype']!r}, "
+                f"exp_avg_sq_dtype={cfg.to_dict()['exp_avg_sq_dtype']!r}")
 
     def state_view(self, name: str, shard: ParamShard) -> torch.Tensor:
         """1-D fp32 view of state ``name`` for ``shard`` (a record of this rank's); while
         offloaded, of its host copy."""
         if name == "master_param" and self._main[shard.buffer_index] is None:
             return self.buffers.shard_params(shard)
+        if name != "master_param":
+            self.require_fp32_moments(f"state_view({name!r})")  # no fp32 view of bf16/int8 state
         return self._host.local(name, shard.buffer_index)[shard.range_local.as_slice()]
 
     def _adopt_loaded_state(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]],
@@ -577,6 +625,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Move ``what`` (of :data:`~shardopt.host_state.KINDS`; default all) to pinned host
         memory and give its device memory back; a forward, ``step()`` and ``checkpoint.load``
         are refused until :meth:`onload`. Not collective. See :mod:`shardopt.host_state`."""
+        if "moments" in what:
+            self.require_fp32_moments("offload() of the moments")
         self._host.offload(what)
 
     def onload(self) -> None:
@@ -668,8 +718,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state = sum(t.numel() * 4 for t in self._main if t is not None)
         if self._exp_avg is not None:
             state += 2 * sum(t.numel() * 4 for t in self._exp_avg)
+        if self._packed is not None:
+            state += sum(m.num_bytes() for moments in self._packed for m in moments)
         out["optimizer_state"] = state
         return out
+
+
+def _alignment(config: OptimizerConfig) -> tuple[int, int]:
+    """``(align_numel, param_align)`` for the layout: 8-bit moments need every block of
+    :data:`quant.QBLOCK` elements of a param whole on one rank (see :mod:`.quant`)."""
+    if not config.quantized_moments:
+        return config.align_numel, 1
+    return math.lcm(config.align_numel, quant.QBLOCK), quant.QBLOCK
 
 
 def _param_groups(

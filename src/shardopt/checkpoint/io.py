@@ -174,6 +174,7 @@ def save(
     is split into and written at once. On any failure of any rank every rank
     raises :class:`CheckpointError` and nothing is committed.
     """
+    optimizer.require_fp32_moments("checkpoint.save")
     dp = optimizer.dp
     optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
     root = Path(root)
@@ -333,6 +334,7 @@ def load(
     blocks a rank reads at once. On any error every rank raises a
     :class:`CheckpointError` and model and optimizer are left as they were.
     """
+    optimizer.require_fp32_moments("checkpoint.load")
     dp = optimizer.dp
     optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
     if low_memory_resume is None:

@@ -1,0 +1,109 @@
+"""Low-precision storage of Adam moments: bf16, and blockwise 8-bit ("int8").
+
+The optimizer math always runs in fp32; this module only says how a moment is
+kept between steps and converts a rank's local state tensor to and from fp32.
+
+* ``torch.bfloat16``: the fp32 result rounded to nearest even (torch's cast).
+* ``"int8"``: 8-bit codes and one fp32 scale per block of :data:`QBLOCK`
+  elements, linear within the block (absmax scaling). ``exp_avg`` is stored as
+  signed codes ``q = rne(m / scale)`` in ``[-127, 127]`` with
+  ``scale = max|m| / 127``. ``exp_avg_sq`` is stored as its square root, in
+  unsigned codes ``q = rne(sqrt(v) / scale)`` in ``[0, 255]`` with
+  ``scale = max sqrt(v) / 255``, and read back as ``v = (q * scale) ** 2``: v
+  spans many decades, sqrt halves that in exponent, so far fewer small entries of
+  a block flush to zero next to a large one (a flushed v makes that element's
+  step ``m / eps``); sqrt(v) is never negative, so the sign bit buys resolution.
+  Rounding is to nearest, ties to even (``torch.round``). Why int8 and not e4m3:
+  docs/lowprec.md, with the measured errors.
+
+Why a block is defined in the param's flattened (model) space: block ``k`` of a
+param is its elements ``[k * QBLOCK, (k + 1) * QBLOCK)``. The layout
+(``build_layout(param_align=QBLOCK)``) starts every param on a multiple of
+QBLOCK in its buffer and cuts shards at multiples of it, so a block lies whole on
+one rank at every DP size and a rank's local tensor is a whole number of blocks.
+A checkpoint can then store each param's codes (``numel`` bytes) and scales
+(``ceil(numel / QBLOCK)`` fp32) by FQN and load them at another DP size without
+re-quantising. Padding elements are always zero (code 0 whatever the scale).
+
+Memory per element: 1 + 4 / QBLOCK bytes (1.0625 with QBLOCK = 64), against 4
+for fp32 and 2 for bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import INT8
+
+QBLOCK = 64
+"""Elements per scale. Divides the default ``align_numel`` (64), so the default shard cut
+already falls on block boundaries; 64 rather than 128 or 256 because a smaller block tracks
+local magnitude better (docs/lowprec.md) for 1/16 byte per element more than 128."""
+
+
+def storage_dtype(kind: torch.dtype | str, sqrt: bool = False) -> torch.dtype:
+    """The element dtype a moment of ``kind`` is stored in (``sqrt``: the exp_avg_sq one)."""
+    if kind == INT8:
+        return torch.uint8 if sqrt else torch.int8
+    return kind  # type: ignore[return-value]
+
+
+def code_max(sqrt: bool) -> float:
+    """The largest 8-bit code: the block maximum is stored as it."""
+    return 255.0 if sqrt else 127.0
+
+
+def num_scales(numel: int) -> int:
+    """Scales an 8-bit tensor of ``numel`` elements carries."""
+    return -(-numel // QBLOCK)
+
+
+def bytes_per_element(kind: torch.dtype | str) -> float:
+    """Storage cost of one moment element, scales included."""
+    if kind == INT8:
+        return 1 + 4 / QBLOCK
+    return kind.itemsize  # type: ignore[union-attr]
+
+
+class Moment:
+    """One moment of one local state tensor in its storage form.
+
+    ``values`` has the local tensor's element count in :func:`storage_dtype`;
+    ``scales`` (int8 only, else None) has one fp32 entry per :data:`QBLOCK` block.
+    ``sqrt`` (int8 only) marks that the stored quantity is the moment's square root.
+    """
+
+    def __init__(self, kind: torch.dtype | str, numel: int, device: torch.device,
+                 sqrt: bool = False) -> None:
+        if kind == INT8 and numel % QBLOCK:
+            raise ValueError(f"an int8 moment needs a multiple of {QBLOCK} elements, got {numel}")
+        self.kind = kind
+        self.sqrt = sqrt and kind == INT8
+        self.values = torch.zeros(numel, dtype=storage_dtype(kind, self.sqrt), device=device)
+        self.scales = (torch.zeros(num_scales(numel), dtype=torch.float32, device=device)
+                       if kind == INT8 else None)
+
+    def num_bytes(self) -> int:
+        out = self.values.numel() * self.values.element_size()
+        if self.scales is not None:
+            out += self.scales.numel() * 4
+        return out
+
+    def to_fp32(self) -> torch.Tensor:
+        """A new fp32 tensor with the moment's values."""
+        if self.scales is None:
+            return self.values.float()
+        x = (self.values.float().view(-1, QBLOCK) * self.scales[:, None]).view(-1)
+        return x.square_() if self.sqrt else x
+
+    def store_(self, x: torch.Tensor) -> None:
+        """Replace the stored values by fp32 ``x`` (rounded to nearest, ties to even)."""
+        if self.scales is None:
+            self.values.copy_(x)
+            return
+        top = code_max(self.sqrt)
+        y = (x.sqrt() if self.sqrt else x).view(-1, QBLOCK)
+        torch.div(y.abs().amax(dim=1), top, out=self.scales)
+        safe = torch.where(self.scales == 0, 1.0, self.scales)  # an all-zero block stays 0
+        self.values.view(-1, QBLOCK).copy_(
+            (y / safe[:, None]).round_().clamp_(-top, top))
