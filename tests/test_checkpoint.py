@@ -609,10 +609,11 @@ def test_latest_and_retention(tmp_path):
     assert checkpoint.load(root, fresh, fresh_opt).step == 5
     assert_tensors_equal(snapshot(fresh), snapshot(model))
 
-    # Saving over an existing step, or with non-JSON extra, fails and writes nothing.
+    # Saving over an incomplete step directory, or with non-JSON extra, fails and writes
+    # nothing.
     before = listing()
-    with pytest.raises(CheckpointError, match="step_00000005"):
-        checkpoint.save(root, model, opt, step=5)
+    with pytest.raises(CheckpointError, match="step_00000008 exists and is not a committed"):
+        checkpoint.save(root, model, opt, step=8)
     with pytest.raises(CheckpointError, match="JSON"):
         checkpoint.save(root, model, opt, step=6, extra={"bad": object()})
     assert listing() == before

@@ -169,7 +169,9 @@ def save(
 
     ``extra`` must be JSON-serialisable (data position, scheduler state, ...).
     ``keep_last`` deletes older committed checkpoints beyond the newest ``k``
-    (never the one just saved). ``io_threads`` (default: this process's share of
+    (never the one just saved). Committed checkpoints of steps ``>= step`` (left by a run
+    this one rolled back from) are replaced when this one commits, never before (see
+    :mod:`.commit`). ``io_threads`` (default: this process's share of
     the node's CPUs, 2-16) is how many files of about equal size each rank's data
     is split into and written at once. On any failure of any rank every rank
     raises :class:`CheckpointError` and nothing is committed.
