@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from safetensors.torch import save_file
 
 from ..layout import Range
 from ..optimizer import STATE_NAMES
-from . import state
+from . import commit, state
 from .format import MANIFEST, TORCH_DTYPE_NAMES, FormatError, StoredChunk
 from .io import CheckpointError, resolve
 from .manifest import read_manifest, unknown_files, validate_manifest
@@ -121,27 +123,57 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
     """Write ``model*.safetensors`` and ``optimizer*.safetensors`` with full-shape tensors.
 
     Returns the written file paths. Tensors are read and written one file's
-    worth at a time, so memory stays near ``max_file_bytes``.
+    worth at a time, so memory stays near ``max_file_bytes``. ``out_dir`` must not
+    exist or be empty, and must not hold a checkpoint or lie inside this one. The
+    files are written into a temporary sibling renamed to ``out_dir`` at the end, so
+    a failed export leaves no partial output.
     """
     p, m = _open(path)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    store = _Store(p, m, verify=verify)
-    dtypes = _dtypes(m)
+    _check_output_dir(p, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    store = None
     try:
+        store = _Store(p, m, verify=verify)
+        dtypes = _dtypes(m)
         model_keys = [(fqn, fqn, info["shape"]) for fqn, info in m["params"].items()]
         optim_keys = [(f"{fqn}.{n}", f"{fqn}.{n}", info["shape"])
                       for fqn, info in m["params"].items() if info["trainable"]
                       for n in ("exp_avg", "exp_avg_sq", "master_param")]
-        written = _write_split(store, out, "model", model_keys, dtypes, max_file_bytes)
-        written += _write_split(store, out, "optimizer", optim_keys, dtypes, max_file_bytes)
+        names = _write_split(store, tmp, "model", model_keys, dtypes, max_file_bytes)
+        names += _write_split(store, tmp, "optimizer", optim_keys, dtypes, max_file_bytes)
+        os.rename(tmp, out)  # replaces an empty directory; fails on anything else
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
-        store.close()
-    return written
+        if store is not None:
+            store.close()
+    return [str(out / n) for n in names]
+
+
+def _check_output_dir(ckpt: Path, out: Path) -> None:
+    """Refuse an export target that would write into a checkpoint or over other files."""
+    where, target = ckpt.resolve(), out.resolve()
+    if target == where or where in target.parents:
+        raise CheckpointError(f"refusing to export {ckpt} into {out}: it is inside the "
+                              "checkpoint, whose files verify would then reject")
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise CheckpointError(f"refusing to export into {out}: it exists and is not a directory")
+    if (out / MANIFEST).exists() or commit.complete_steps(out) or target in where.parents:
+        raise CheckpointError(f"refusing to export into {out}: it holds a checkpoint")
+    if any(out.iterdir()):
+        raise CheckpointError(f"refusing to export into {out}: the directory is not empty")
 
 
 def _write_split(store: _Store, out: Path, stem: str, keys: list[tuple[str, str, list[int]]],
                  dtypes: dict[str, torch.dtype], max_file_bytes: int) -> list[str]:
+    """Write ``keys`` as ``stem`` files under ``out`` (split past ``max_file_bytes``);
+    return the file names."""
     groups: list[list[tuple[str, str, list[int]]]] = [[]]
     size = 0
     for item in keys:
@@ -171,7 +203,7 @@ def _write_split(store: _Store, out: Path, stem: str, keys: list[tuple[str, str,
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return [str(out / n) for n in names]
+    return names
 
 
 __all__ = ["export", "inspect", "verify", "CheckpointError", "MANIFEST"]
