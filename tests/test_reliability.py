@@ -98,33 +98,13 @@ def test_roundtrip_baseline(saved: Path) -> None:
     _check_state(str(saved), 1)
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_older_versions_still_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                   version: int) -> None:
-    """Version 1 kept all optimizer state in ``optim-RRRRR`` (three files per rank);
-    version 2 gave each moment its own file but never split a kind into parts."""
-    from shardopt.checkpoint import io as ckpt_io
-
-    with monkeypatch.context() as patch:
-        patch.setattr(ckpt_io, "FORMAT_VERSION", version)
-        model, opt = trained(1)
-        path = Path(checkpoint.save(tmp_path / "root", model, opt, step=1))
-    names = ["manifest.json", *FILES] if version == 2 else [
-        "manifest.json", "model-00000.safetensors", "optim-00000.safetensors",
-        "rng-00000.safetensors"]
-    assert sorted(p.name for p in path.iterdir()) == sorted(names)
-    assert read_json(path)["version"] == version
-    assert checkpoint.verify(path)["files"] == len(names) - 1
-    _check_state(str(path), 1)
-    m = read_json(path)
-    if version == 1:  # a version-1 manifest that lists version-2 files is refused
-        m["files"]["exp_avg-00000.safetensors"] = m["files"].pop("optim-00000.safetensors")
-        write_manifest(path, m)
-        _assert_refused(path, "a version 1 checkpoint has no file exp_avg-00000")
-    else:  # parts came with version 3
-        m["files"]["exp_avg-00000-p1.safetensors"] = m["files"].pop("exp_avg-00000.safetensors")
-        write_manifest(path, m)
-        _assert_refused(path, "a version 2 checkpoint has no file exp_avg-00000-p1")
+@pytest.mark.parametrize("version", [1, 2, 4, "3"])
+def test_other_format_versions_are_refused(saved: Path, version) -> None:
+    """One format: a manifest of any other version (even with a valid checksum) is refused
+    by name, with both versions."""
+    edit_manifest(saved, lambda m: m.__setitem__("version", version))
+    _assert_refused(saved, rf"manifest.json: format version {version!r}; this shardopt reads "
+                           "version 3 only")
 
 
 def _damage(path: Path, name: str, how: str) -> None:
@@ -329,6 +309,32 @@ def test_inconsistent_manifest_is_refused(saved: Path, edit: str) -> None:
     with pytest.raises(checkpoint.CheckpointError):
         checkpoint.load(saved, model, opt)
     assert differences(before, snapshot(model, opt)) == []
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m["optimizer"].__setitem__("kind", "sgd"), "holds 'sgd' optimizer state"),
+    (lambda m: m["optimizer"].__setitem__("state", ["momentum"]), r"\['momentum'\]"),
+    (lambda m: m["params"]["out.bias"]["group"].__setitem__("lr", float("nan")),
+     "lr=nan of 'out.bias' is malformed"),
+    (lambda m: m["params"]["out.bias"]["group"].__setitem__("lr", -0.1),
+     "lr=-0.1 of 'out.bias' is malformed"),
+    (lambda m: m["params"]["out.bias"]["group"].__setitem__("eps", float("inf")),
+     "eps=inf of 'out.bias' is malformed"),
+    (lambda m: m["params"]["out.bias"]["group"].__setitem__("betas", [0.9, 1.5]),
+     r"betas=\[0.9, 1.5\] of 'out.bias' is malformed"),
+    (lambda m: m["params"]["out.bias"].pop("group"), "'out.bias' lacks its hyperparameters"),
+    (lambda m: m["params"]["out.weight"].__setitem__("shape", [3, 17]),
+     "stored chunks of 'out.weight' cover 48 of 51 elements"),
+    (lambda m: m["params"]["out.weight"].__setitem__("shape", [3, 15]),
+     "stored chunks of 'out.weight' cover 48 of 45 elements"),
+    (lambda m: m["params"].pop("out.bias"),
+     r"stores 'out\.bias(\.\w+)?', which no param describes"),
+])
+def test_verify_applies_the_manifest_checks_of_load(saved: Path, edit, needle: str) -> None:
+    """One validation (the manifest parser) for ``load`` and ``verify``: crafted manifests
+    with a valid checksum are refused by both, naming the manifest and the field."""
+    edit_manifest(saved, edit)
+    _assert_refused(saved, f"manifest.json: .*{needle}")
 
 
 class _Payload:

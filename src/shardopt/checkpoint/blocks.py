@@ -29,11 +29,7 @@ import torch
 import xxhash
 
 from .format import FormatError
-from .transfer import Scratch, Segment, host_bytes, preadv_exact, run_parallel
-
-# verify_blocks reads in pieces of at most this size; read_blocks handles blocks up
-# to twice the staging (``max_block_bytes``) and leaves larger ones to two passes.
-PIECE_BYTES = 4 << 20
+from .transfer import PIECE_BYTES, Scratch, Segment, host_bytes, preadv_exact, run_parallel
 
 
 @dataclass(frozen=True)

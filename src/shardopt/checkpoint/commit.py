@@ -8,7 +8,7 @@ communicates. The protocol, and why each step is safe to crash at:
    ``.tmp-step_XXXXXXXX-<id>`` and ``flock`` it for the whole save. A
    temporary directory whose lock can be taken belongs to nobody alive, so it
    is stale; one that is locked belongs to a concurrent job and is left alone.
-2. The ranks write their files into it (see :mod:`.io`). Nothing outside
+2. The ranks write their files into it (see :mod:`.save`). Nothing outside
    ``.tmp-*`` changes, so a crash here costs nothing but the temporary dir.
 3. ``commit``: write ``manifest.json`` (fsynced, atomic), then under the root
    lock rename the directory to ``step_XXXXXXXX`` (the commit point: a
@@ -48,6 +48,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from .agree import CheckpointError
 from .format import LATEST, MANIFEST, STEP_DIR
 
 LOCK = ".lock"
@@ -171,6 +172,39 @@ class RootLock:
         if self.fd is not None:
             os.close(self.fd)  # releases the flock
             self.fd = None
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """Coordinator-free. Path of the newest committed checkpoint under ``root``, or None.
+
+    Follows the ``latest`` marker when it names a complete checkpoint, otherwise
+    the highest-numbered complete ``step_*`` directory. Temporary directories of
+    unfinished saves are never returned.
+    """
+    root = Path(root)
+    try:
+        with open(root / LATEST, "rb") as f:
+            name = f.read(256).decode("ascii", "replace").strip()
+    except OSError:
+        name = ""
+    if STEP_DIR.fullmatch(name) and is_complete(root / name):
+        return str(root / name)
+    steps = complete_steps(root) if root.is_dir() else []
+    return str(steps[-1]) if steps else None
+
+
+def resolve(root_or_path: str | os.PathLike) -> Path:
+    """Coordinator-free. A checkpoint directory, given itself or a root holding some.
+    Raises :class:`CheckpointError` when there is none."""
+    p = Path(root_or_path)
+    if os.path.lexists(p / MANIFEST):
+        return p
+    if not p.exists():
+        raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    found = latest(p)
+    if found is None:
+        raise CheckpointError(f"no committed checkpoint in {p} (no {MANIFEST} found)")
+    return Path(found)
 
 
 @dataclass

@@ -79,20 +79,6 @@ def describe(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, dic
     return table
 
 
-def stored_numels(params: dict[str, dict]) -> dict[str, int]:
-    """Every stored key and its element count, from a manifest ``params`` table."""
-    out: dict[str, int] = {}
-    for fqn, info in params.items():
-        numel = 1
-        for s in info["shape"]:
-            numel *= int(s)
-        out[fqn] = numel
-        if info["trainable"]:
-            for name in STATE_NAMES:
-                out[f"{fqn}.{name}"] = numel
-    return out
-
-
 def model_entries(model: torch.nn.Module, opt: DistributedOptimizer) -> list[WriteEntry]:
     """Model weights this rank writes: its shards of trainable params, and (rank 0) the rest."""
     out = [
