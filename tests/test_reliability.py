@@ -132,6 +132,24 @@ def test_damaged_data_file_is_detected_and_named(saved: Path, name: str, how: st
     _assert_refused(saved, name)
 
 
+def test_what_load_verifies_is_what_it_reads(tmp_path: Path) -> None:
+    """``load`` hash-checks every block it reads. It does not read the model-dtype copy of a
+    trainable param (the weights are rebuilt from the fp32 main params), so damage there is
+    reported by ``verify`` and cannot reach the loaded state; damage to the main param it
+    reads is refused by both."""
+    saved = Path(checkpoint.save(tmp_path / "root", *trained(1), step=1, block_bytes=64))
+    model_file = saved / "model-00000.safetensors"
+    flip_byte(model_file, data_offset(model_file, "hidden.weight") + 200)  # a block of its own
+    with pytest.raises(FormatError, match="model-00000.safetensors: content hash mismatch"):
+        checkpoint.verify(saved)
+    _check_state(str(saved), 1)  # bit-exact: the damaged bytes were never used
+    flip_byte(model_file, data_offset(model_file, "hidden.weight") + 200)  # repaired
+    checkpoint.verify(saved)
+    optim_file = saved / "optim-00000.safetensors"
+    flip_byte(optim_file, data_offset(optim_file, "hidden.weight.master_param") + 1)
+    _assert_refused(saved, "optim-00000.safetensors: content hash mismatch")
+
+
 def test_verify_false_skips_hashes_but_verify_catches_it(saved: Path) -> None:
     _damage(saved, "optim-00000.safetensors", "flip-data")
     model, opt = trained(2)

@@ -1,23 +1,11 @@
-"""Hash-verified block reads: check stored blocks, or read, check and place them in one pass.
+"""Hash-checked block reads, the two primitives of :mod:`.read`.
 
-A data file is hashed in fixed-size blocks (xxh3-64 of each; :func:`~.transfer.write_blocks`).
-Two ways to read it with verification:
-
-* :func:`verify_blocks` reads blocks only to hash them (the bytes are then read
-  again into their destinations, after every rank has verified everything):
-  what tensors that already exist need, since nothing may be written into them
-  before every check has passed.
-* :func:`read_blocks` reads every block that :class:`Segment` s touch exactly
-  once, scattering it with ``preadv`` straight into the destinations (host,
-  stored dtype) or into a scratch buffer (gaps between segments, device or
-  casting destinations), hashes what it read and then copies the staged parts
-  on. It is only for tensors nothing else can see yet: on a mismatch they hold
-  partial data and the caller discards them.
-
-Both take many files at once and read and hash a given number of blocks at a time,
-on as many threads (``preadv`` and ``xxhash`` release the GIL), which a single reader
-on fast storage (tmpfs, NVMe) cannot saturate. Host memory is bounded: one scratch
-buffer of one piece or block per thread.
+:func:`verify_blocks` reads blocks only to hash them. :func:`read_blocks` reads every
+block that segments touch once, scattering it with ``preadv`` straight into host
+destinations of the stored dtype or into a scratch buffer (gaps, device or casting
+destinations), hashes it, then copies the staged parts on. Both take many files at once
+and work on several threads (``preadv`` and ``xxhash`` release the GIL); host memory is
+one piece or block per thread.
 """
 
 from __future__ import annotations

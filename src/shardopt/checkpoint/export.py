@@ -22,7 +22,7 @@ from ..layout import Range
 from ..optimizer import STATE_NAMES
 from . import commit
 from .agree import CheckpointError
-from .format import MANIFEST, FormatError
+from .format import MANIFEST, FormatError, dtype_name
 from .manifest import Manifest, parse
 from .read import DataFiles, read_verified
 from .transfer import io_threads
@@ -50,7 +50,7 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """Summary of a checkpoint from its manifest (no data is read)."""
     m = _open(path)
-    rows = [{"fqn": fqn, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
+    rows = [{"fqn": fqn, "shape": list(p.shape), "dtype": dtype_name(p.dtype),
              "trainable": p.trainable, "numel": p.numel,
              "weight_bytes": p.numel * p.dtype.itemsize,
              "state_bytes": 4 * len(STATE_NAMES) * p.numel if p.trainable else 0}

@@ -74,10 +74,6 @@ class StoredChunk:
     dtype: torch.dtype
     data_start: int  # byte offset of the chunk's first element in the file
 
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
 
 @dataclass(frozen=True)
 class FileHeader:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..config import GROUP_KEYS
 from ..optimizer import STATE_NAMES
 from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                      MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES,
@@ -27,8 +28,6 @@ from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFES
 from .storage import open_regular
 
 _HASH = re.compile(r"^[0-9a-f]{16}$")
-# Per-param hyperparameters stored with each trainable param (its group's at the save).
-HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 @dataclass(frozen=True)
@@ -198,7 +197,7 @@ def _hyper(fqn: str, group: Any, file: Path) -> dict[str, Any]:
     if not isinstance(group, dict):
         raise FormatError(f"{file}: param {fqn!r} lacks its hyperparameters ('group')")
     out: dict[str, Any] = {}
-    for key in HYPER_KEYS:
+    for key in GROUP_KEYS:
         v = group.get(key)
         if key == "betas":
             ok = (isinstance(v, list) and len(v) == 2

@@ -1,22 +1,11 @@
 """The one read engine of checkpoints: ``load``, ``verify`` and ``export`` all read through it.
 
-:class:`DataFiles` opens a checkpoint's data files and cross-checks their headers
-with the manifest; :meth:`DataFiles.reads` says which stored bytes fill a
-destination tensor. :func:`read_verified` then moves them:
-
-* fresh destinations (tensors nobody else sees yet: new Adam moments, RNG
-  states, export buffers) are filled at once, in one pass that reads each
-  block they touch once and checks its hash as it reads it
-  (:func:`~.blocks.read_blocks`); where the block layout does not allow that,
-  the blocks are verified first and read after;
-* in-place destinations (existing model and optimizer tensors) are only
-  verified now; their bytes are read by the function it returns, which the
-  caller runs once everything (on every rank) checked out, so that a failed
-  load changes nothing.
-
-Every file that is read has its header blocks verified too, and ``whole`` files
-every block (``verify``). Host memory is bounded by ``staging_bytes``, work is
-spread over ``threads``.
+:class:`DataFiles` opens a checkpoint's data files, cross-checks their headers with the
+manifest and says which stored bytes fill a destination. :func:`read_verified` fills fresh
+destinations (new Adam moments, RNG states, export buffers) at once, in one pass that
+hash-checks each block as it reads it where the block layout allows (else verify, then
+read); in-place destinations (existing tensors) are only verified, and filled by the
+function it returns, which ``load`` runs once every rank found everything in order.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import GROUP_KEYS
 from ..layout import Range
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from .format import dtype_name
@@ -72,7 +73,7 @@ def describe(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, dic
             "trainable": True,
             "step": opt.step_counts[gi],
             "group": {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
-                      if k in ("lr", "betas", "eps", "weight_decay")},
+                      if k in GROUP_KEYS},
         }
     for fqn, t in frozen_tensors(model, opt).items():
         table[fqn] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "trainable": False}
