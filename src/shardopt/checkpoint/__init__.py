@@ -6,10 +6,11 @@
 
 from .agree import CheckpointError
 from .commit import latest
+from .config import CheckpointConfig
 from .export import export, inspect, verify
 from .format import FormatError
 from .load import LoadInfo, load
 from .save import save
 
-__all__ = ["CheckpointError", "FormatError", "LoadInfo", "export", "inspect", "latest", "load",
+__all__ = ["CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo", "export", "inspect", "latest", "load",
            "save", "verify"]

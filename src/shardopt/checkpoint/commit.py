@@ -24,7 +24,9 @@ atomic exchange of the temporary directory with ``step_k`` (``renameat2``
 ``RENAME_EXCHANGE``; where the file system lacks it, two renames with a crash
 window in which ``step_k`` is missing). After it, ``latest`` names ``step_k``,
 then the branch's steps ``> k`` and the old ``step_k`` go to trash, so neither
-the marker nor ``latest()``'s fallback to the highest step can return them.
+the marker nor ``latest()``'s fallback to the highest step can return them (a
+crash between the exchange and the marker update leaves the marker on the old
+branch's head, whose checkpoints are then still whole).
 Only a ``step_k`` that existed when the save began is replaced: one committed
 by another job during the save is refused (``already exists``).
 

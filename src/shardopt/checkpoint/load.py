@@ -25,9 +25,10 @@ from ..pinned import PinnedBuffer
 from . import state
 from .agree import CheckpointError, agree
 from .commit import resolve
+from .config import CheckpointConfig, resolve_config
 from .format import FormatError, data_file_name
 from .manifest import Manifest, parse
-from .read import STAGING_BYTES, DataFiles, Read, read_verified
+from .read import DataFiles, Read, read_verified
 from .transfer import io_threads as resolve_threads
 
 Moments = tuple[list[torch.Tensor], list[torch.Tensor]]
@@ -62,9 +63,11 @@ def load(
     model: torch.nn.Module,
     optimizer: DistributedOptimizer,
     low_memory_resume: bool | None = None,
-    verify: bool = True,
-    staging_bytes: int = STAGING_BYTES,
+    verify: bool | None = None,
+    staging_bytes: int | None = None,
     io_threads: int | None = None,
+    *,
+    config: CheckpointConfig | None = None,
 ) -> LoadInfo:
     """Collective. Restore ``model`` and ``optimizer`` from a checkpoint saved at any DP size.
 
@@ -73,17 +76,20 @@ def load(
     of every block read (and of the header blocks of every file read from).
     ``io_threads`` (default as for :func:`~.save.save`) is how many blocks a rank
     reads at once. On any error every rank raises a :class:`CheckpointError` and
-    model and optimizer are left as they were.
+    model and optimizer are left as they were. ``config`` holds these settings in one
+    object; a keyword argument that is not None overrides its field.
     """
     dp = optimizer.dp
     optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
-    if low_memory_resume is None:
-        low_memory_resume = optimizer.config.low_memory_resume
-    host = bool(low_memory_resume)
-    plan, error = None, None
+    plan, error, host = None, None, False
     try:
-        threads = resolve_threads(io_threads)
-        plan = _prepare(root_or_path, model, optimizer, verify, host, staging_bytes, threads)
+        cfg = resolve_config(config, low_memory_resume=low_memory_resume, verify=verify,
+                             staging_bytes=staging_bytes, io_threads=io_threads)
+        host = bool(optimizer.config.low_memory_resume if cfg.low_memory_resume is None
+                    else cfg.low_memory_resume)
+        threads = resolve_threads(cfg.io_threads)
+        plan = _prepare(root_or_path, model, optimizer, cfg.verify, host, cfg.staging_bytes,
+                        threads)
     except Exception as e:  # noqa: BLE001 - reported to every rank by agree
         error = e
     try:

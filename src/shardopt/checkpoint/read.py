@@ -19,11 +19,9 @@ from ..layout import Range
 from .blocks import BlockFile, one_pass_ok, read_blocks, verify_blocks
 from .index import ChunkIndex
 from .manifest import Manifest
+from .config import STAGING_BYTES
 from .storage import FileReader, read_scratch
 from .transfer import FileSegment, Segment, read_segments
-
-# Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
-STAGING_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -158,4 +156,4 @@ def _one_pass(fresh: list[Read], staging_bytes: int, threads: int) -> dict[str, 
     return dict(zip(names, done))
 
 
-__all__ = ["STAGING_BYTES", "DataFiles", "Read", "read_verified"]
+__all__ = ["DataFiles", "Read", "read_verified"]

@@ -34,10 +34,9 @@ import torch
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from . import commit, state
 from .agree import CheckpointError, agree
-from .format import (DEFAULT_BLOCK_BYTES, FORMAT_NAME, FORMAT_VERSION, MAX_BLOCK_BYTES,
-                     MAX_PARTS, OPTIMIZER_KIND, data_file_name, manifest_checksum,
-                     state_file_kind, step_dir_name)
-from .read import STAGING_BYTES
+from .config import CheckpointConfig, resolve_config
+from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, data_file_name,
+                     manifest_checksum, state_file_kind, step_dir_name)
 from .storage import (FILE_THREADS, WriteEntry, entry_bytes, part_counts, split_entries,
                       write_file, write_scratch)
 from .transfer import io_threads as resolve_threads
@@ -53,13 +52,9 @@ def _rng_entries() -> list[WriteEntry]:
     return out
 
 
-def _check_save_args(step: Any, extra: Any, keep_last: Any, block_bytes: Any) -> dict[str, Any]:
+def _check_save_args(step: Any, extra: Any) -> dict[str, Any]:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"step must be an int >= 0, got {step!r}")
-    if keep_last is not None and not (isinstance(keep_last, int) and keep_last >= 1):
-        raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-    if not (isinstance(block_bytes, int) and 1 <= block_bytes <= MAX_BLOCK_BYTES):
-        raise CheckpointError(f"block_bytes must be in [1, {MAX_BLOCK_BYTES}], got {block_bytes!r}")
     try:
         extra = json.loads(json.dumps(extra if extra is not None else {}))
     except (TypeError, ValueError) as e:
@@ -76,9 +71,11 @@ def save(
     step: int,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    staging_bytes: int = STAGING_BYTES,
+    block_bytes: int | None = None,
+    staging_bytes: int | None = None,
     io_threads: int | None = None,
+    *,
+    config: CheckpointConfig | None = None,
 ) -> str:
     """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.
 
@@ -89,7 +86,8 @@ def save(
     :mod:`.commit`). ``io_threads`` (default: this process's share of
     the node's CPUs, 2-16) is how many files of about equal size each rank's data
     is split into and written at once. On any failure of any rank every rank
-    raises :class:`CheckpointError` and nothing is committed.
+    raises :class:`CheckpointError` and nothing is committed. ``config`` holds these
+    settings in one object; a keyword argument that is not None overrides its field.
     """
     dp = optimizer.dp
     optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
@@ -97,10 +95,12 @@ def save(
     what = f"saving step {step!r} to {root}"
     staged: commit.Staged | None = None
     try:
-        error, extra_obj, threads = None, None, 1
+        error, extra_obj, threads, cfg = None, None, 1, CheckpointConfig()
         try:
-            extra_obj = _check_save_args(step, extra, keep_last, block_bytes)
-            threads = resolve_threads(io_threads)
+            cfg = resolve_config(config, keep_last=keep_last, block_bytes=block_bytes,
+                                 staging_bytes=staging_bytes, io_threads=io_threads)
+            extra_obj = _check_save_args(step, extra)
+            threads = resolve_threads(cfg.io_threads)
             if dp.rank == 0:
                 staged = commit.begin(root, step_dir_name(step))
         except Exception as e:  # noqa: BLE001 - reported to every rank by agree
@@ -114,8 +114,8 @@ def save(
 
         records, error = {}, None
         try:
-            records = _write_rank_files(tmp, model, optimizer, block_bytes, staging_bytes,
-                                        threads)
+            records = _write_rank_files(tmp, model, optimizer, cfg.block_bytes,
+                                        cfg.staging_bytes, threads)
         except Exception as e:  # noqa: BLE001
             error = e
         all_records = agree(dp, error, what, records)
@@ -125,7 +125,7 @@ def save(
             try:
                 files = {name: rec for recs in all_records for name, rec in recs.items()}
                 text = _manifest_text(model, optimizer, step, files, extra_obj)
-                commit.commit(staged, step_dir_name(step), text, keep_last)
+                commit.commit(staged, step_dir_name(step), text, cfg.keep_last)
             except Exception as e:  # noqa: BLE001
                 error = e
         agree(dp, error, f"committing {root / step_dir_name(step)}")
