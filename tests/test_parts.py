@@ -68,7 +68,7 @@ def test_io_threads_default_and_bad_values(monkeypatch):
     assert io_threads(5) == 5
     for bad in (0, -1, 2.5, True, "4"):
         with pytest.raises(ValueError, match="io_threads must be an int >= 1"):
-            io_threads(bad)
+            checkpoint.CheckpointConfig(io_threads=bad)
 
 
 @pytest.fixture

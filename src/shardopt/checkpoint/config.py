@@ -39,21 +39,21 @@ class CheckpointConfig:
     """Save: the hash block size of the data files."""
 
     def __post_init__(self) -> None:
-        checks = {
-            "low_memory_resume": isinstance(self.low_memory_resume, (bool, type(None))),
-            "verify": isinstance(self.verify, bool),
-            "io_threads": self.io_threads is None or _is_int(self.io_threads, 1),
-            "staging_bytes": _is_int(self.staging_bytes, 1),
-            "keep_last": self.keep_last is None or _is_int(self.keep_last, 1),
-            "block_bytes": _is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
+        checks = {  # field: (valid, what it must be)
+            "low_memory_resume": (isinstance(self.low_memory_resume, (bool, type(None))),
+                                  "a bool or None"),
+            "verify": (isinstance(self.verify, bool), "a bool"),
+            "io_threads": (self.io_threads is None or _is_int(self.io_threads, 1),
+                           "an int >= 1 or None"),
+            "staging_bytes": (_is_int(self.staging_bytes, 1), "an int >= 1"),
+            "keep_last": (self.keep_last is None or _is_int(self.keep_last, 1),
+                          "an int >= 1 or None"),
+            "block_bytes": (_is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
+                            f"an int in [1, {MAX_BLOCK_BYTES}]"),
         }
-        wanted = {"low_memory_resume": "a bool or None", "verify": "a bool",
-                  "io_threads": "an int >= 1 or None", "staging_bytes": "an int >= 1",
-                  "keep_last": "an int >= 1 or None",
-                  "block_bytes": f"an int in [1, {MAX_BLOCK_BYTES}]"}
-        for name, ok in checks.items():
+        for name, (ok, wanted) in checks.items():
             if not ok:
-                raise CheckpointError(f"{name} must be {wanted[name]}, got "
+                raise CheckpointError(f"{name} must be {wanted}, got "
                                       f"{getattr(self, name)!r}")
 
 
