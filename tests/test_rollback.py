@@ -63,13 +63,22 @@ def test_rollback_replaces_step_k_content(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
-def test_rollback_without_atomic_exchange(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_rollback_with_and_without_atomic_exchange(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                           exchange: bool) -> None:
     root = tmp_path / "root"
     _branch(root, range(1, 4))
-    if not exchange:
+    used = []
+    if exchange:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        if not commit._exchange(tmp_path / "a", tmp_path / "b"):
+            pytest.skip("this file system has no RENAME_EXCHANGE")
+        real = commit._exchange
+        monkeypatch.setattr(commit, "_exchange", lambda a, b: used.append(real(a, b)) or used[-1])
+    else:
         monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
     checkpoint.save(root, *trained(2), step=2, extra={"branch": "new"})
+    assert used == ([True] if exchange else [])
     assert read_json(root / "step_00000002")["extra"] == {"branch": "new"}
     assert checkpoint.latest(root) == str(root / "step_00000002")
     assert sorted(os.listdir(root)) == [".lock", "latest", "step_00000001", "step_00000002"]
