@@ -47,7 +47,9 @@ def verify_blocks(items: list[tuple[BlockFile, Iterable[int]]], threads: int) ->
             for b, start, end in block_ranges(blocks, f.block_bytes, f.size)]
     if not jobs:
         return
-    piece = min(PIECE_BYTES, max(end - start for _, _, start, end in jobs))
+    # Half a piece: hashed right after it is read, it is still in the CPU cache (1.5 GiB on
+    # 2 threads from tmpfs: 0.165 s in 4 MiB pieces, 0.174 s in 8 MiB ones).
+    piece = min(PIECE_BYTES // 2, max(end - start for _, _, start, end in jobs))
     bufs = [memoryview(bytearray(piece)) for _ in range(min(threads, len(jobs)))]
 
     def work(job, slot):
