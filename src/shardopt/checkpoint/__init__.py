@@ -12,5 +12,5 @@ from .format import FormatError
 from .load import LoadInfo, load
 from .save import save
 
-__all__ = ["CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo", "export", "inspect", "latest", "load",
-           "save", "verify"]
+__all__ = ["CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo", "export", "inspect",
+           "latest", "load", "save", "verify"]
