@@ -460,7 +460,8 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     from shardopt import optimizer as opt_mod
 
     mods = {}
-    for name in ("io", "storage", "blocks", "transfer", "commit", "format"):
+    for name in ("save", "load", "read", "agree", "storage", "blocks", "transfer", "commit",
+                 "format"):
         try:
             mods[name] = importlib.import_module(f"shardopt.checkpoint.{name}")
         except ImportError:
@@ -480,26 +481,26 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     def phase(owner: Any, attr: str, name: str, label: str, sync: bool = False) -> None:
         patch(owner, attr, lambda f: probe.inclusive(name, f, sync=sync), label)
 
-    io, storage, blocks = mods.get("io"), mods.get("storage"), mods.get("blocks")
+    save, load, read = mods.get("save"), mods.get("load"), mods.get("read")
+    storage, blocks = mods.get("storage"), mods.get("blocks")
     transfer = mods.get("transfer")
     commit = mods.get("commit")
-    fr = getattr(storage, "FileReader", None)
     # save
-    phase(io, "_write_rank_files", "files", "io._write_rank_files")
-    phase(io, "_manifest_text", "manifest", "io._manifest_text")
+    phase(save, "_write_rank_files", "files", "save._write_rank_files")
+    phase(save, "_manifest_text", "manifest", "save._manifest_text")
     phase(commit, "commit", "commit", "commit.commit")
     phase(commit, "begin", "begin", "commit.begin")
-    # load
-    phase(io, "_prepare", "prepare", "io._prepare")
-    phase(io, "_moment_tensors", "alloc_moments", "io._moment_tensors")
-    phase(io, "verify_blocks", "verify", "io.verify_blocks")
-    phase(fr, "verify", "verify", "FileReader.verify")  # the RNG file
-    phase(io, "read_blocks", "read_fresh", "io.read_blocks")
-    phase(io, "read_segments", "read_into", "io.read_segments")  # io calls its own import
+    # load (the read engine calls the names it imported)
+    phase(load, "_prepare", "prepare", "load._prepare")
+    phase(load, "_moment_tensors", "alloc_moments", "load._moment_tensors")
+    phase(read, "verify_blocks", "verify", "read.verify_blocks")
+    phase(read, "read_blocks", "read_fresh", "read.read_blocks")
+    phase(read, "read_segments", "read_into", "read.read_segments")
     phase(opt_mod.DistributedOptimizer, "_adopt_loaded_state", "adopt",
           "DistributedOptimizer._adopt_loaded_state", sync=True)
     # both
-    phase(io, "_agree", "agree", "io._agree")
+    phase(save, "agree", "agree", "save.agree")
+    phase(load, "agree", "agree", "load.agree")
     # leaves: system calls, hashing, worker threads (the reads and writes run on them)
     for label, mod in (("storage", storage), ("transfer", transfer), ("commit", commit)):
         patch(mod, "os", lambda m: _TimedOs(probe), f"{label}.os")

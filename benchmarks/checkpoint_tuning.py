@@ -49,9 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="directory for checkpoint_tuning.json")
     args = p.parse_args(argv)
 
+    import importlib
+
     from shardopt import checkpoint
-    from shardopt.checkpoint import io as ckpt_io
     from shardopt.checkpoint import storage
+
+    ckpt_save = importlib.import_module("shardopt.checkpoint.save")
 
     device = torch.device(args.device)
     model = _peers.build_gpt(args.preset, device)
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeats):
             for g in grid:
                 threads, staging, block, per_file = g
-                storage.FILE_THREADS = ckpt_io.FILE_THREADS = per_file
+                storage.FILE_THREADS = ckpt_save.FILE_THREADS = per_file
                 root = base / f"t{threads}-s{staging}-b{block}-f{per_file}"
                 t0 = time.perf_counter()
                 path = checkpoint.save(root, s.model, s.optimizer, step=1,

@@ -612,10 +612,11 @@ def test_latest_and_retention(tmp_path):
     assert checkpoint.load(root, fresh, fresh_opt).step == 5
     assert_tensors_equal(snapshot(fresh), snapshot(model))
 
-    # Saving over an existing step, or with non-JSON extra, fails and writes nothing.
+    # Saving over an incomplete step directory, or with non-JSON extra, fails and writes
+    # nothing.
     before = listing()
-    with pytest.raises(CheckpointError, match="step_00000005"):
-        checkpoint.save(root, model, opt, step=5)
+    with pytest.raises(CheckpointError, match="step_00000008 exists and is not a committed"):
+        checkpoint.save(root, model, opt, step=8)
     with pytest.raises(CheckpointError, match="JSON"):
         checkpoint.save(root, model, opt, step=6, extra={"bad": object()})
     assert listing() == before
@@ -623,3 +624,44 @@ def test_latest_and_retention(tmp_path):
     with pytest.raises(CheckpointError):
         checkpoint.load(tmp_path / "nowhere", model, opt)
 
+
+
+def test_export_refuses_a_checkpoint_as_output(saved3, tmp_path):
+    """Export never writes into a checkpoint (``verify`` would then reject it) or over
+    other files; a refused or failed export leaves nothing behind."""
+    before = {p.name: p.read_bytes() for p in saved3.path.iterdir()}
+    for out, needle in ((saved3.path, "inside the checkpoint"),
+                        (saved3.path / "sub", "inside the checkpoint"),
+                        (saved3.root, "holds a checkpoint"),
+                        (saved3.path.parent.parent, "holds a checkpoint")):
+        with pytest.raises(CheckpointError, match=needle):
+            checkpoint.export(saved3.path, out)
+    assert {p.name: p.read_bytes() for p in saved3.path.iterdir()} == before
+    checkpoint.verify(saved3.path)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not empty"):
+        checkpoint.export(saved3.path, busy)
+    (tmp_path / "empty").mkdir()
+    assert len(checkpoint.export(saved3.path, tmp_path / "empty")) == 2
+    assert sorted(os.listdir(tmp_path)) == ["busy", "empty"]
+
+
+def test_failed_export_leaves_no_output(saved3, tmp_path, monkeypatch):
+    import importlib
+
+    export_mod = importlib.import_module("shardopt.checkpoint.export")
+    calls = []
+
+    def save_then_fail(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(tensors, filename, metadata=metadata)
+
+    real = export_mod.save_file
+    monkeypatch.setattr(export_mod, "save_file", save_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.export(saved3.path, tmp_path / "out")
+    assert len(calls) == 2 and os.listdir(tmp_path) == []

@@ -68,7 +68,7 @@ def test_io_threads_default_and_bad_values(monkeypatch):
     assert io_threads(5) == 5
     for bad in (0, -1, 2.5, True, "4"):
         with pytest.raises(ValueError, match="io_threads must be an int >= 1"):
-            io_threads(bad)
+            checkpoint.CheckpointConfig(io_threads=bad)
 
 
 @pytest.fixture
@@ -121,10 +121,12 @@ def test_a_gap_in_the_parts_is_refused_by_name(split_save: Path, edit, needle):
 
 
 def test_parts_per_kind_stay_within_what_file_names_allow(tmp_path, monkeypatch):
-    from shardopt.checkpoint import io as ckpt_io
+    import importlib
+
+    ckpt_save = importlib.import_module("shardopt.checkpoint.save")
 
     monkeypatch.setattr(storage, "MIN_PART_BYTES", 1)
-    monkeypatch.setattr(ckpt_io, "MAX_PARTS", 3)  # as if -p1, -p2 were the last names
+    monkeypatch.setattr(ckpt_save, "MAX_PARTS", 3)  # as if -p1, -p2 were the last names
     model, opt = trained(1, width=64)
     path = Path(checkpoint.save(tmp_path / "root", model, opt, step=1, io_threads=40))
     names = sorted(read_json(path)["files"])

@@ -109,7 +109,9 @@ def test_malformed_saved_hyperparameter_is_refused_before_anything_changes(tmp_p
     model2 = nn.Linear(3, 2)
     opt2 = DistributedOptimizer(model2, OptimizerConfig(lr=1.0))
     before = [p.detach().clone() for p in model2.parameters()]
-    with pytest.raises(ValueError, match=r"lr='fast'.*'weight'"):
+    with pytest.raises(ValueError, match=r"lr='fast' of '(weight|bias)' is malformed"):
         checkpoint.load(path, model2, opt2)
+    with pytest.raises(ValueError, match=r"lr='fast' of '(weight|bias)' is malformed"):
+        checkpoint.verify(path)  # the same validation
     assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))
     assert opt2.param_groups[0]["lr"] == 1.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import importlib
 import os
 import shutil
 import signal
@@ -22,12 +23,14 @@ import torch
 import torch.distributed as dist
 
 from shardopt import checkpoint
-from shardopt.checkpoint import io as ckpt_io
 from shardopt.checkpoint import commit
 from shardopt.checkpoint import transfer
 
 from .common import (data_offset, differences, flip_byte, listing, rehash_file, snapshot,
                      train_step, trained)
+
+# The module, not the function the package exports under the same name.
+ckpt_save = importlib.import_module("shardopt.checkpoint.save")
 
 
 class Boom(Exception):
@@ -77,7 +80,7 @@ def failing_call(module: Any, name: str, when: Callable[..., bool], exc: BaseExc
 
 @contextlib.contextmanager
 def failing_nth_write_file(n: int):
-    real = ckpt_io.write_file
+    real = ckpt_save.write_file
     calls = [0]
 
     def fake(*args, **kwargs):
@@ -86,7 +89,7 @@ def failing_nth_write_file(n: int):
             raise Boom("simulated crash in the middle of writing this rank's files")
         return real(*args, **kwargs)
 
-    with mock.patch.object(ckpt_io, "write_file", fake):
+    with mock.patch.object(ckpt_save, "write_file", fake):
         yield
 
 

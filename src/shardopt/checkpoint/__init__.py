@@ -4,9 +4,13 @@
 ``export``, ``inspect`` and ``verify`` run in a single process.
 """
 
+from .agree import CheckpointError
+from .commit import latest
+from .config import CheckpointConfig
 from .export import export, inspect, verify
 from .format import FormatError
-from .io import CheckpointError, LoadInfo, latest, load, save
+from .load import LoadInfo, load
+from .save import save
 
-__all__ = ["CheckpointError", "FormatError", "LoadInfo", "export", "inspect", "latest", "load",
-           "save", "verify"]
+__all__ = ["CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo", "export", "inspect",
+           "latest", "load", "save", "verify"]

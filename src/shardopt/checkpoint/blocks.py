@@ -1,23 +1,11 @@
-"""Hash-verified block reads: check stored blocks, or read, check and place them in one pass.
+"""Hash-checked block reads, the two primitives of :mod:`.read`.
 
-A data file is hashed in fixed-size blocks (xxh3-64 of each; :func:`~.transfer.write_blocks`).
-Two ways to read it with verification:
-
-* :func:`verify_blocks` reads blocks only to hash them (the bytes are then read
-  again into their destinations, after every rank has verified everything):
-  what tensors that already exist need, since nothing may be written into them
-  before every check has passed.
-* :func:`read_blocks` reads every block that :class:`Segment` s touch exactly
-  once, scattering it with ``preadv`` straight into the destinations (host,
-  stored dtype) or into a scratch buffer (gaps between segments, device or
-  casting destinations), hashes what it read and then copies the staged parts
-  on. It is only for tensors nothing else can see yet: on a mismatch they hold
-  partial data and the caller discards them.
-
-Both take many files at once and read and hash a given number of blocks at a time,
-on as many threads (``preadv`` and ``xxhash`` release the GIL), which a single reader
-on fast storage (tmpfs, NVMe) cannot saturate. Host memory is bounded: one scratch
-buffer of one piece or block per thread.
+:func:`verify_blocks` reads blocks only to hash them. :func:`read_blocks` reads every
+block that segments touch once, scattering it with ``preadv`` straight into host
+destinations of the stored dtype or into a scratch buffer (gaps, device or casting
+destinations), hashes it, then copies the staged parts on. Both take many files at once
+and work on several threads (``preadv`` and ``xxhash`` release the GIL); host memory is
+one piece or block per thread.
 """
 
 from __future__ import annotations
@@ -29,11 +17,7 @@ import torch
 import xxhash
 
 from .format import FormatError
-from .transfer import Scratch, Segment, host_bytes, preadv_exact, run_parallel
-
-# verify_blocks reads in pieces of at most this size; read_blocks handles blocks up
-# to twice the staging (``max_block_bytes``) and leaves larger ones to two passes.
-PIECE_BYTES = 4 << 20
+from .transfer import PIECE_BYTES, Scratch, Segment, host_bytes, preadv_exact, run_parallel
 
 
 @dataclass(frozen=True)
@@ -63,7 +47,9 @@ def verify_blocks(items: list[tuple[BlockFile, Iterable[int]]], threads: int) ->
             for b, start, end in block_ranges(blocks, f.block_bytes, f.size)]
     if not jobs:
         return
-    piece = min(PIECE_BYTES, max(end - start for _, _, start, end in jobs))
+    # Half a piece: hashed right after it is read, it is still in the CPU cache (1.5 GiB on
+    # 2 threads from tmpfs: 0.165 s in 4 MiB pieces, 0.174 s in 8 MiB ones).
+    piece = min(PIECE_BYTES // 2, max(end - start for _, _, start, end in jobs))
     bufs = [memoryview(bytearray(piece)) for _ in range(min(threads, len(jobs)))]
 
     def work(job, slot):

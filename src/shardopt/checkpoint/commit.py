@@ -8,7 +8,7 @@ communicates. The protocol, and why each step is safe to crash at:
    ``.tmp-step_XXXXXXXX-<id>`` and ``flock`` it for the whole save. A
    temporary directory whose lock can be taken belongs to nobody alive, so it
    is stale; one that is locked belongs to a concurrent job and is left alone.
-2. The ranks write their files into it (see :mod:`.io`). Nothing outside
+2. The ranks write their files into it (see :mod:`.save`). Nothing outside
    ``.tmp-*`` changes, so a crash here costs nothing but the temporary dir.
 3. ``commit``: write ``manifest.json`` (fsynced, atomic), then under the root
    lock rename the directory to ``step_XXXXXXXX`` (the commit point: a
@@ -17,16 +17,31 @@ communicates. The protocol, and why each step is safe to crash at:
    to ``.trash-*`` (never the one just committed). Trash is deleted after the
    lock is released; a crash leaves it for the next save to delete.
 
+Rollback: a job that resumed from an older checkpoint and saves step ``k`` while
+committed checkpoints of steps ``>= k`` exist (the abandoned branch) replaces
+them. Nothing of that branch changes before the commit point, which is then an
+atomic exchange of the temporary directory with ``step_k`` (``renameat2``
+``RENAME_EXCHANGE``; where the file system lacks it, two renames with a crash
+window in which ``step_k`` is missing). After it, ``latest`` names ``step_k``,
+then the branch's steps ``> k`` and the old ``step_k`` go to trash, so neither
+the marker nor ``latest()``'s fallback to the highest step can return them (a
+crash between the exchange and the marker update leaves the marker on the old
+branch's head, whose checkpoints are then still whole).
+Only a ``step_k`` that existed when the save began is replaced: one committed
+by another job during the save is refused (``already exists``).
+
 Without ``flock`` support (some network file systems) saving still works:
-commits are renames, which never overwrite a checkpoint, but stale temporary
+commits still replace only what a rollback abandons, but stale temporary
 directories are not cleaned, since nothing can tell them from live ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import time
@@ -35,6 +50,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from .agree import CheckpointError
 from .format import LATEST, MANIFEST, STEP_DIR
 
 LOCK = ".lock"
@@ -42,6 +58,8 @@ TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 LOCK_TIMEOUT_S = 600.0
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+log = logging.getLogger("shardopt.checkpoint")
 
 
 class LockTimeout(OSError):
@@ -79,10 +97,35 @@ def is_complete(path: Path) -> bool:
     return STEP_DIR.fullmatch(path.name) is not None and (path / MANIFEST).is_file()
 
 
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.fullmatch(path.name).group(1))
+
+
 def complete_steps(root: Path) -> list[Path]:
     """Committed checkpoints under ``root``, oldest step first."""
-    found = [p for p in root.glob("step_*") if is_complete(p)]
-    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+    return sorted((p for p in root.glob("step_*") if is_complete(p)), key=step_of)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap directories ``a`` and ``b`` atomically; False where the system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot exchange {a} with {b}: {os.strerror(err)}")
 
 
 def _try_flock(fd: int) -> bool | None:
@@ -133,6 +176,39 @@ class RootLock:
             self.fd = None
 
 
+def latest(root: str | os.PathLike) -> str | None:
+    """Coordinator-free. Path of the newest committed checkpoint under ``root``, or None.
+
+    Follows the ``latest`` marker when it names a complete checkpoint, otherwise
+    the highest-numbered complete ``step_*`` directory. Temporary directories of
+    unfinished saves are never returned.
+    """
+    root = Path(root)
+    try:
+        with open(root / LATEST, "rb") as f:
+            name = f.read(256).decode("ascii", "replace").strip()
+    except OSError:
+        name = ""
+    if STEP_DIR.fullmatch(name) and is_complete(root / name):
+        return str(root / name)
+    steps = complete_steps(root) if root.is_dir() else []
+    return str(steps[-1]) if steps else None
+
+
+def resolve(root_or_path: str | os.PathLike) -> Path:
+    """Coordinator-free. A checkpoint directory, given itself or a root holding some.
+    Raises :class:`CheckpointError` when there is none."""
+    p = Path(root_or_path)
+    if os.path.lexists(p / MANIFEST):
+        return p
+    if not p.exists():
+        raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    found = latest(p)
+    if found is None:
+        raise CheckpointError(f"no committed checkpoint in {p} (no {MANIFEST} found)")
+    return Path(found)
+
+
 @dataclass
 class Staged:
     """A save in progress: its temporary directory and the fd whose flock marks it live."""
@@ -141,6 +217,8 @@ class Staged:
     tmp: Path
     fd: int | None
     committed: bool = False
+    # The ``step_k`` that existed when the save began (device, inode): the one it may replace.
+    replaces: tuple[int, int] | None = None
 
 
 def _trash(root: Path, path: Path) -> Path:
@@ -178,15 +256,17 @@ def begin(root: Path, final_name: str) -> Staged:
     root.mkdir(parents=True, exist_ok=True)
     with RootLock(root) as lock:
         trash = _collect_stale(root) if lock.supported else []
-        if (root / final_name).exists():
-            raise FileExistsError(f"checkpoint {root / final_name} already exists")
+        final = root / final_name
+        if os.path.lexists(final) and not is_complete(final):
+            raise FileExistsError(f"{final} exists and is not a committed checkpoint")
+        replaces = _identity(final)
         tmp = root / f"{TMP_PREFIX}{final_name}-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         if lock.supported:
             _try_flock(fd)
     _delete(trash)
-    return Staged(root, tmp, fd)
+    return Staged(root, tmp, fd, replaces=replaces)
 
 
 def abort(staged: Staged) -> None:
@@ -208,28 +288,54 @@ def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | No
     Raises ``OSError`` if the checkpoint could not be committed. Once the rename
     has happened the checkpoint is complete whatever follows; a failure to update
     ``latest`` is still raised (``latest()`` then falls back to the marker's
-    older checkpoint), a failure of retention only warns.
+    older checkpoint), a failure to remove the abandoned branch or of retention
+    only warns.
     """
     root = staged.root
     final = root / final_name
     write_atomic(staged.tmp / MANIFEST, manifest)
     trash: list[Path] = []
     with RootLock(root):
-        if final.exists():
-            raise FileExistsError(f"checkpoint {final} already exists (saved by another job?)")
-        os.rename(staged.tmp, final)
-        staged.committed = True
+        old = _publish(staged, final)
         fsync_dir(root)
         try:
             write_atomic(root / LATEST, (final_name + "\n").encode())
         except OSError as e:
             raise OSError(e.errno, f"checkpoint {final} is complete, but {root / LATEST} could "
                                    f"not be updated: {e.strerror or e}") from e
-        if keep_last is not None:
-            try:
-                trash = [_trash(root, p) for p in complete_steps(root)[:-keep_last] if p != final]
-            except OSError as e:
-                warnings.warn(f"retention in {root} failed: {e}", stacklevel=3)
+        try:
+            abandoned = [p for p in complete_steps(root) if step_of(p) > step_of(final)]
+            trash = ([old] if old is not None else []) + [_trash(root, p) for p in abandoned]
+            if trash:
+                replaced = f"replaced {final.name}" if old is not None else ""
+                removed = (f"removed {', '.join(p.name for p in abandoned)}" if abandoned
+                           else "")
+                log.warning("%s: committed after a rollback; %s of the abandoned branch",
+                            final, " and ".join(w for w in (replaced, removed) if w))
+            if keep_last is not None:
+                trash += [_trash(root, p) for p in complete_steps(root)[:-keep_last]
+                          if p != final]
+        except OSError as e:
+            warnings.warn(f"removing old checkpoints in {root} failed: {e}", stacklevel=3)
     release(staged)
     _delete(trash)
     return final
+
+
+def _publish(staged: Staged, final: Path) -> Path | None:
+    """The commit point, under the root lock: ``staged.tmp`` becomes ``final``. Returns the
+    replaced checkpoint, moved to trash, if ``final`` existed when the save began."""
+    current = _identity(final)
+    if current is None:
+        os.rename(staged.tmp, final)
+        staged.committed = True
+        return None
+    if current != staged.replaces or not is_complete(final):
+        raise FileExistsError(f"checkpoint {final} already exists (saved by another job?)")
+    if _exchange(staged.tmp, final):
+        staged.committed = True
+        return _trash(staged.root, staged.tmp)  # the tmp name now holds the old checkpoint
+    old = _trash(staged.root, final)  # no atomic exchange: a crash now leaves no step_k
+    os.rename(staged.tmp, final)
+    staged.committed = True
+    return old

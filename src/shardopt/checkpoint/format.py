@@ -11,6 +11,7 @@ so a reader that needs only part of a file can verify just the blocks it reads.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -23,15 +24,12 @@ FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
-DATA_FILE = re.compile(
-    r"^(model|optim|exp_avg|exp_avg_sq|rng)-(\d{5})(?:-p([1-9]\d{0,2}))?\.safetensors$")
-# The kinds of data file every rank writes, by format version. Version 2 gives each Adam
-# moment its own file, so that a rank writes its files at once (a file takes one writer at a
-# time); version 3 may continue a kind in further parts (``-pN``) of about equal size.
-FILE_KINDS: dict[int, tuple[str, ...]] = {1: ("model", "optim", "rng"),
-                                          2: ("model", "optim", "exp_avg", "exp_avg_sq", "rng"),
-                                          3: ("model", "optim", "exp_avg", "exp_avg_sq", "rng")}
-# Files a kind may have in version 3: the first and parts -p1 to -p999.
+# The kinds of data file every rank writes. Each Adam moment has its own file, so that a rank
+# writes its files at once (a file takes one writer at a time); a kind but ``rng`` may continue
+# in further parts (``-pN``) of about equal size.
+FILE_KINDS = ("model", "optim", "exp_avg", "exp_avg_sq", "rng")
+DATA_FILE = re.compile(rf"^({'|'.join(FILE_KINDS)})-(\d{{5}})(?:-p([1-9]\d{{0,2}}))?\.safetensors$")
+# Files a kind may have: the first and parts -p1 to -p999.
 MAX_PARTS = 1000
 SHARDING_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -75,10 +73,6 @@ class StoredChunk:
     numel: int
     dtype: torch.dtype
     data_start: int  # byte offset of the chunk's first element in the file
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -151,9 +145,7 @@ def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int,
             offset = int(sharding.get(key, {"saved_offsets": [0]})["saved_offsets"][0])
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError):
             raise FormatError(f"{file}: malformed header entry for {key!r}") from None
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         if len(shape) != 1 or min(shape + [begin, offset]) < 0 or \
                 end - begin != numel * dtype.itemsize or end > data_bytes:
             raise FormatError(f"{file}: header entry {key!r} is inconsistent with the file")
@@ -166,9 +158,9 @@ def data_file_name(kind: str, rank: int, part: int = 0) -> str:
     return f"{kind}-{rank:05d}{f'-p{part}' if part else ''}.safetensors"
 
 
-def state_file_kind(name: str, version: int) -> str:
-    """The file kind that holds optimizer state ``name`` in format ``version``."""
-    return "optim" if version == 1 or name == "master_param" else name
+def state_file_kind(name: str) -> str:
+    """The file kind that holds optimizer state ``name``."""
+    return "optim" if name == "master_param" else name
 
 
 def manifest_checksum(manifest: dict) -> str:

@@ -1,29 +1,143 @@
-"""Reading and validating ``manifest.json`` before anything else is trusted.
+"""``manifest.json``: parsed once, validated, into frozen records nothing else re-checks.
 
 A manifest comes from disk and may be damaged or hostile: it is size-limited,
-read without following symlinks, parsed as plain JSON, checked against its own
-checksum, and every field the loader uses is type- and range-checked here, so
-later code can index it without defensive checks. Data file names are fixed
-patterns (``model-00000.safetensors``), so none can leave the directory.
+read without following symlinks, parsed as plain JSON and checked against its
+own checksum. :func:`parse` then checks every field that ``load``, ``verify``,
+``export`` and ``inspect`` use (one validation for all of them) and returns a
+:class:`Manifest`. Data file names are fixed patterns
+(``model-00000.safetensors``), so none can leave the directory.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
+import torch
+
+from ..config import GROUP_KEYS
+from ..optimizer import STATE_NAMES
 from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
-                     MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, TORCH_DTYPE_NAMES, FormatError,
-                     data_file_name, manifest_checksum, parse_json_object)
+                     MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES,
+                     FormatError, data_file_name, manifest_checksum, parse_json_object)
 from .storage import open_regular
 
 _HASH = re.compile(r"^[0-9a-f]{16}$")
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Coordinator-free. Parse ``path/manifest.json`` (size-limited, JSON only)."""
+@dataclass(frozen=True)
+class ParamRecord:
+    """A stored model tensor: a trainable param (with optimizer state) or a frozen tensor."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+    step: int  # optimizer steps taken (0 for frozen tensors)
+    hyper: Mapping[str, Any]  # lr, betas (a tuple), eps, weight_decay; empty when frozen
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A data file: its size, block hashes and (but for ``rng``) the chunks it stores."""
+
+    name: str
+    kind: str
+    rank: int
+    size: int
+    block_bytes: int
+    hashes: tuple[str, ...]
+    chunks: tuple[tuple[str, int, int], ...]  # (key, element offset, numel)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path  # the checkpoint directory
+    version: int
+    step: int
+    dp_size: int
+    created: str | None
+    config: Mapping[str, Any]
+    params: Mapping[str, ParamRecord]
+    aliases: Mapping[str, str]
+    files: Mapping[str, FileRecord]
+    extra: Mapping[str, Any]
+
+    @property
+    def file(self) -> Path:
+        return self.path / MANIFEST
+
+    def stored(self) -> dict[str, tuple[int, torch.dtype]]:
+        """Every stored key: its element count and dtype."""
+        out: dict[str, tuple[int, torch.dtype]] = {}
+        for fqn, p in self.params.items():
+            out[fqn] = (p.numel, p.dtype)
+            if p.trainable:
+                out.update({f"{fqn}.{name}": (p.numel, torch.float32) for name in STATE_NAMES})
+        return out
+
+    def data_files(self) -> list[FileRecord]:
+        return [f for f in self.files.values() if f.kind != "rng"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def unknown_files(self) -> list[str]:
+        """Names in the checkpoint directory that the manifest does not list."""
+        return sorted(n for n in os.listdir(self.path) if n != MANIFEST and n not in self.files)
+
+
+def parse(path: Path) -> Manifest:
+    """Coordinator-free. Read and validate ``path/manifest.json``; raise :class:`FormatError`
+    naming the file and the field."""
+    file = path / MANIFEST
+    m = _read(path)
+    try:
+        checksum = manifest_checksum(m)
+    except RecursionError:
+        raise FormatError(f"{file}: nested too deeply") from None
+    if m.get("format") != FORMAT_NAME:
+        raise FormatError(f"{file}: not a {FORMAT_NAME} checkpoint manifest")
+    version = m.get("version")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{file}: format version {version!r}; this shardopt reads version "
+                          f"{FORMAT_VERSION} only")
+    if m.get("checksum") != checksum:
+        raise FormatError(f"{file}: checksum mismatch (the manifest is damaged or was edited)")
+    dp_size = _int(m.get("dp_size"), "dp_size", file, 1)
+    _check_optimizer(m.get("optimizer"), file)
+    for key in ("config", "extra", "aliases"):
+        if not isinstance(m.get(key, {}), dict):
+            raise FormatError(f"{file}: {key} must be a JSON object")
+    raw_params = m.get("params")
+    if not isinstance(raw_params, dict):
+        raise FormatError(f"{file}: params must be a JSON object")
+    params = {fqn: _param(fqn, info, file) for fqn, info in raw_params.items()}
+    raw_files = m.get("files")
+    if not isinstance(raw_files, dict) or not raw_files:
+        raise FormatError(f"{file}: files must be a non-empty JSON object")
+    files = {name: _file(name, rec, dp_size, file) for name, rec in raw_files.items()}
+    _check_file_set(dp_size, files, file)
+    manifest = Manifest(path, version, _int(m.get("step"), "step", file), dp_size,
+                        m.get("created") if isinstance(m.get("created"), str) else None,
+                        MappingProxyType(m.get("config", {})), MappingProxyType(params),
+                        MappingProxyType(m.get("aliases", {})), MappingProxyType(files),
+                        MappingProxyType(m.get("extra", {})))
+    _check_tiling(manifest)
+    return manifest
+
+
+def _read(path: Path) -> dict[str, Any]:
     file = path / MANIFEST
     if not os.path.lexists(file):
         raise FormatError(f"{path} is not a checkpoint: {MANIFEST} is missing")
@@ -44,106 +158,108 @@ def _int(value: Any, what: str, file: Path, minimum: int = 0) -> int:
     return value
 
 
-def validate_manifest(m: dict[str, Any], path: Path) -> None:
-    """Coordinator-free. Raise :class:`FormatError` naming the field if ``m`` is malformed."""
-    file = path / MANIFEST
-    _validate_fields(m, file)
-    try:
-        checksum = manifest_checksum(m)
-    except RecursionError:
-        raise FormatError(f"{file}: nested too deeply") from None
-    if m.get("checksum") != checksum:
-        raise FormatError(f"{file}: checksum mismatch (the manifest is damaged or was edited)")
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _validate_fields(m: dict[str, Any], file: Path) -> None:
-    if m.get("format") != FORMAT_NAME:
-        raise FormatError(f"{file}: not a {FORMAT_NAME} checkpoint manifest")
-    version = _int(m.get("version"), "version", file, 1)
-    if version > FORMAT_VERSION:
-        raise FormatError(f"{file}: format version {version} is newer than this shardopt "
-                          f"reads ({FORMAT_VERSION}); upgrade shardopt")
-    _int(m.get("step"), "step", file)
-    dp_size = _int(m.get("dp_size"), "dp_size", file, 1)
-    optimizer = m.get("optimizer")
-    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("kind"), str)
-            and isinstance(optimizer.get("state"), list)):
+def _check_optimizer(saved: Any, file: Path) -> None:
+    """The stored state must mean what this optimizer's does."""
+    if not (isinstance(saved, dict) and isinstance(saved.get("kind"), str)
+            and isinstance(saved.get("state"), list)):
         raise FormatError(f"{file}: optimizer must be an object with 'kind' and 'state'")
-    if not isinstance(m.get("config", {}), dict):
-        raise FormatError(f"{file}: config must be a JSON object")
-    if not isinstance(m.get("extra", {}), dict):
-        raise FormatError(f"{file}: extra must be a JSON object")
-    if not isinstance(m.get("aliases", {}), dict):
-        raise FormatError(f"{file}: aliases must be a JSON object")
-    params = m.get("params")
-    if not isinstance(params, dict):
-        raise FormatError(f"{file}: params must be a JSON object")
-    for fqn, info in params.items():
-        if not fqn:
-            raise FormatError(f"{file}: a param has an empty name")
-        if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
-            raise FormatError(f"{file}: param {fqn!r} has no shape")
-        for s in info["shape"]:
-            _int(s, f"a dimension of {fqn!r}", file)
-        if info.get("dtype") not in TORCH_DTYPE_NAMES:
-            raise FormatError(f"{file}: param {fqn!r} has unknown dtype {info.get('dtype')!r}")
-        if not isinstance(info.get("trainable"), bool):
-            raise FormatError(f"{file}: param {fqn!r} lacks 'trainable'")
-        if info["trainable"]:
-            _int(info.get("step"), f"step of {fqn!r}", file)
-    files = m.get("files")
-    if not isinstance(files, dict) or not files:
-        raise FormatError(f"{file}: files must be a non-empty JSON object")
-    for name, rec in files.items():
-        match = DATA_FILE.fullmatch(name)
-        if not match:
-            raise FormatError(f"{file}: refusing data file name {name!r} (only names like "
-                              "model-00000.safetensors inside the checkpoint are allowed)")
-        if int(match.group(2)) >= dp_size:
-            raise FormatError(f"{file}: data file {name} belongs to no rank of dp_size {dp_size}")
-        if not isinstance(rec, dict):
-            raise FormatError(f"{file}: record of {name} is not an object")
-        size = _int(rec.get("size"), f"size of {name}", file)
-        block_bytes = _int(rec.get("block_bytes"), f"block_bytes of {name}", file, 1)
-        if block_bytes > MAX_BLOCK_BYTES:
-            raise FormatError(f"{file}: block_bytes of {name} is over {MAX_BLOCK_BYTES}")
-        hashes = rec.get("hashes")
-        if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH.fullmatch(h)
-                                                   for h in hashes):
-            raise FormatError(f"{file}: hashes of {name} must be a list of 16-hex-digit strings")
-        if len(hashes) != -(-size // block_bytes):
-            raise FormatError(f"{file}: {name} has {len(hashes)} block hashes for {size} bytes "
-                              f"in blocks of {block_bytes}")
-        if not name.startswith("rng-"):
-            chunks = rec.get("chunks")
-            if not isinstance(chunks, list):
-                raise FormatError(f"{file}: chunks of {name} must be a list")
-            for c in chunks:
-                if not (isinstance(c, list) and len(c) == 3 and isinstance(c[0], str)):
-                    raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
-                _int(c[1], f"chunk offset in {name}", file)
-                _int(c[2], f"chunk length in {name}", file)
-    _check_file_set(m["version"], dp_size, files, file)
+    if saved["kind"] != OPTIMIZER_KIND or tuple(saved["state"]) != STATE_NAMES:
+        raise FormatError(f"{file}: the checkpoint holds {saved['kind']!r} optimizer state "
+                          f"{saved['state']}, this optimizer is {OPTIMIZER_KIND!r} with "
+                          f"{list(STATE_NAMES)}")
 
 
-def _check_file_set(version: int, dp_size: int, files: dict, file: str) -> None:
-    """Every rank's file of every kind, and (version 3) a kind's parts numbered without gaps."""
-    kinds = FILE_KINDS.get(version)
-    if kinds is None:
-        raise FormatError(f"{file}: unknown format version {version}")
-    least = len(kinds) * dp_size
-    what = (f"{file}: lists {len(files)} data files; a version {version} save by "
-            f"{dp_size} ranks writes {'at least ' if version >= 3 else ''}{least} "
-            f"({', '.join(kinds)} per rank)")
-    if len(files) < least or (version < 3 and len(files) != least):  # dp_size may be absurd
+def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
+    if not fqn:
+        raise FormatError(f"{file}: a param has an empty name")
+    if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
+        raise FormatError(f"{file}: param {fqn!r} has no shape")
+    shape = tuple(_int(s, f"a dimension of {fqn!r}", file) for s in info["shape"])
+    if info.get("dtype") not in TORCH_DTYPE_NAMES:
+        raise FormatError(f"{file}: param {fqn!r} has unknown dtype {info.get('dtype')!r}")
+    trainable = info.get("trainable")
+    if not isinstance(trainable, bool):
+        raise FormatError(f"{file}: param {fqn!r} lacks 'trainable'")
+    step, hyper = 0, {}
+    if trainable:
+        step = _int(info.get("step"), f"step of {fqn!r}", file)
+        hyper = _hyper(fqn, info.get("group"), file)
+    return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[info["dtype"]], trainable, step,
+                       MappingProxyType(hyper))
+
+
+def _hyper(fqn: str, group: Any, file: Path) -> dict[str, Any]:
+    """A trainable param's saved hyperparameters, each in the range AdamW accepts."""
+    if not isinstance(group, dict):
+        raise FormatError(f"{file}: param {fqn!r} lacks its hyperparameters ('group')")
+    out: dict[str, Any] = {}
+    for key in GROUP_KEYS:
+        v = group.get(key)
+        if key == "betas":
+            ok = (isinstance(v, list) and len(v) == 2
+                  and all(_number(b) and 0 <= b < 1 for b in v))
+            v = tuple(float(b) for b in v) if ok else None
+        elif not (_number(v) and v >= 0):
+            v = None
+        if v is None:
+            raise FormatError(f"{file}: param group value {key}={group.get(key)!r} of {fqn!r} "
+                              "is malformed")
+        out[key] = v
+    return out
+
+
+def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
+    match = DATA_FILE.fullmatch(name)
+    if not match:
+        raise FormatError(f"{file}: refusing data file name {name!r} (only names like "
+                          "model-00000.safetensors inside the checkpoint are allowed)")
+    kind, rank = match.group(1), int(match.group(2))
+    if rank >= dp_size:
+        raise FormatError(f"{file}: data file {name} belongs to no rank of dp_size {dp_size}")
+    if kind == "rng" and match.group(3):
+        raise FormatError(f"{file}: a version {FORMAT_VERSION} checkpoint has no file {name}")
+    if not isinstance(rec, dict):
+        raise FormatError(f"{file}: record of {name} is not an object")
+    size = _int(rec.get("size"), f"size of {name}", file)
+    block_bytes = _int(rec.get("block_bytes"), f"block_bytes of {name}", file, 1)
+    if block_bytes > MAX_BLOCK_BYTES:
+        raise FormatError(f"{file}: block_bytes of {name} is over {MAX_BLOCK_BYTES}")
+    hashes = rec.get("hashes")
+    if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH.fullmatch(h)
+                                               for h in hashes):
+        raise FormatError(f"{file}: hashes of {name} must be a list of 16-hex-digit strings")
+    if len(hashes) != -(-size // block_bytes):
+        raise FormatError(f"{file}: {name} has {len(hashes)} block hashes for {size} bytes "
+                          f"in blocks of {block_bytes}")
+    chunks: list[tuple[str, int, int]] = []
+    if kind != "rng":
+        raw = rec.get("chunks")
+        if not isinstance(raw, list):
+            raise FormatError(f"{file}: chunks of {name} must be a list")
+        for c in raw:
+            if not (isinstance(c, list) and len(c) == 3 and isinstance(c[0], str)):
+                raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
+            chunks.append((c[0], _int(c[1], f"chunk offset in {name}", file),
+                           _int(c[2], f"chunk length in {name}", file)))
+    return FileRecord(name, kind, rank, size, block_bytes, tuple(hashes), tuple(chunks))
+
+
+def _check_file_set(dp_size: int, files: dict[str, FileRecord], file: Path) -> None:
+    """Every rank's file of every kind, and a kind's parts numbered without gaps."""
+    least = len(FILE_KINDS) * dp_size
+    what = (f"{file}: lists {len(files)} data files; a save by {dp_size} ranks writes at "
+            f"least {least} ({', '.join(FILE_KINDS)} per rank)")
+    if len(files) < least:  # before building the set of names: dp_size may be absurd
         raise FormatError(what)
     parts: dict[tuple[str, int], set[int]] = {}
     for name in files:
         kind, rank, part = DATA_FILE.fullmatch(name).groups()
-        if kind not in kinds or (part and (version < 3 or kind == "rng")):
-            raise FormatError(f"{file}: a version {version} checkpoint has no file {name}")
         parts.setdefault((kind, int(rank)), set()).add(int(part or 0))
-    missing = sorted({data_file_name(k, r) for r in range(dp_size) for k in kinds}
+    missing = sorted({data_file_name(k, r) for r in range(dp_size) for k in FILE_KINDS}
                      - set(files))
     if missing:
         raise FormatError(f"{what}; missing {', '.join(missing[:4])}")
@@ -155,17 +271,27 @@ def _check_file_set(version: int, dp_size: int, files: dict, file: str) -> None:
                               f"{data_file_name(kind, rank, gap)}")
 
 
-def unknown_files(path: Path, m: dict[str, Any]) -> list[str]:
-    """Coordinator-free. Names in the checkpoint directory that its manifest does not list."""
-    return sorted(n for n in os.listdir(path) if n != MANIFEST and n not in m["files"])
+def _check_tiling(m: Manifest) -> None:
+    """The files' chunks of every stored tensor tile it exactly: the stored bytes agree
+    with the params' shapes, and no key is stored that no param describes."""
+    stored = m.stored()
+    by_key: dict[str, list[tuple[int, int, str]]] = {}
+    for f in m.data_files():
+        for key, offset, numel in f.chunks:
+            if key not in stored:
+                raise FormatError(f"{m.file}: {f.name} stores {key!r}, which no param describes")
+            by_key.setdefault(key, []).append((offset, numel, f.name))
+    for key, (numel, _) in stored.items():
+        pos = 0
+        for offset, n, name in sorted(by_key.get(key, [])):
+            if offset != pos:
+                what = "overlap" if offset < pos else "gap"
+                raise FormatError(f"{m.file}: stored chunks of {key!r} have a {what} at element "
+                                  f"{pos} (file {name})")
+            pos += n
+        if pos != numel:
+            raise FormatError(f"{m.file}: stored chunks of {key!r} cover {pos} of {numel} "
+                              "elements")
 
 
-def check_optimizer(m: dict[str, Any], kind: str, state_names: tuple[str, ...]) -> None:
-    """Raise :class:`FormatError` if the stored optimizer state means something else."""
-    saved = m["optimizer"]
-    if saved["kind"] != kind or tuple(saved["state"]) != state_names:
-        raise FormatError(f"the checkpoint holds {saved['kind']!r} optimizer state "
-                          f"{saved['state']}, this optimizer is {kind!r} with {list(state_names)}")
-
-
-__all__ = ["check_optimizer", "read_manifest", "unknown_files", "validate_manifest"]
+__all__ = ["FileRecord", "Manifest", "ParamRecord", "parse"]

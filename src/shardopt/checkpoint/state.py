@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import GROUP_KEYS
 from ..layout import Range
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from .format import dtype_name
@@ -71,25 +72,11 @@ def describe(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, dic
             "trainable": True,
             "step": opt.param_steps[fqn],
             "group": {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
-                      if k in ("lr", "betas", "eps", "weight_decay")},
+                      if k in GROUP_KEYS},
         }
     for fqn, t in frozen_tensors(model, opt).items():
         table[fqn] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "trainable": False}
     return table
-
-
-def stored_numels(params: dict[str, dict]) -> dict[str, int]:
-    """Every stored key and its element count, from a manifest ``params`` table."""
-    out: dict[str, int] = {}
-    for fqn, info in params.items():
-        numel = 1
-        for s in info["shape"]:
-            numel *= int(s)
-        out[fqn] = numel
-        if info["trainable"]:
-            for name in STATE_NAMES:
-                out[f"{fqn}.{name}"] = numel
-    return out
 
 
 def model_entries(model: torch.nn.Module, opt: DistributedOptimizer) -> list[WriteEntry]:

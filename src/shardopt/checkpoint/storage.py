@@ -2,10 +2,8 @@
 
 Writes place each tensor's bytes at its offset in the file, several hash blocks
 at a time (:func:`~.transfer.write_blocks`); device tensors go through small
-pinned per-thread buffers, so nothing is serialised whole in memory. Reads go
-straight into the destination tensor when it is on the host and of the stored
-dtype, otherwise through the same kind of bounded buffers
-(:func:`~.transfer.read_segments`).
+pinned per-thread buffers, so nothing is serialised whole in memory. Reads are
+:mod:`.read`'s.
 
 Files are opened for reading only if they are regular files reached without
 following a symlink, and a header is trusted only after its length is bounded
@@ -16,16 +14,18 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from .blocks import BlockFile, one_pass_ok, verify_blocks
 from .format import FileHeader, FormatError, StoredChunk, build_header, parse_header
-from .planner import ReadRequest
-from .transfer import FileSegment, Part, Scratch, Segment, host_bytes, preadv_exact, write_blocks
+from .transfer import Part, Scratch, write_blocks
+
+if TYPE_CHECKING:
+    from .manifest import FileRecord
 
 
 @dataclass(frozen=True)
@@ -159,109 +159,55 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def _header_bound(record: dict) -> int:
+def _header_bound(record: FileRecord) -> int:
     """Generous bound on the header of a file holding the manifest's chunks (keys appear
     twice, the second time JSON-escaped twice; one character can take 26 bytes)."""
-    chunks = record.get("chunks", [["torch_cpu", 0, 0], ["torch_cuda", 0, 0]])
+    chunks = record.chunks if record.kind != "rng" else (("torch_cpu", 0, 0),
+                                                         ("torch_cuda", 0, 0))
     return 4096 + sum(256 + 32 * len(key) for key, _, _ in chunks)
 
 
 class FileReader:
-    """One checkpoint data file, opened for reading and checked against its manifest entry."""
+    """One checkpoint data file, opened for reading and checked against its manifest record;
+    :mod:`.read` moves and verifies its bytes."""
 
-    def __init__(self, path: str, name: str, record: dict) -> None:
-        self.path = path
-        self.name = name
+    def __init__(self, directory: Path, record: FileRecord) -> None:
+        self.path = str(directory / record.name)
         self.record = record
-        self.fd = open_regular(Path(path))
+        self.fd = open_regular(Path(self.path))
         self.header_bytes = 0
         size = os.fstat(self.fd).st_size
-        if size != record["size"]:
+        if size != record.size:
             os.close(self.fd)
-            raise FormatError(f"{path}: size is {size} bytes, the manifest says {record['size']}")
-        self.size = size
+            raise FormatError(f"{self.path}: size is {size} bytes, the manifest says "
+                              f"{record.size}")
+
+    @property
+    def name(self) -> str:
+        return self.record.name
 
     def close(self) -> None:
         os.close(self.fd)
 
     def header(self) -> FileHeader:
         raw_len = os.pread(self.fd, 8, 0)
-        header = parse_header(raw_len, lambda n: os.pread(self.fd, n, 8), self.path, self.size,
-                              _header_bound(self.record))
+        header = parse_header(raw_len, lambda n: os.pread(self.fd, n, 8), self.path,
+                              self.record.size, _header_bound(self.record))
         self.header_bytes = header.header_bytes
         return header
 
-    def chunks(self, dtypes: dict[str, torch.dtype]) -> list[StoredChunk]:
-        """The file's chunks, after checking its header against the manifest.
-
-        ``dtypes`` maps every key the manifest describes to its stored dtype.
-        """
+    def chunks(self, stored: dict[str, tuple[int, torch.dtype]]) -> list[StoredChunk]:
+        """The file's chunks, after checking its header against the manifest: the same
+        chunks as its record lists (RNG files: any), each of the dtype ``stored`` gives."""
         header = self.header()
+        if self.record.kind == "rng":
+            return list(header.chunks)
         found = sorted((c.key, c.offset, c.numel) for c in header.chunks)
-        if found != sorted((k, o, n) for k, o, n in self.record["chunks"]):
+        if found != sorted(self.record.chunks):
             raise FormatError(f"{self.path}: header disagrees with the manifest's chunk list")
         for c in header.chunks:
-            if c.key not in dtypes:
-                raise FormatError(f"{self.path}: stores {c.key!r}, which the manifest does "
-                                  "not describe")
-            if c.dtype != dtypes[c.key]:
+            if c.dtype != stored[c.key][1]:
                 raise FormatError(f"{self.path}: {c.key!r} is stored as {c.dtype}, "
-                                  f"the manifest says {dtypes[c.key]}")
+                                  f"the manifest says {stored[c.key][1]}")
         return [StoredChunk(c.key, self.name, c.offset, c.numel, c.dtype, c.data_start)
                 for c in header.chunks]
-
-    def read_tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """One whole small 1-D tensor by key (the RNG files)."""
-        found = [c for c in self.header().chunks if c.key == key]
-        if len(found) != 1 or found[0].dtype != dtype:
-            raise FormatError(f"{self.path}: no {dtype} tensor {key!r}")
-        out = torch.empty(found[0].numel, dtype=dtype)
-        self._pread_exact(host_bytes(out), found[0].data_start)
-        return out
-
-    def blocks(self) -> BlockFile:
-        """The file as :mod:`.blocks` reads it, once its hash count fits its size."""
-        bb, hashes = self.record["block_bytes"], self.record["hashes"]
-        if len(hashes) != -(-self.size // bb):
-            raise FormatError(f"{self.path}: manifest lists {len(hashes)} block hashes, "
-                              f"the file has {-(-self.size // bb)} blocks")
-        return BlockFile(self.fd, self.path, hashes, bb, self.size)
-
-    def blocks_of(self, spans: Iterable[tuple[int, int]]) -> set[int]:
-        """Blocks that byte spans ``[start, end)`` touch, and those of the header."""
-        bb = self.record["block_bytes"]
-        wanted: set[int] = set()
-        for start, end in [(0, self.header_bytes), *spans]:
-            if end > start:
-                wanted.update(range(start // bb, (end - 1) // bb + 1))
-        return wanted
-
-    def to_verify(self, spans: Iterable[tuple[int, int]] | None = None,
-                  skip: set[int] | frozenset[int] = frozenset()) -> tuple[BlockFile, list[int]]:
-        """The blocks to hash-check for byte spans ``[start, end)`` (all if None), less
-        those in ``skip`` (already checked): an item of :func:`~.blocks.verify_blocks`."""
-        f = self.blocks()
-        blocks = range(len(f.hashes)) if spans is None else self.blocks_of(spans)
-        return f, sorted(set(blocks) - skip)
-
-    def verify(self, threads: int = 2) -> None:
-        """Hash-check the whole file."""
-        verify_blocks([self.to_verify()], threads)
-
-    def to_read_fresh(self, segments: list[Segment], max_block_bytes: int
-                      ) -> tuple[BlockFile, list[Segment]] | None:
-        """An item of :func:`~.blocks.read_blocks`, which fills new tensors in one pass:
-        every block the segments touch is read once, its hash checked, its bytes placed.
-        None when the blocks are too large or oddly sized for it (verify, then read)."""
-        f = self.blocks()
-        if not one_pass_ok(segments, f.block_bytes, max_block_bytes):
-            return None
-        return f, segments
-
-    def segment(self, req: ReadRequest, dest: torch.Tensor, dtype: torch.dtype) -> FileSegment:
-        """What fills ``dest[req.dest_start : +req.numel]`` (1-D) from stored ``dtype`` bytes."""
-        out = dest.narrow(0, req.dest_start, req.numel)
-        return FileSegment(self.fd, self.path, Segment(req.file_start, out, dtype))
-
-    def _pread_exact(self, view: memoryview, offset: int) -> None:
-        preadv_exact(self.fd, [view], offset, self.path)

@@ -38,15 +38,12 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def io_threads(requested: int | None = None) -> int:
-    """Threads a rank reads on, and files it writes at once: ``requested``, or by default
-    the CPUs this process may run on shared among the node's ranks (``LOCAL_WORLD_SIZE``,
-    as torchrun sets it), between 2 and :data:`MAX_IO_THREADS`. On tmpfs the bandwidth
-    grows with every thread up to 16 (``benchmarks/storage_scaling.py``); a disk saturates
-    with a few, and more cost little."""
+    """Threads a rank reads on, and files it writes at once: ``requested`` (validated by
+    :class:`~.config.CheckpointConfig`), or by default the CPUs this process may run on
+    shared among the node's ranks (``LOCAL_WORLD_SIZE``, as torchrun sets it), between 2
+    and :data:`MAX_IO_THREADS`. On tmpfs the bandwidth grows with every thread up to 16
+    (``benchmarks/storage_scaling.py``); a disk saturates with a few, and more cost little."""
     if requested is not None:
-        if not (isinstance(requested, int) and not isinstance(requested, bool)
-                and requested >= 1):
-            raise ValueError(f"io_threads must be an int >= 1, got {requested!r}")
         return requested
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:

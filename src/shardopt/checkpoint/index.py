@@ -1,8 +1,9 @@
-"""Read planning: which stored bytes fill which destination elements.
+"""Chunk index: which stored bytes fill which elements of a stored tensor.
 
 Pure overlap arithmetic over 1-D chunks (the model-space analogue of
 ``torch.distributed.checkpoint``'s resharding): the same code serves loading
-at the saved DP size and at any other.
+at the saved DP size and at any other. That the chunks tile each tensor is
+checked where the manifest is parsed (:mod:`.manifest`).
 """
 
 from __future__ import annotations
@@ -27,36 +28,16 @@ class ReadRequest:
 
 
 class ChunkIndex:
-    """Stored chunks of every key, sorted by offset; validates that they tile each tensor."""
+    """Stored chunks of every key, sorted by offset."""
 
-    def __init__(self, chunks: Iterable[StoredChunk], numels: dict[str, int]) -> None:
+    def __init__(self, chunks: Iterable[StoredChunk]) -> None:
         by_key: dict[str, list[StoredChunk]] = {}
         for c in chunks:
             by_key.setdefault(c.key, []).append(c)
-        for key, cs in by_key.items():
+        for cs in by_key.values():
             cs.sort(key=lambda c: c.offset)
-            if key not in numels:
-                raise ValueError(f"stored tensor {key!r} is not described by the manifest")
-            pos = 0
-            for c in cs:
-                if c.offset != pos:
-                    what = "overlap" if c.offset < pos else "gap"
-                    raise ValueError(f"stored chunks of {key!r} have a {what} at element {pos} "
-                                     f"(file {c.file})")
-                pos += c.numel
-            if pos != numels[key]:
-                raise ValueError(f"stored chunks of {key!r} cover {pos} of {numels[key]} elements")
-        for key, n in numels.items():
-            if n and key not in by_key:
-                raise ValueError(f"no stored data for {key!r}")
         self._chunks = by_key
         self._starts = {k: [c.offset for c in cs] for k, cs in by_key.items()}
-
-    def keys(self) -> Iterable[str]:
-        return self._chunks.keys()
-
-    def chunks(self, key: str) -> list[StoredChunk]:
-        return self._chunks.get(key, [])
 
     def plan(self, key: str, want: Range) -> list[ReadRequest]:
         """Requests that fill elements ``want`` of ``key`` (dest offsets relative to ``want``)."""

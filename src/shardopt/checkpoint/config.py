@@ -1,0 +1,65 @@
+"""Checkpoint settings: one validated dataclass accepted by ``save`` and ``load``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .agree import CheckpointError
+from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES
+
+# Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
+STAGING_BYTES = 128 << 20
+
+
+def _is_int(v: Any, minimum: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """How :func:`~shardopt.checkpoint.save` and :func:`~shardopt.checkpoint.load` work.
+    Each field may also be passed to them as a keyword argument of the same name, which
+    overrides the ``config``'s value."""
+
+    low_memory_resume: bool | None = None
+    """Load: keep the loaded Adam moments in host memory until the first ``step()``;
+    ``None``: the optimizer config's ``low_memory_resume``."""
+    verify: bool = True
+    """Load: check the content hash of every block read."""
+    io_threads: int | None = None
+    """Files a rank writes at once, blocks it reads at once; ``None``: this process's share
+    of the node's CPUs, 2 to 16."""
+    staging_bytes: int = STAGING_BYTES
+    """Host memory (pinned for a GPU optimizer) a save or load stages data through at most."""
+    keep_last: int | None = None
+    """Save: delete older committed checkpoints beyond the newest ``keep_last``."""
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    """Save: the hash block size of the data files."""
+
+    def __post_init__(self) -> None:
+        checks = {  # field: (valid, what it must be)
+            "low_memory_resume": (isinstance(self.low_memory_resume, (bool, type(None))),
+                                  "a bool or None"),
+            "verify": (isinstance(self.verify, bool), "a bool"),
+            "io_threads": (self.io_threads is None or _is_int(self.io_threads, 1),
+                           "an int >= 1 or None"),
+            "staging_bytes": (_is_int(self.staging_bytes, 1), "an int >= 1"),
+            "keep_last": (self.keep_last is None or _is_int(self.keep_last, 1),
+                          "an int >= 1 or None"),
+            "block_bytes": (_is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
+                            f"an int in [1, {MAX_BLOCK_BYTES}]"),
+        }
+        for name, (ok, wanted) in checks.items():
+            if not ok:
+                raise CheckpointError(f"{name} must be {wanted}, got "
+                                      f"{getattr(self, name)!r}")
+
+
+def resolve_config(config: CheckpointConfig | None, **overrides: Any) -> CheckpointConfig:
+    """``config`` (or the defaults) with the keyword arguments that were passed (not None)."""
+    if config is not None and not isinstance(config, CheckpointConfig):
+        raise CheckpointError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(config or CheckpointConfig(), **given)

@@ -1,0 +1,232 @@
+"""load: collective restore of a checkpoint saved at any DP size.
+
+Load schedule (collective): every rank parses and validates the manifest
+(:mod:`.manifest`), checks it against the model and optimizer, opens the files
+and cross-checks their headers, plans the reads that cover its own shard, reads
+the Adam moments into newly allocated tensors in one pass that checks each
+block's hash as it reads it, verifies the hashes of every other block it will
+read and reads its RNG state (:mod:`.read`). Exchange: only when every rank
+found everything in order does any rank write into existing model or optimizer
+tensors (or adopt the new moments); otherwise every rank raises and nothing
+has changed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..optimizer import DistributedOptimizer
+from ..pinned import PinnedBuffer
+from . import state
+from .agree import CheckpointError, agree
+from .commit import resolve
+from .config import CheckpointConfig, resolve_config
+from .format import FormatError, data_file_name
+from .manifest import Manifest, parse
+from .read import DataFiles, Read, read_verified
+from .transfer import io_threads as resolve_threads
+
+Moments = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """What :func:`load` restored."""
+
+    step: int
+    extra: dict[str, Any]
+    path: str
+    dp_size_saved: int
+
+
+@dataclass
+class _Plan:
+    """Everything a rank needs to finish a load, gathered before any tensor is written."""
+
+    manifest: Manifest
+    files: DataFiles
+    read_in_place: Callable[[], None]
+    steps: dict[str, int]  # per param FQN
+    hparams: list[dict[str, Any]]
+    rng: dict[str, torch.Tensor]
+    moments: Moments
+    pinned: list[PinnedBuffer]
+
+
+def load(
+    root_or_path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: DistributedOptimizer,
+    low_memory_resume: bool | None = None,
+    verify: bool | None = None,
+    staging_bytes: int | None = None,
+    io_threads: int | None = None,
+    *,
+    config: CheckpointConfig | None = None,
+) -> LoadInfo:
+    """Collective. Restore ``model`` and ``optimizer`` from a checkpoint saved at any DP size.
+
+    ``low_memory_resume`` (default: the optimizer config's) keeps the Adam moments
+    in host memory until the first ``step()``. ``verify`` checks the content hash
+    of every block read (and of the header blocks of every file read from).
+    ``io_threads`` (default as for :func:`~.save.save`) is how many blocks a rank
+    reads at once. On any error every rank raises a :class:`CheckpointError` and
+    model and optimizer are left as they were. ``config`` holds these settings in one
+    object; a keyword argument that is not None overrides its field.
+    """
+    optimizer.require_fp32_moments("checkpoint.load")
+    dp = optimizer.dp
+    optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
+    plan, error, host = None, None, False
+    try:
+        optimizer.check_model(model)
+        cfg = resolve_config(config, low_memory_resume=low_memory_resume, verify=verify,
+                             staging_bytes=staging_bytes, io_threads=io_threads)
+        host = bool(optimizer.config.low_memory_resume if cfg.low_memory_resume is None
+                    else cfg.low_memory_resume)
+        threads = resolve_threads(cfg.io_threads)
+        plan = _prepare(root_or_path, model, optimizer, cfg.verify, host, cfg.staging_bytes,
+                        threads)
+    except Exception as e:  # noqa: BLE001 - reported to every rank by agree
+        error = e
+    try:
+        agree(dp, error, f"loading {root_or_path}")
+    except BaseException:
+        if plan is not None:
+            plan.files.close()
+        raise
+    assert plan is not None
+
+    # Every check passed on every rank: from here on tensors are written.
+    error = None
+    try:
+        plan.read_in_place()
+    except Exception as e:  # noqa: BLE001 - the file changed after it was verified
+        error = e
+    finally:
+        plan.files.close()
+    agree(dp, error, f"reading {plan.manifest.path}")
+
+    optimizer._adopt_loaded_state(plan.moments, host, plan.steps, plan.pinned)
+    for group, saved in zip(optimizer.param_groups, plan.hparams):
+        group.update(saved)  # as torch's load_state_dict does: lr & co. resume as saved
+    if "torch_cpu" in plan.rng:
+        torch.set_rng_state(plan.rng["torch_cpu"])
+    if "torch_cuda" in plan.rng:
+        torch.cuda.set_rng_state(plan.rng["torch_cuda"])
+    m = plan.manifest
+    return LoadInfo(m.step, dict(m.extra), str(m.path), m.dp_size)
+
+
+def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
+             opt: DistributedOptimizer, verify: bool, host: bool,
+             staging_bytes: int, threads: int) -> _Plan:
+    """Coordinator-free. Every check of a load, and everything it reads before writing."""
+    opt._host.check_onloaded("checkpoint.load")
+    m = parse(resolve(root_or_path))
+    _check_compatible(m, model, opt)
+    steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
+    hparams = _group_hyperparameters(m, opt)
+    moments, pinned, fresh = _moment_tensors(opt, host)
+    rng_file = data_file_name("rng", opt.dp.rank) if m.dp_size == opt.dp.size else None
+    files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
+    try:
+        reads: list[Read] = []
+        for d in state.destinations(model, opt):
+            reads += files.reads(d.key, d.want, d.resolve(moments),
+                                 in_place=d.tensor is not None or not fresh)
+        rng_reads = _rng_reads(files, rng_file) if rng_file else {}
+        reads += rng_reads.values()
+        files.keep_only(reads)
+        read_in_place = read_verified(reads, verify=verify, threads=threads,
+                                      staging_bytes=staging_bytes)
+        rng = {key: r.out for key, r in rng_reads.items()}
+        _check_rng(rng, f"{m.path / rng_file}" if rng_file else "")
+    except BaseException:
+        files.close()
+        raise
+    return _Plan(m, files, read_in_place, steps, hparams, rng, moments, pinned)
+
+
+def _rng_reads(files: DataFiles, name: str) -> dict[str, Read]:
+    """This rank's saved RNG states (CUDA's only where CUDA is available)."""
+    out = {"torch_cpu": files.rng_state(name, "torch_cpu")}
+    if out["torch_cpu"] is None:
+        raise FormatError(f"{files.readers[name].path}: no torch.uint8 tensor 'torch_cpu'")
+    cuda = files.rng_state(name, "torch_cuda") if torch.cuda.is_available() else None
+    return out | ({"torch_cuda": cuda} if cuda is not None else {})
+
+
+def _check_rng(rng: dict[str, torch.Tensor], path: str) -> None:
+    """Try each state now and put ours back, so that setting it after the load cannot fail."""
+    for key, (get, put) in {"torch_cpu": (torch.get_rng_state, torch.set_rng_state),
+                            "torch_cuda": (torch.cuda.get_rng_state, torch.cuda.set_rng_state)
+                            }.items():
+        if key in rng:
+            current = get()
+            try:
+                put(rng[key])
+            except (RuntimeError, ValueError) as e:
+                raise CheckpointError(f"{path}: invalid {key} RNG state ({e})") from None
+            finally:
+                put(current)
+
+
+def _moment_tensors(opt: DistributedOptimizer, host: bool
+                    ) -> tuple[Moments, list[PinnedBuffer], bool]:
+    """Where loaded moments go, the page-locked memory behind them, and whether they are new.
+
+    New tensors let the load read the moments in one verifying pass before the
+    ranks agree (a failed load just drops them): for ``low_memory_resume``
+    (host memory, page-locked at its exact size when the optimizer is on CUDA)
+    and for an optimizer that has not stepped yet (a resume). Existing moments
+    are reused in place (verified first, read after the agreement): a second copy
+    of the optimizer state is what a resume must never hold, on the GPU least of all.
+    """
+    if host or opt._exp_avg is None:
+        exp_avg, pinned_a = opt._new_local_state(host)
+        exp_avg_sq, pinned_b = opt._new_local_state(host)
+        return (exp_avg, exp_avg_sq), pinned_a + pinned_b, True
+    return (opt._exp_avg, opt._exp_avg_sq), [], False
+
+
+def _group_hyperparameters(m: Manifest, opt: DistributedOptimizer) -> list[dict[str, Any]]:
+    """Saved ``lr``, ``betas``, ``eps``, ``weight_decay`` of each current param group.
+
+    A group whose params were saved with different values (the grouping changed
+    since the save) keeps its current values."""
+    out: list[dict[str, Any]] = []
+    for group in opt.param_groups:
+        saved = [m.params[opt.fqn_of[p]].hyper for p in group["params"]]
+        same = all(s == saved[0] for s in saved)
+        out.append(dict(saved[0]) if same else {})
+    return out
+
+
+def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer) -> None:
+    """Every tensor of the model is in the checkpoint with its shape, and nothing else is.
+    Reports every mismatching FQN (up to ten), not just the first."""
+    frozen = state.frozen_tensors(model, opt)
+    current = {fqn: (tuple(s.shape), True) for fqn, s in opt.layout.slots.items()}
+    current.update({fqn: (tuple(t.shape), False) for fqn, t in frozen.items()})
+    problems = []
+    for fqn, (shape, trainable) in current.items():
+        saved = m.params.get(fqn)
+        if saved is None:
+            problems.append(f"param {fqn!r} of the model is missing from the checkpoint")
+        elif saved.shape != shape:
+            problems.append(f"param {fqn!r}: checkpoint shape {list(saved.shape)} != "
+                            f"model shape {list(shape)}")
+        elif trainable and not saved.trainable:
+            problems.append(f"param {fqn!r} is trainable but the checkpoint holds no "
+                            "optimizer state for it (it was frozen when saved)")
+    problems += [f"checkpoint param {fqn!r} does not exist in the model"
+                 for fqn in m.params if fqn not in current and fqn not in opt.aliases]
+    if problems:
+        more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise CheckpointError("; ".join(problems[:10]) + more)

@@ -1,0 +1,194 @@
+"""save: collective, atomic, verified checkpoints.
+
+Save schedule (collective over the optimizer's DP group):
+
+1. Every rank checks the arguments; DP rank 0 also locks the root, cleans
+   stale temporary directories and creates ``root/.tmp-step_XXXXXXXX-<id>``
+   (:mod:`.commit`). Exchange: every rank learns the directory, or every
+   rank raises.
+2. Every rank writes its own chunks into its ``model``, ``optim`` (main
+   params), ``exp_avg``, ``exp_avg_sq`` and ``rng`` safetensors files there
+   (large kinds split into parts of about equal size, up to ``io_threads``
+   files in all), all at once (hashing fixed-size blocks as it writes), fsyncs
+   them and the directory. Exchange: file records (sizes, block hashes, chunk lists), or
+   every rank raises and rank 0 removes the temporary directory.
+3. Rank 0 writes ``manifest.json`` and commits: rename to ``step_XXXXXXXX``
+   (replacing an abandoned branch after a rollback), point ``latest`` at it,
+   apply retention. Exchange: every rank learns whether the commit happened.
+
+Each phase catches any exception and reports it in its exchange, so a rank
+that fails (disk full, permission denied, a bug) never leaves the others
+waiting in a collective: all of them raise :class:`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..optimizer import STATE_NAMES, DistributedOptimizer
+from . import commit, state
+from .agree import CheckpointError, agree
+from .config import CheckpointConfig, resolve_config
+from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, data_file_name,
+                     manifest_checksum, state_file_kind, step_dir_name)
+from .storage import (FILE_THREADS, WriteEntry, entry_bytes, part_counts, split_entries,
+                      write_file, write_scratch)
+from .transfer import io_threads as resolve_threads
+from .transfer import run_parallel
+
+
+def _rng_entries() -> list[WriteEntry]:
+    out = [WriteEntry("torch_cpu", torch.uint8, torch.get_rng_state().numel(), 0,
+                      torch.get_rng_state())]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        t = torch.cuda.get_rng_state()
+        out.append(WriteEntry("torch_cuda", torch.uint8, t.numel(), 0, t))
+    return out
+
+
+def _check_save_args(step: Any, extra: Any) -> dict[str, Any]:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+    try:
+        extra = json.loads(json.dumps(extra if extra is not None else {}))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
+    return extra
+
+
+def save(
+    root: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: DistributedOptimizer,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    block_bytes: int | None = None,
+    staging_bytes: int | None = None,
+    io_threads: int | None = None,
+    *,
+    config: CheckpointConfig | None = None,
+) -> str:
+    """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.
+
+    ``extra`` must be JSON-serialisable (data position, scheduler state, ...).
+    ``keep_last`` deletes older committed checkpoints beyond the newest ``k``
+    (never the one just saved). Committed checkpoints of steps ``>= step`` (left by a run
+    this one rolled back from) are replaced when this one commits, never before (see
+    :mod:`.commit`). ``io_threads`` (default: this process's share of
+    the node's CPUs, 2-16) is how many files of about equal size each rank's data
+    is split into and written at once. On any failure of any rank every rank
+    raises :class:`CheckpointError` and nothing is committed. ``config`` holds these
+    settings in one object; a keyword argument that is not None overrides its field.
+    """
+    optimizer.require_fp32_moments("checkpoint.save")
+    dp = optimizer.dp
+    optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
+    root = Path(root)
+    what = f"saving step {step!r} to {root}"
+    staged: commit.Staged | None = None
+    try:
+        error, extra_obj, threads, cfg = None, None, 1, CheckpointConfig()
+        try:
+            optimizer.check_model(model)
+            cfg = resolve_config(config, keep_last=keep_last, block_bytes=block_bytes,
+                                 staging_bytes=staging_bytes, io_threads=io_threads)
+            extra_obj = _check_save_args(step, extra)
+            threads = resolve_threads(cfg.io_threads)
+            if dp.rank == 0:
+                staged = commit.begin(root, step_dir_name(step))
+        except Exception as e:  # noqa: BLE001 - reported to every rank by agree
+            error = e
+        payloads = agree(dp, error, what,
+                         (step if error is None else None, staged.tmp.name if staged else None))
+        if any(s != step for s, _ in payloads):
+            raise CheckpointError(f"saving to {root} failed: ranks disagree on the step "
+                                  f"({[s for s, _ in payloads]})")
+        tmp = root / payloads[0][1]
+
+        records, error = {}, None
+        try:
+            records = _write_rank_files(tmp, model, optimizer, cfg.block_bytes,
+                                        cfg.staging_bytes, threads)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        all_records = agree(dp, error, what, records)
+
+        error = None
+        if dp.rank == 0:
+            try:
+                files = {name: rec for recs in all_records for name, rec in recs.items()}
+                text = _manifest_text(model, optimizer, step, files, extra_obj)
+                commit.commit(staged, step_dir_name(step), text, cfg.keep_last)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        agree(dp, error, f"committing {root / step_dir_name(step)}")
+    finally:
+        if staged is not None:
+            commit.abort(staged)
+    return str(root / step_dir_name(step))
+
+
+def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimizer,
+                      block_bytes: int, staging_bytes: int, threads: int) -> dict[str, dict]:
+    """Coordinator-free. Write and fsync this rank's files, all at once; return their records.
+
+    A file takes one writer at a time (the kernel locks it for each write), so the data is
+    split into up to ``threads`` files of about equal size (a kind into parts where it is
+    larger than the others), written side by side, each by ``FILE_THREADS`` thread(s)
+    that copy blocks from the device, hash and write them.
+    """
+    r = opt.dp.rank
+    contents = {"model": state.model_entries(model, opt)}
+    for name in STATE_NAMES:
+        contents.setdefault(state_file_kind(name), []).extend(state.optim_entries(opt, name))
+    counts = part_counts({k: entry_bytes(v) for k, v in contents.items()},
+                         min(threads, MAX_PARTS))
+    jobs = [(data_file_name("rng", r), _rng_entries())]
+    for kind, entries in contents.items():
+        runs = split_entries(entries, counts[kind]) or [[]]
+        jobs += [(data_file_name(kind, r, p), run) for p, run in enumerate(runs)]
+    jobs.sort(key=lambda job: -entry_bytes(job[1]))  # the largest files start first
+    scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), opt.device,
+                             threads=FILE_THREADS) for _ in jobs]
+    records: dict[str, dict] = {}
+
+    def write(job, slot):
+        name, entries = job
+        rec = write_file(str(tmp / name), entries, block_bytes, scratch[slot], FILE_THREADS)
+        if not name.startswith("rng-"):
+            rec["chunks"] = [[e.key, e.offset, e.numel] for e in entries]
+        records[name] = rec
+
+    run_parallel(jobs, write, len(jobs))
+    commit.fsync_dir(tmp)  # the directory entries, so the rename publishes whole files
+    return {name: records[name] for name in sorted(records)}
+
+
+def _manifest_text(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
+                   files: dict[str, dict], extra: dict[str, Any]) -> bytes:
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "dp_size": opt.dp.size,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "torch_version": torch.__version__,
+        "optimizer": {"kind": OPTIMIZER_KIND, "state": list(STATE_NAMES)},
+        "config": opt.config.to_dict(),
+        "params": state.describe(model, opt),
+        "aliases": dict(opt.aliases),
+        "files": files,
+        "extra": extra,
+    }
+    manifest = json.loads(json.dumps(manifest))  # the checksum covers what a reader parses
+    manifest["checksum"] = manifest_checksum(manifest)
+    return json.dumps(manifest, indent=1).encode()
