@@ -168,6 +168,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if device.type == "cuda":
         result["baseline_cuda_context_used"] = _probe()  # before this process touches CUDA
+        # Identical losses need a deterministic backward: cuBLAS with a fixed workspace, and
+        # no cuDNN attention (its backward is non-deterministic; flash attention then runs).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.enable_cudnn_sdp(False)
         torch.use_deterministic_algorithms(True, warn_only=True)
         # deterministic mode would also fill every torch.empty (host copies included)
         torch.utils.deterministic.fill_uninitialized_memory = False

@@ -120,3 +120,19 @@ def test_misuse_across_ranks_raises_on_every_rank(tmp_path):
             assert r[case] is not None, f"{case} did not fail on rank {rank}"
             assert needle in r[case], f"rank {rank} {case}: {r[case]}"
     assert checkpoint.latest(tmp_path / "ckpt") is None
+
+
+def test_a_dropped_optimizer_and_its_model_are_freed():
+    # Grad hooks live on the params, where the garbage collector cannot see them: a hook that
+    # held the optimizer kept the optimizer, and through it the model, alive for good.
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).to(torch.bfloat16))
+    opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-2))
+    model[1](model[0](torch.randn(3, 4)).to(torch.bfloat16)).float().sum().backward()
+    opt.step()
+    refs = weakref.ref(opt), weakref.ref(model)
+    del opt, model
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None

@@ -48,7 +48,7 @@ def check_args(model: Any, config: Any, torch_kwargs: dict[str, Any]) -> None:
 # view of its flat buffer, so a second one over the same params would silently detach the
 # first. Keyed by id (tensors compare elementwise, so no WeakKeyDictionary) and weak on
 # both sides: a dropped param removes its entry, a dropped optimizer frees its params.
-# The hooks keep an optimizer alive as long as its model, hence the hook check below.
+# An optimizer whose grad hooks were removed has let go of its params: the hook check below.
 _owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
@@ -58,7 +58,8 @@ def _owner(p: torch.nn.Parameter) -> Any:
     entry = _owners.get(id(p))
     owner = entry[1]() if entry is not None and entry[0]() is p else None
     hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-    return owner if any(getattr(h, "__self__", None) is owner for h in hooks.values()) else None
+    attached = (getattr(h, "owner", lambda: None)() for h in hooks.values())
+    return owner if any(a is owner for a in attached) else None
 
 
 def ownership_problem(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | None:

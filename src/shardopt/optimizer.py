@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -189,9 +190,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._handles: list[object] = []
         self._sync_enabled = True
         self._reset_readiness()
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
-        ]
+        # Weak: a tensor's hooks live where Python's garbage collector cannot see them, so a
+        # hook holding the optimizer would keep it (and through it the model) alive forever.
+        on_grad = _WeakGradHook(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
         # overlap_param_gather: all-gathers in flight, keyed (buffer index, bucket index); each
         # module's forward waits for the buckets of its own params.
         self._param_handles: dict[tuple[int, int], object] = {}
@@ -730,6 +733,23 @@ def _alignment(config: OptimizerConfig) -> tuple[int, int]:
     if not config.quantized_moments:
         return config.align_numel, 1
     return math.lcm(config.align_numel, quant.QBLOCK), quant.QBLOCK
+
+
+class _WeakGradHook:
+    """``opt._on_grad_ready`` through a weak reference (a no-op once ``opt`` is gone)."""
+
+    def __init__(self, opt: DistributedOptimizer) -> None:
+        self.owner = weakref.ref(opt)
+
+    def __call__(self, param: torch.nn.Parameter) -> None:
+        opt = self.owner()
+        if opt is not None:
+            opt._on_grad_ready(param)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _param_groups(
