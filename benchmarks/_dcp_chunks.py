@@ -12,6 +12,7 @@ shardopt's own files do.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 import torch
@@ -39,9 +40,15 @@ def rank_entries(model: torch.nn.Module, opt) -> list:
 
 def global_numels(model: torch.nn.Module, opt) -> dict[str, int]:
     """Every stored key's element count in model space (the size of the full tensor)."""
-    from shardopt.checkpoint.state import describe, stored_numels
+    from shardopt.checkpoint.state import describe
+    from shardopt.optimizer import STATE_NAMES
 
-    return stored_numels(describe(model, opt))
+    out: dict[str, int] = {}
+    for fqn, info in describe(model, opt).items():
+        out[fqn] = math.prod(info["shape"])
+        if info["trainable"]:
+            out.update({f"{fqn}.{name}": out[fqn] for name in STATE_NAMES})
+    return out
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
