@@ -193,7 +193,7 @@ def test_kernel_packed_moments_match_torch(m_kind, v_kind, grad_dtype):
     want[1].store_(want_v)
 
     dev = KERNEL_DEVICE
-    table = kernels.chunk_table(parts, dev)
+    table = kernels.chunk_table([kernels.ChunkPart(*p) for p in parts], dev)
     assert table.full.shape[0] >= 1 and table.partial.shape[0] >= 3
     packed = [kernels.Packed(mo.values.to(dev), None if mo.scales is None else mo.scales.to(dev))
               for mo in moments]

@@ -91,7 +91,7 @@ def _build(opt: DistributedOptimizer) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for fqn in opt.fqn_of.values():
         numel, shard = _numel(opt, fqn), shards.get(fqn)
-        entry: dict[str, Any] = {"step": torch.tensor(float(opt._step_of(fqn)))}
+        entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
         for name in (*MOMENTS, "master_param"):
             entry[name] = _value(opt, name, shard, numel)
         entry["param_dtype"] = _dtype_name(opt.layout.buffers[
@@ -115,7 +115,7 @@ class LocalState(defaultdict):
 
     def _entry(self, fqn: str) -> dict[str, Any]:
         opt = self._opt
-        out: dict[str, Any] = {"step": torch.tensor(float(opt._step_of(fqn)))}
+        out: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
         shard = _own_shards(opt).get(fqn)
         if shard is not None:
             out["offset"] = shard.range_param.start
@@ -176,35 +176,31 @@ def load_state_dict(opt: DistributedOptimizer, sd: Any) -> None:
 
 def _load(opt: DistributedOptimizer, sd: Any) -> None:
     opt.finish_param_sync()
-    old_steps = {fqn: opt._step_of(fqn) for fqn in opt.fqn_of.values()}
+    old_steps = {fqn: opt.param_steps[fqn] for fqn in opt.fqn_of.values()}
     plan, error = None, None
     try:
         plan = _check(opt, sd)
-        opt._set_steps(plan.steps)
+        opt.param_steps.update(plan.steps)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error, plan = e, None
     problems = _agree(opt.dp, error)
     if problems:
         if plan is not None:
-            opt._set_steps(old_steps)
+            opt.param_steps.update(old_steps)
         raise StateDictError(f"load_state_dict failed: {problems}") from error
     assert plan is not None
     for shard, name, src in plan.copies:
         if name == "master_param":
             opt.state_view(name, shard).copy_(src)
     host = opt.config.low_memory_resume
-    if host or opt._exp_avg is None:  # new tensors: low_memory_resume keeps them on the host
-        (exp_avg, pinned_a), (exp_avg_sq, pinned_b) = (opt._new_local_state(host)
-                                                       for _ in MOMENTS)
-        moments, pinned = (exp_avg, exp_avg_sq), pinned_a + pinned_b
+    if host or opt.moments is None:  # new tensors: low_memory_resume keeps them on the host
+        moments = opt.allocate_moments(on_host=host)
     else:  # in place: no second copy of the moments on the device
-        moments, pinned = (opt._exp_avg, opt._exp_avg_sq), []
+        moments = opt.moments
     for shard, name, src in plan.copies:
         if name != "master_param":
-            local = moments[MOMENTS.index(name)][shard.buffer_index]
-            local[shard.range_local.as_slice()].copy_(src)
-    opt._adopt_loaded_state(moments, host, {f: opt._step_of(f) for f in opt.fqn_of.values()},
-                            pinned)
+            moments.of(name)[shard.buffer_index].values[shard.range_local.as_slice()].copy_(src)
+    opt.adopt_state(moments, {f: opt.param_steps[f] for f in opt.fqn_of.values()}, on_host=host)
     for group, saved in zip(opt.param_groups, plan.groups):
         group.update(saved)  # as torch's load_state_dict: lr & co. resume as saved
 

@@ -15,6 +15,8 @@ import torch
 
 from ..config import GROUP_KEYS
 from ..layout import Range
+from ..moments import NAMES as MOMENT_NAMES
+from ..moments import Moments
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from .format import dtype_name
 from .storage import WriteEntry
@@ -26,14 +28,14 @@ class Destination:
 
     That tensor is ``tensor`` (written in place) or, for Adam moments, which
     are allocated only once every check has passed, the slice ``range_local``
-    of moment tensor ``moment`` (0: exp_avg, 1: exp_avg_sq) of buffer
+    of the values of moment ``moment`` (``"exp_avg"`` or ``"exp_avg_sq"``) of buffer
     ``buffer_index``.
     """
 
     key: str
     want: Range
     tensor: torch.Tensor | None = None
-    moment: int | None = None
+    moment: str | None = None
     buffer_index: int = 0
     range_local: Range | None = None
 
@@ -41,10 +43,12 @@ class Destination:
     def dtype(self) -> torch.dtype:
         return torch.float32 if self.tensor is None else self.tensor.dtype
 
-    def resolve(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:
+    def resolve(self, moments: Moments) -> torch.Tensor:
         if self.tensor is not None:
             return self.tensor
-        return moments[self.moment][self.buffer_index][self.range_local.as_slice()]
+        assert self.moment is not None and self.range_local is not None
+        values = moments.of(self.moment)[self.buffer_index].values
+        return values[self.range_local.as_slice()]
 
 
 def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
@@ -110,8 +114,8 @@ def destinations(model: torch.nn.Module, opt: DistributedOptimizer) -> list[Dest
     for s in opt.shards:
         out.append(Destination(f"{s.fqn}.master_param", s.range_param,
                                tensor=opt.state_view("master_param", s)))
-        for which, name in enumerate(("exp_avg", "exp_avg_sq")):
-            out.append(Destination(f"{s.fqn}.{name}", s.range_param, moment=which,
+        for name in MOMENT_NAMES:
+            out.append(Destination(f"{s.fqn}.{name}", s.range_param, moment=name,
                                    buffer_index=s.buffer_index, range_local=s.range_local))
     for fqn, t in frozen_tensors(model, opt).items():
         if not t.is_contiguous():
