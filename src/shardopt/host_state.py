@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .moments import NAMES, Moments
+from .quant import Moment
 from .pinned import PinnedBuffer
 
 if TYPE_CHECKING:
@@ -110,7 +111,8 @@ class HostState:
                 self._nbytes.append(dev.untyped_storage().nbytes())
                 dev.untyped_storage().resize_(0)
             else:
-                dev.fill_(float("nan"))
+                # 8-bit codes cannot be NaN; their blocks' scales are, which poisons them too
+                dev.fill_(float("nan") if dev.is_floating_point() else 0)
         if self.cuda:
             torch.cuda.empty_cache()
         self._moved, self._dropped, self.offloaded = moved, dropped, kinds
@@ -185,6 +187,20 @@ class HostState:
         if kind in self.offloaded:
             return self._copies[kind][index]
         return live
+
+    def local_moment(self, name: str, buffer_index: int) -> Moment:
+        """This rank's moment ``name`` of buffer ``buffer_index`` in its storage form (values
+        and scales), wherever it is now."""
+        opt = self.opt
+        moments = self.staged if self.staged is not None else opt.moments
+        if moments is None:
+            raise RuntimeError(f"optimizer state {name!r} is not allocated before the first step")
+        live = moments.of(name)[buffer_index]
+        if "moments" not in self.offloaded:
+            return live
+        copy = dict(zip(map(id, moments.tensors()), self._copies["moments"]))
+        return Moment.wrap(live.kind, copy[id(live.values)],
+                           None if live.scales is None else copy[id(live.scales)], live.sqrt)
 
     def _device_tensors(self, kind: str) -> list[torch.Tensor | None]:
         opt = self.opt

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import build, comm, guards, step_plan
+from . import build, comm, guards, quant, step_plan
 from . import moments as moments_
 from . import state_dict as state_dicts
 from .build import SUPPORTED_DTYPES, ParamGroupFn
@@ -57,7 +57,7 @@ class GradientOrderError(RuntimeError):
 
 
 class LowPrecisionStateError(ValueError):
-    """The operation does not support Adam moments stored in less than fp32 (yet)."""
+    """An fp32 view of Adam moments stored in less than fp32 was asked for."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -359,24 +359,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         uninitialised, padding and scales zero; ``on_host``: in (page-locked) host memory."""
         return moments_.allocate(self, on_host)
 
-    def require_fp32_moments(self, what: str) -> None:
-        """Raise :class:`LowPrecisionStateError` unless both moments are stored in fp32
-        (checkpoints of bf16/int8 moments are not written yet)."""
-        cfg = self.config
-        if cfg.lowprec_moments:
-            raise LowPrecisionStateError(
-                f"[dp rank {self.dp.rank}] {what} supports only fp32 Adam moments; this "
-                f"optimizer has exp_avg_dtype={cfg.to_dict()['exp_avg_dtype']!r}, "
-                f"exp_avg_sq_dtype={cfg.to_dict()['exp_avg_sq_dtype']!r}")
-
     def state_view(self, name: str, shard: ParamShard) -> torch.Tensor:
         """1-D fp32 view of state ``name`` for ``shard`` (a record of this rank's); while
         offloaded, of its host copy."""
         if name == "master_param" and self._main[shard.buffer_index] is None:
             return self.buffers.shard_params(shard)
-        if name != "master_param":
-            self.require_fp32_moments(f"state_view({name!r})")  # no fp32 view of bf16/int8 state
+        if name != "master_param" and self.config.lowprec_moments:
+            raise LowPrecisionStateError(  # no fp32 view of bf16/int8 state
+                f"[dp rank {self.dp.rank}] state_view({name!r}) is an fp32 view; this "
+                f"optimizer stores its moments as {self.config.to_dict()['exp_avg_dtype']!r} / "
+                f"{self.config.to_dict()['exp_avg_sq_dtype']!r}: use moment_view()")
         return self._host.local(name, shard.buffer_index)[shard.range_local.as_slice()]
+
+    def moment_view(self, name: str, shard: ParamShard) -> quant.Moment:
+        """Moment ``name`` (``"exp_avg"``/``"exp_avg_sq"``) of ``shard`` (a record of this
+        rank's) in its storage form: views of its values and, for int8, of the scales of
+        its blocks (the shard starts on a block boundary); while offloaded, of the host copy."""
+        m = self._host.local_moment(name, shard.buffer_index)
+        r = shard.range_local
+        scales = None
+        if m.scales is not None:
+            scales = m.scales[r.start // quant.QBLOCK:][:quant.num_scales(r.size)]
+        return quant.Moment.wrap(m.kind, m.values[r.as_slice()], scales, m.sqrt)
 
     def adopt_state(self, moments: Moments, param_steps: dict[str, int],
                     on_host: bool = False) -> None:
@@ -394,8 +398,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Move ``what`` (of :data:`~shardopt.host_state.KINDS`; default all) to pinned host
         memory and give its device memory back; a forward, ``step()`` and ``checkpoint.load``
         are refused until :meth:`onload`. Not collective. See :mod:`shardopt.host_state`."""
-        if "moments" in what:
-            self.require_fp32_moments("offload() of the moments")
         self._host.offload(what)
 
     def onload(self) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
-from . import state
+from . import convert, state
 from .agree import CheckpointError, agree
 from .commit import resolve
 from .config import CheckpointConfig, resolve_config
@@ -53,6 +53,7 @@ class _Plan:
     hparams: list[dict[str, Any]]
     rng: dict[str, torch.Tensor]
     moments: Moments
+    pieces: list[convert.Piece]  # moments stored in another format, to convert
 
 
 def load(
@@ -76,7 +77,6 @@ def load(
     model and optimizer are left as they were. ``config`` holds these settings in one
     object; a keyword argument that is not None overrides its field.
     """
-    optimizer.require_fp32_moments("checkpoint.load")
     dp = optimizer.dp
     optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
     plan, error, host = None, None, False
@@ -108,6 +108,8 @@ def load(
     finally:
         plan.files.close()
     agree(dp, error, f"reading {plan.manifest.path}")
+    convert.apply(optimizer, dict(plan.manifest.moments), plan.pieces, plan.moments,
+                  str(plan.manifest.path))
 
     optimizer.adopt_state(plan.moments, plan.steps, on_host=host)
     for group, saved in zip(optimizer.param_groups, plan.hparams):
@@ -134,9 +136,11 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
     try:
         reads: list[Read] = []
-        for d in state.destinations(model, opt):
+        for d in state.destinations(model, opt, dict(m.moments)):
             reads += files.reads(d.key, d.want, d.resolve(moments),
                                  in_place=d.tensor is not None or not fresh)
+        pieces, conversion_reads = convert.plan(opt, dict(m.moments), files)
+        reads += conversion_reads
         rng_reads = _rng_reads(files, rng_file) if rng_file else {}
         reads += rng_reads.values()
         files.keep_only(reads)
@@ -147,7 +151,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     except BaseException:
         files.close()
         raise
-    return _Plan(m, files, read_in_place, steps, hparams, rng, moments)
+    return _Plan(m, files, read_in_place, steps, hparams, rng, moments, pieces)
 
 
 def _rng_reads(files: DataFiles, name: str) -> dict[str, Read]:
