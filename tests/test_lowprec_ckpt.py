@@ -307,3 +307,38 @@ def test_export_writes_fp32_moments_by_default_or_as_stored(tmp_path, capsys):
     assert cli.main(["inspect", path]) == 0
     out = capsys.readouterr().out
     assert "exp_avg int8 (int8 codes of x, fp32 scale per 64), exp_avg_sq bfloat16" in out
+
+
+@pytest.mark.parametrize("m,v", [(INT8, BF16), (BF16, INT8)])
+def test_state_dict_holds_moments_as_stored_and_resumes_bitwise(m, v):
+    from shardopt.flat_shard import FlatShard
+    from shardopt.state_dict import StateDictError
+
+    model, opt = make(m, v)
+    fresh = opt.state_dict()  # before the first step: zeros in the stored dtypes
+    entry = fresh["state"]["a.weight"]
+    assert entry["exp_avg"].dtype == (torch.int8 if m == INT8 else BF16)
+    assert ("exp_avg.scale" in entry) == (m == INT8) and ("exp_avg_sq.scale" in entry) == (v == INT8)
+    train(model, opt, 0, 3)
+    sd = opt.state_dict()
+    entry = sd["state"]["a.weight"]
+    scaled = "exp_avg.scale" if m == INT8 else "exp_avg_sq.scale"
+    assert entry[scaled].dtype == FP32 and entry[scaled].shape[0] == -(-24 * 37 // QBLOCK)
+    saved = {f: {k: t.local.clone() for k, t in e.items() if hasattr(t, "local")}
+             for f, e in sd["state"].items()}
+    state = opt.state[model.a.weight]
+    assert torch.equal(state[scaled], entry[scaled].local)
+    weights = {k: t.clone() for k, t in model.state_dict().items()}
+    copy = {"state": {f: {**e, **{k: FlatShard(saved[f][k], e[k].offset, e[k].shape[0])
+                                   for k in saved[f]}} for f, e in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+    train(model, opt, 3, 5)
+    model2, opt2 = make(m, v)
+    opt2.load_state_dict(copy)
+    model2.load_state_dict(weights)
+    train(model2, opt2, 3, 5)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    other = make(FP32, FP32)[1]
+    with pytest.raises(StateDictError, match="exp_avg.*this optimizer keeps"):
+        other.load_state_dict(copy)

@@ -56,6 +56,15 @@ class Moments:
         return sum(m.num_bytes() for m in self.exp_avg + self.exp_avg_sq)
 
 
+def piece(m: quant.Moment, r: Range) -> quant.Moment:
+    """Views of the local range ``r`` of ``m`` (``r`` starts on a block boundary where ``m``
+    has scales: the layout's ``param_align``): its values and the scales of its blocks."""
+    scales = None
+    if m.scales is not None:
+        scales = m.scales[r.start // quant.QBLOCK:][:quant.num_scales(r.size)]
+    return quant.Moment.wrap(m.kind, m.values[r.as_slice()], scales, m.sqrt)
+
+
 def kinds(opt: DistributedOptimizer) -> dict[str, torch.dtype | str]:
     """The storage kind of each moment in ``opt``'s configuration."""
     return {"exp_avg": opt.config.exp_avg_dtype, "exp_avg_sq": opt.config.exp_avg_sq_dtype}

@@ -375,12 +375,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Moment ``name`` (``"exp_avg"``/``"exp_avg_sq"``) of ``shard`` (a record of this
         rank's) in its storage form: views of its values and, for int8, of the scales of
         its blocks (the shard starts on a block boundary); while offloaded, of the host copy."""
-        m = self._host.local_moment(name, shard.buffer_index)
-        r = shard.range_local
-        scales = None
-        if m.scales is not None:
-            scales = m.scales[r.start // quant.QBLOCK:][:quant.num_scales(r.size)]
-        return quant.Moment.wrap(m.kind, m.values[r.as_slice()], scales, m.sqrt)
+        return moments_.piece(self._host.local_moment(name, shard.buffer_index),
+                              shard.range_local)
 
     def adopt_state(self, moments: Moments, param_steps: dict[str, int],
                     on_host: bool = False) -> None:
