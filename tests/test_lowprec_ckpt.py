@@ -170,16 +170,23 @@ def _reference(values: torch.Tensor, scales: torch.Tensor | None, kind: Any, sqr
     return res
 
 
-@pytest.mark.parametrize("src,dst", [((FP32, FP32), (BF16, BF16)), ((INT8, INT8), (FP32, FP32)),
-                                     ((BF16, BF16), (INT8, INT8)), ((INT8, BF16), (BF16, INT8))])
-def test_load_converts_to_the_optimizers_format_and_says_so(src, dst, tmp_path, caplog):
+@pytest.mark.parametrize("src,dst,into", [
+    ((FP32, FP32), (BF16, BF16), "new"), ((INT8, INT8), (FP32, FP32), "new"),
+    ((BF16, BF16), (INT8, INT8), "new"), ((INT8, BF16), (BF16, INT8), "new"),
+    ((INT8, INT8), (BF16, FP32), "stepped"), ((BF16, FP32), (INT8, INT8), "low_memory")])
+def test_load_converts_to_the_optimizers_format_and_says_so(src, dst, into, tmp_path, caplog):
+    """Into a new optimizer, one whose moments exist (converted in place) and a
+    low_memory_resume (converted on the host)."""
     model, opt = make(*src)
     train(model, opt, 0, 3)
     path = checkpoint.save(tmp_path, model, opt, step=3)
     saved = assemble([pieces(opt)])
     model2, opt2 = make(*dst)
+    if into == "stepped":
+        train(model2, opt2, 5, 6)
     with caplog.at_level(logging.INFO, logger="shardopt.checkpoint"):
-        checkpoint.load(path, model2, opt2)
+        checkpoint.load(path, model2, opt2, low_memory_resume=into == "low_memory")
+    assert (opt2.moments is None) == (into == "low_memory")
     lines = [r for r in caplog.records if "converting Adam moments" in r.getMessage()]
     assert len(lines) == 1 and lines[0].name == "shardopt.checkpoint"
     got = assemble([pieces(opt2)])

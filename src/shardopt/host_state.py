@@ -31,7 +31,7 @@ the same as on CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,8 +54,10 @@ class OffloadError(ValueError):
 class HostState:
     """Where the optimizer's state lives when it is not on the device."""
 
-    def __init__(self, opt: DistributedOptimizer, model: torch.nn.Module) -> None:
+    def __init__(self, opt: DistributedOptimizer, model: torch.nn.Module,
+                 on_realloc: Callable[[], None]) -> None:
         self.opt = opt
+        self._on_realloc = on_realloc  # told when onload gave the params new storage
         self.cuda = opt.device.type == "cuda"
         # The root too: its forward may use a child's weight before that child runs.
         self._modules = [(name, m) for name, m in model.named_modules() if m is model
@@ -83,9 +85,7 @@ class HostState:
                                f"offloaded ({', '.join(self.offloaded)}); call onload() first")
         opt = self.opt
         opt.finish_param_sync()  # all-gathers write into the param buffers
-        for handle in opt._handles:  # reduce-scatters write into the grad buffers
-            handle.wait()
-        pending_grads = bool(opt._written)
+        pending_grads = opt.wait_grad_reductions()  # reduce-scatters write into the grad buffers
         moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host copy)
         dropped: list[torch.Tensor] = []
         for kind in kinds:  # every allocation first: a failure here changes nothing
@@ -138,7 +138,7 @@ class HostState:
             guard.remove()
         self._guards = []
         self.opt.buffers.host_params = None
-        self.opt._watch.rebase()  # the params' storage was re-allocated: new addresses
+        self._on_realloc()  # the params' storage was re-allocated: new addresses
         self.offloaded = ()
 
     def release(self) -> None:
@@ -172,7 +172,7 @@ class HostState:
         buffer ``buffer_index``, wherever its values are now."""
         opt = self.opt
         if name == "master_param":
-            kind, index, live = "main_params", buffer_index, opt._main[buffer_index]
+            kind, index, live = "main_params", buffer_index, opt.main_params[buffer_index]
         else:
             which = NAMES.index(name)
             if self.staged is not None:
@@ -209,7 +209,7 @@ class HostState:
         if kind == "grads":
             return list(opt.buffers.grad_buffers)
         if kind == "main_params":
-            return list(opt._main)  # None: an fp32 buffer's main param is the param buffer
+            return list(opt.main_params)  # None: an fp32 buffer's main param is the param buffer
         if opt.moments is None:
             return []  # not allocated yet, or staged on the host by a load
         return list(opt.moments.tensors())  # values first: local() indexes them

@@ -108,16 +108,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._main = build.main_params(self.layout, self.buffers, self.dp, self.device)
         self._moments: Moments | None = None  # allocated lazily (first step or a load)
         # Host copies: offload()/onload() and the moments a low_memory_resume load stages.
-        self._host = HostState(self, model)
+        self._host = HostState(self, model, lambda: self._watch.rebase())
         # Updates applied to each param (torch's state[p]["step"]): a param that got no
         # gradient on any rank in a step is not updated and its count stays.
         self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
         self._fqns = tuple(fqn for fqn, _ in named)
-        self._norm = GradNorm(self, self._fqns)
+        self._init_grad_sync(named)
+        self._norm = GradNorm(self.dp, self.buffers, self.layout, self.config, self._fqns,
+                              self._written)
         self._grad_norm: torch.Tensor | None = None
         self.step_kernel = build.choose_kernel(self.config, self.device)
         self._update = Update(self)
-        self._init_grad_sync(named)
         self._init_param_sync(model)
         self._watch = ParamWatch(self._fqns, [p for _, p in named],
                                  [(p.dtype, p.device) for _, p in named], self.dp.rank)
@@ -252,10 +253,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._sync_enabled = previous
             self._reset_readiness()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def wait_grad_reductions(self) -> bool:
+        """Wait for the gradient reductions in flight (starts none). Returns whether a
+        backward since the last ``step()`` or ``zero_grad()`` left gradients in the grad
+        buffers (in ``no_sync`` accumulation, or before ``step()``)."""
         for h in self._handles:
             h.wait()
         self._handles.clear()
+        return bool(self._written)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wait_grad_reductions()
         self._written.clear()  # the next gradient overwrites: the buffer needs no memset
         for group in self.param_groups:
             for p in group["params"]:
