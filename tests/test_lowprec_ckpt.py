@@ -36,9 +36,13 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def make(m: Any = FP32, v: Any = FP32, **kw: Any) -> tuple[Net, DistributedOptimizer]:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def make(m: Any = FP32, v: Any = FP32, device: str = "cpu", **kw: Any
+         ) -> tuple[Net, DistributedOptimizer]:
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     cfg = OptimizerConfig(lr=3e-2, exp_avg_dtype=m, exp_avg_sq_dtype=v, bucket_numel=700,
                           step_kernel="torch", **kw)
     return model, DistributedOptimizer(model, cfg)
@@ -48,6 +52,7 @@ def train(model: Net, opt: DistributedOptimizer, first: int, last: int) -> None:
     for i in range(first, last):
         g = torch.Generator().manual_seed(1000 + i)
         x, y = torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)
+        x, y = x.to(opt.device), y.to(opt.device)
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         opt.step()
@@ -60,8 +65,8 @@ def pieces(opt: DistributedOptimizer) -> dict[str, Any]:
         for name in MOMENTS:
             m = opt.moment_view(name, s)
             out.setdefault(f"{s.fqn}.{name}", []).append(
-                (s.range_param.start, m.values.clone(),
-                 None if m.scales is None else m.scales.clone()))
+                (s.range_param.start, m.values.cpu().clone(),
+                 None if m.scales is None else m.scales.cpu().clone()))
     return out
 
 
@@ -87,14 +92,15 @@ def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
         assert torch.equal(got[key], want[key]), key
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m,v", [(BF16, BF16), (INT8, INT8), (INT8, BF16)])
-def test_resume_is_bitwise_at_the_same_dp_size(m, v, tmp_path):
-    model, opt = make(m, v)
+def test_resume_is_bitwise_at_the_same_dp_size(m, v, device, tmp_path):
+    model, opt = make(m, v, device)
     train(model, opt, 0, 3)
     path = checkpoint.save(tmp_path, model, opt, step=3)
     saved = assemble([pieces(opt)])
     train(model, opt, 3, 6)
-    model2, opt2 = make(m, v)
+    model2, opt2 = make(m, v, device)
     checkpoint.load(path, model2, opt2)
     assert_equal(assemble([pieces(opt2)]), saved)
     train(model2, opt2, 3, 6)
@@ -202,16 +208,18 @@ def test_load_converts_to_the_optimizers_format_and_says_so(src, dst, into, tmp_
     train(model2, opt2, 3, 4)  # and it trains on
 
 
-def test_low_memory_resume_with_int8_moments(tmp_path):
-    model, opt = make(INT8, INT8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_low_memory_resume_with_int8_moments(device, tmp_path):
+    model, opt = make(INT8, INT8, device)
     train(model, opt, 0, 3)
     path = checkpoint.save(tmp_path, model, opt, step=3)
     train(model, opt, 3, 5)
-    model2, opt2 = make(INT8, INT8)
+    model2, opt2 = make(INT8, INT8, device)
     checkpoint.load(path, model2, opt2, low_memory_resume=True)
     assert opt2.moments is None and opt2.has_moments  # staged on the host until step()
     train(model2, opt2, 3, 5)
     assert opt2.moments is not None
+    assert all(t.device == opt2.device for t in opt2.moments.tensors())
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
 
@@ -269,8 +277,9 @@ def test_reshards_without_requantising(kinds, tmp_path):
     assert_equal(at1, saved)
 
 
-def test_offload_round_trips_lowprec_moments_bit_for_bit(tmp_path):
-    model, opt = make(INT8, BF16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_offload_round_trips_lowprec_moments_bit_for_bit(device, tmp_path):
+    model, opt = make(INT8, BF16, device)
     train(model, opt, 0, 2)
     before = assemble([pieces(opt)])
     opt.offload()
@@ -279,7 +288,7 @@ def test_offload_round_trips_lowprec_moments_bit_for_bit(tmp_path):
     opt.onload()
     assert_equal(assemble([pieces(opt)]), before)
     train(model, opt, 2, 4)
-    model2, opt2 = make(INT8, BF16)
+    model2, opt2 = make(INT8, BF16, device)
     checkpoint.load(path, model2, opt2)
     train(model2, opt2, 2, 4)
     for p, q in zip(model.parameters(), model2.parameters()):

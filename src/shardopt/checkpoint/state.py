@@ -106,13 +106,13 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
     """Optimizer state ``name`` this rank writes, moments in their storage dtype (with
     their scales under ``"{fqn}.{name}.scale"``); moments are zeros before the first step."""
     out = []
+    enc = encodings(opt).get(name)
     for s in opt.shards:
         r = s.range_param
-        if name == "master_param":
+        if enc is None:  # the master param
             out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, r.size, r.start,
                                   opt.state_view(name, s)))
             continue
-        enc = encodings(opt)[name]
         m = opt.moment_view(name, s) if opt.has_moments else None
         out.append(WriteEntry(f"{s.fqn}.{name}", enc.dtype, r.size, r.start,
                               None if m is None else m.values))
