@@ -42,9 +42,9 @@ def shardopt_states(opt: Any) -> dict[str, torch.Tensor]:
 
 def drop_moments(opt: Any) -> None:
     """Free a DistributedOptimizer's Adam moments (it has no public call for that)."""
-    for attr, empty in (("_exp_avg", None), ("_exp_avg_sq", None), ("_views", None)):
-        if hasattr(opt, attr):
-            setattr(opt, attr, empty)
+    if hasattr(opt, "_moments"):
+        opt._moments = None
+        opt._update.views = None
     host = getattr(opt, "_host", None)  # moments a low_memory_resume load staged
     if host is not None:
         host.staged, host._staged_pinned = None, []

@@ -496,8 +496,8 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     phase(read, "verify_blocks", "verify", "read.verify_blocks")
     phase(read, "read_blocks", "read_fresh", "read.read_blocks")
     phase(read, "read_segments", "read_into", "read.read_segments")
-    phase(opt_mod.DistributedOptimizer, "_adopt_loaded_state", "adopt",
-          "DistributedOptimizer._adopt_loaded_state", sync=True)
+    phase(opt_mod.DistributedOptimizer, "adopt_state", "adopt",
+          "DistributedOptimizer.adopt_state", sync=True)
     # both
     phase(save, "agree", "agree", "save.agree")
     phase(load, "agree", "agree", "load.agree")

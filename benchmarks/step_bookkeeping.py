@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         "check": lambda: opt._watch.written(),
         "record": opt._watch.record,
         "steps": plan,
-        "presence": lambda: opt._agree(None),
+        "presence": lambda: opt._norm.agree(None),
     }
     for name, fn in parts.items():
         steps[name] = per_call_us(fn, args.repeats)

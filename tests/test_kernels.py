@@ -51,7 +51,7 @@ def test_kernel_matches_torch_fused_adamw(out_dtype, clip, global_base):
     scale = torch.tensor(3.5, device=DEVICE) if clip else None
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
-    table = kernels.chunk_table(parts, DEVICE)
+    table = kernels.chunk_table([kernels.ChunkPart(*p) for p in parts], DEVICE)
     assert table.aligned == (global_base % 16 == 0)
     assert table.full.shape[0] >= 1 and table.partial.shape[0] >= 2
     sum_sq = torch.full((table.num_blocks,), float("nan"), device=DEVICE)

@@ -259,7 +259,7 @@ def test_release_host_memory_reallocates_on_the_next_offload():
     kept = opt._host.host_bytes()
     assert kept == sum(t.numel() * t.element_size() for t in
                        opt.buffers.param_buffers + [m for m in opt._main if m is not None]
-                       + opt._exp_avg + opt._exp_avg_sq)  # grads were not pending
+                       + opt.moments.tensors())  # grads were not pending
     opt.release_host_memory()
     assert opt._host.host_bytes() == 0
     ref_model, ref_opt = make()

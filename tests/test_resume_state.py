@@ -52,8 +52,8 @@ def test_low_memory_resume_moves_moments_to_the_device_at_the_first_step(tmp_pat
     checkpoint.save(tmp_path, model, opt, step=1)
     model2, opt2 = make()
     checkpoint.load(tmp_path, model2, opt2, low_memory_resume=True)
-    assert opt2._exp_avg is None and opt2._host.staged is not None
-    staged = opt2._host.staged[0] + opt2._host.staged[1]
+    assert opt2.moments is None and opt2._host.staged is not None
+    staged = opt2._host.staged.tensors()
     for t in staged:
         assert t.device.type == "cpu" and t.is_pinned() == (device == "cuda")
     if device == "cuda":  # before the first step the GPU holds what a fresh run holds
@@ -64,7 +64,7 @@ def test_low_memory_resume_moves_moments_to_the_device_at_the_first_step(tmp_pat
     torch.manual_seed(1)
     train_step(model2, opt2)
     assert opt2._host.staged is None
-    for t in opt2._exp_avg + opt2._exp_avg_sq:
+    for t in opt2.moments.tensors():
         assert t.device == opt2.device
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)

@@ -436,8 +436,8 @@ def test_every_param_with_a_grad_keeps_one_launch_per_buffer_and_group(monkeypat
 
     monkeypatch.setattr(kernels, "adamw_", counted)
     train_step(model, opt, 0, 0, [frozenset()])
-    assert len(opt._chunk_tables) == 3 and counts == [1, 1, 1]  # bf16, fp32, fp16 buffers
-    assert not opt._subset_tables
+    assert len(opt._update.chunk_tables) == 3 and counts == [1, 1, 1]  # bf16, fp32, fp16 buffers
+    assert not opt._update._subset_tables
     counts.clear()
     train_step(model, opt, 1, 0, [frozenset({"b"})])  # b (bf16) has no gradient anywhere
     assert sorted(counts) == [2, 2, 2]
@@ -445,5 +445,5 @@ def test_every_param_with_a_grad_keeps_one_launch_per_buffer_and_group(monkeypat
         counts.clear()
         train_step(model, opt, step, 0, [frozenset()])
         assert sorted(counts) == [step, step + 1, step + 1, step + 1]  # b, then the rest
-    assert len(opt._subset_tables) == 4  # step 1's three, and b's own from step 2 on
+    assert len(opt._update._subset_tables) == 4  # step 1's three, and b's own from step 2 on
     assert opt.param_steps["b.weight"] == 3 and opt.param_steps["a.weight"] == 4

@@ -35,7 +35,7 @@ def everything(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, t
     for s in opt.shards:
         out.update({f"{s.fqn}.{n}@{s.range_param.start}": opt.state_view(n, s).clone()
                     for n in names})
-    out["steps"] = torch.tensor([opt._step_of(f) for f in opt.fqn_of.values()])
+    out["steps"] = torch.tensor([opt.param_steps[f] for f in opt.fqn_of.values()])
     out["hparams"] = torch.tensor([[g["lr"], *g["betas"], g["eps"], g["weight_decay"]]
                                    for g in opt.param_groups], dtype=torch.float64)
     return out
@@ -103,7 +103,7 @@ def reshard_rank(rank: int, world_size: int, root: str) -> list[tuple[str, int, 
     # The optimizer as a DCP Stateful: DCP calls state_dict(), loads, calls load_state_dict().
     dcp.load({"model": model_sd, "optim": opt}, checkpoint_id=f"{root}/dcp")
     model.load_state_dict(model_sd)
-    assert all(opt._step_of(f) == SAVE_STEP for f in opt.fqn_of.values())
+    assert all(opt.param_steps[f] == SAVE_STEP for f in opt.fqn_of.values())
     return live_optimizer_state(opt)
 
 
@@ -227,7 +227,7 @@ def test_low_memory_resume_through_load_state_dict(device, tmp_path):
     sd = torch.load(tmp_path / "sd.pt")
     model.load_state_dict(sd["model"])
     opt.load_state_dict(sd["optim"])
-    assert opt._exp_avg is None and opt._host.staged is not None  # on the host until step()
+    assert opt.moments is None and opt._host.staged is not None  # on the host until step()
     assert opt.state[model.up.weight]["exp_avg"].device.type == "cpu"
     train(model, opt, range(SAVE_STEP, END_STEP), 0, 1)
     assert_tensors_equal(everything(model, opt), reference)

@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write consolidated model/optimizer safetensors")
     e.add_argument("path", help="checkpoint directory, or a root (its latest checkpoint)")
     e.add_argument("out", help="output directory")
+    e.add_argument("--moments-dtype", choices=("float32", "stored"), default="float32",
+                   help="Adam moments in fp32 (default) or as stored: bf16, or int8 codes with "
+                        "their fp32 scales as '<fqn>.exp_avg.scale'")
 
     d = sub.add_parser("demo", help="train on 2 CPU ranks, kill, resume on 3, compare with a clean run",
                        description="Train the tiny preset on 2 CPU ranks and SIGKILL the job while it "
@@ -253,7 +256,8 @@ def print_inspect(info: dict[str, Any]) -> None:
     print(f"params      {info['num_params']} tensors, {info['numel']:,} elements "
           f"({info['numel_trainable']:,} trainable)")
     print(f"weights     {_human(weight_bytes)}")
-    print(f"optimizer   {_human(state_bytes)} (fp32 master, exp_avg, exp_avg_sq)")
+    moments = ", ".join(f"{name} {_encoding(enc)}" for name, enc in info["moments"].items())
+    print(f"optimizer   {_human(state_bytes)} (fp32 master, {moments})")
     print(f"on disk     {_human(info['bytes_on_disk'])} in {info['num_files']} files")
     header = ("param", "shape", "dtype", "weights", "state")
     rows = [
@@ -266,6 +270,13 @@ def print_inspect(info: dict[str, Any]) -> None:
     for r in [header, *rows]:
         print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  "
               f"{r[3]:>{widths[3]}}  {r[4]:>{widths[4]}}")
+
+
+def _encoding(enc: dict[str, Any]) -> str:
+    if "block" not in enc:
+        return enc["dtype"]
+    return f"int8 ({enc['dtype']} codes of {'sqrt ' if enc['map'] == 'sqrt' else ''}x, " \
+           f"fp32 scale per {enc['block']})"
 
 
 def _natural_key(fqn: str) -> list[Any]:
@@ -294,7 +305,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from shardopt import checkpoint
 
-    written = checkpoint.export(_existing(args.path), args.out)
+    written = checkpoint.export(_existing(args.path), args.out,
+                                moments_dtype=args.moments_dtype)
     print(f"exported {args.path} to {args.out}:")
     for path in written:
         print(f"  {path}")

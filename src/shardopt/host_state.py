@@ -31,19 +31,19 @@ the same as on CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from .layout import Range
+from .moments import NAMES, Moments
+from .quant import Moment
 from .pinned import PinnedBuffer
 
 if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
 
 KINDS = ("moments", "main_params", "grads", "params")
-Moments = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 class OffloadError(ValueError):
@@ -51,37 +51,13 @@ class OffloadError(ValueError):
     the reverse), or an unknown kind to offload."""
 
 
-def new_local_state(opt: DistributedOptimizer, host: bool
-                    ) -> tuple[list[torch.Tensor], list[PinnedBuffer]]:
-    """One uninitialised fp32 local tensor per buffer whose padding is zero (params' parts
-    are for the caller to fill), and the page-locked host memory behind them (``host``
-    with a CUDA device; exact size, see :mod:`.pinned`)."""
-    pinned: list[PinnedBuffer] = []
-    if host and opt.device.type == "cuda":  # registering faults every page in
-        pinned = [PinnedBuffer(b.local_numel, torch.float32) for b in opt.layout.buffers]
-        out = [p.tensor for p in pinned]
-    elif opt.device.type == "cuda":
-        out = [torch.empty(b.local_numel, dtype=torch.float32, device=opt.device)
-               for b in opt.layout.buffers]
-    else:  # pageable host memory: a memset faults pages in faster than the reads would
-        return [torch.zeros(b.local_numel, dtype=torch.float32)
-                for b in opt.layout.buffers], pinned
-    for bi, t in enumerate(out):
-        covered = sorted((s.range_local for s in opt.shards if s.buffer_index == bi),
-                         key=lambda r: r.start)
-        pos = 0
-        for r in covered + [Range(t.numel(), t.numel())]:
-            if r.start > pos:
-                t[pos:r.start].zero_()
-            pos = max(pos, r.end)
-    return out, pinned
-
-
 class HostState:
     """Where the optimizer's state lives when it is not on the device."""
 
-    def __init__(self, opt: DistributedOptimizer, model: torch.nn.Module) -> None:
+    def __init__(self, opt: DistributedOptimizer, model: torch.nn.Module,
+                 on_realloc: Callable[[], None]) -> None:
         self.opt = opt
+        self._on_realloc = on_realloc  # told when onload gave the params new storage
         self.cuda = opt.device.type == "cuda"
         # The root too: its forward may use a child's weight before that child runs.
         self._modules = [(name, m) for name, m in model.named_modules() if m is model
@@ -109,9 +85,7 @@ class HostState:
                                f"offloaded ({', '.join(self.offloaded)}); call onload() first")
         opt = self.opt
         opt.finish_param_sync()  # all-gathers write into the param buffers
-        for handle in opt._handles:  # reduce-scatters write into the grad buffers
-            handle.wait()
-        pending_grads = bool(opt._written)
+        pending_grads = opt.wait_grad_reductions()  # reduce-scatters write into the grad buffers
         moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host copy)
         dropped: list[torch.Tensor] = []
         for kind in kinds:  # every allocation first: a failure here changes nothing
@@ -137,7 +111,8 @@ class HostState:
                 self._nbytes.append(dev.untyped_storage().nbytes())
                 dev.untyped_storage().resize_(0)
             else:
-                dev.fill_(float("nan"))
+                # 8-bit codes cannot be NaN; their blocks' scales are, which poisons them too
+                dev.fill_(float("nan") if dev.is_floating_point() else 0)
         if self.cuda:
             torch.cuda.empty_cache()
         self._moved, self._dropped, self.offloaded = moved, dropped, kinds
@@ -163,7 +138,7 @@ class HostState:
             guard.remove()
         self._guards = []
         self.opt.buffers.host_params = None
-        self.opt._watch.rebase()  # the params' storage was re-allocated: new addresses
+        self._on_realloc()  # the params' storage was re-allocated: new addresses
         self.offloaded = ()
 
     def release(self) -> None:
@@ -197,21 +172,35 @@ class HostState:
         buffer ``buffer_index``, wherever its values are now."""
         opt = self.opt
         if name == "master_param":
-            kind, index, live = "main_params", buffer_index, opt._main[buffer_index]
+            kind, index, live = "main_params", buffer_index, opt.main_params[buffer_index]
         else:
-            which = 0 if name == "exp_avg" else 1
+            which = NAMES.index(name)
             if self.staged is not None:
-                return self.staged[which][buffer_index]
-            moments = opt._exp_avg if which == 0 else opt._exp_avg_sq
+                return self.staged.of(name)[buffer_index].values
+            moments = opt.moments
             if moments is None:
                 raise RuntimeError(
                     f"optimizer state {name!r} is not allocated before the first step")
-            kind, live = "moments", moments[buffer_index]
+            kind, live = "moments", moments.of(name)[buffer_index].values
             index = which * len(opt.layout.buffers) + buffer_index
         assert live is not None
         if kind in self.offloaded:
             return self._copies[kind][index]
         return live
+
+    def local_moment(self, name: str, buffer_index: int) -> Moment:
+        """This rank's moment ``name`` of buffer ``buffer_index`` in its storage form (values
+        and scales), wherever it is now."""
+        opt = self.opt
+        moments = self.staged if self.staged is not None else opt.moments
+        if moments is None:
+            raise RuntimeError(f"optimizer state {name!r} is not allocated before the first step")
+        live = moments.of(name)[buffer_index]
+        if "moments" not in self.offloaded:
+            return live
+        copy = dict(zip(map(id, moments.tensors()), self._copies["moments"]))
+        return Moment.wrap(live.kind, copy[id(live.values)],
+                           None if live.scales is None else copy[id(live.scales)], live.sqrt)
 
     def _device_tensors(self, kind: str) -> list[torch.Tensor | None]:
         opt = self.opt
@@ -220,10 +209,10 @@ class HostState:
         if kind == "grads":
             return list(opt.buffers.grad_buffers)
         if kind == "main_params":
-            return list(opt._main)  # None: an fp32 buffer's main param is the param buffer
-        if opt._exp_avg is None or opt._exp_avg_sq is None:
+            return list(opt.main_params)  # None: an fp32 buffer's main param is the param buffer
+        if opt.moments is None:
             return []  # not allocated yet, or staged on the host by a load
-        return [*opt._exp_avg, *opt._exp_avg_sq]
+        return list(opt.moments.tensors())  # values first: local() indexes them
 
     def _host_copies(self, kind: str, live: list[torch.Tensor | None]
                      ) -> list[torch.Tensor | None]:
@@ -290,34 +279,29 @@ class HostState:
         return event
 
     # ------------------------------------------------------- low_memory_resume
-    def adopt(self, moments: Moments, on_host: bool, pinned: list[PinnedBuffer]) -> None:
-        """Take moments loaded by ``checkpoint.load``: on the host, they are staged."""
+    def adopt(self, moments: Moments, on_host: bool) -> Moments | None:
+        """Take moments loaded by ``checkpoint.load``: on the host, they are staged (and
+        None returned); otherwise they are returned for the optimizer to use."""
         for buf in self._staged_pinned:  # moments staged by an earlier load are replaced
             buf.release()
-        opt = self.opt
-        if on_host:
-            self.staged, opt._exp_avg, opt._exp_avg_sq = moments, None, None
-            self._staged_pinned = list(pinned)
-        else:
-            (opt._exp_avg, opt._exp_avg_sq), self.staged = moments, None
-            self._staged_pinned = []
+        self._staged_pinned = list(moments.pinned) if on_host else []
+        self.staged = moments if on_host else None
+        return None if on_host else moments
 
-    def bring_staged(self) -> bool:
-        """Move staged moments to the device (inside ``step()``, after backward). Returns
-        whether there were any."""
+    def bring_staged(self) -> Moments | None:
+        """Staged moments moved to the device (inside ``step()``, after backward), or None
+        when there are none."""
         staged, opt = self.staged, self.opt
         if staged is None:
-            return False
-        if not self.cuda:
-            opt._exp_avg, opt._exp_avg_sq = staged
-        else:
-            dev = [[torch.empty_like(t, device=opt.device) for t in ts] for ts in staged]
-            event = self._to_device(list(zip(dev[0] + dev[1], staged[0] + staged[1])))
-            opt._exp_avg, opt._exp_avg_sq = dev
-            if self._staged_pinned:
-                self._unpin_after, self._staged_pinned = (event, self._staged_pinned), []
+            return None
         self.staged = None
-        return True
+        if not self.cuda:
+            return staged
+        dev = staged.map(lambda t: torch.empty_like(t, device=opt.device))
+        event = self._to_device(list(zip(dev.tensors(), staged.tensors())))
+        if self._staged_pinned:
+            self._unpin_after, self._staged_pinned = (event, self._staged_pinned), []
+        return dev
 
     def after_step(self) -> None:
         if self._unpin_after is not None:

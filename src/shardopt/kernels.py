@@ -91,13 +91,24 @@ class ChunkTable:
         return self.full.shape[0] + self.partial.shape[0]
 
 
-def chunk_table(parts: Sequence[tuple[int, int, int, int]], device: torch.device) -> ChunkTable:
-    """The blocks that cover ``parts``, each ``(local_base, global_base, start, end)``: the
-    bucket shard's first element in the local state tensors and in the global buffers, and
-    the part's elements ``[start, end)`` relative to it. Parts must not overlap."""
+@dataclass(frozen=True)
+class ChunkPart:
+    """One param shard of a launch: its bucket shard's first element in the local state
+    tensors (``local_base``) and in the global buffers (``global_base``), and the part's
+    elements ``[start, end)`` relative to that first element."""
+
+    local_base: int
+    global_base: int
+    start: int
+    end: int
+
+
+def chunk_table(parts: Sequence[ChunkPart], device: torch.device) -> ChunkTable:
+    """The blocks that cover ``parts``. Parts must not overlap."""
     full: list[torch.Tensor] = []
     edges: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for local, glob, start, end in parts:
+    for part in parts:
+        local, glob, start, end = part.local_base, part.global_base, part.start, part.end
         if end <= start:
             continue
         first, last = start // BLOCK, (end - 1) // BLOCK

@@ -30,25 +30,26 @@ The optimizer holds state and returns it on request; it never does file I/O
 from __future__ import annotations
 
 import contextlib
-import math
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from . import comm, guards, kernels, quant, step_plan
+from . import build, comm, guards, quant, step_plan
+from . import moments as moments_
 from . import state_dict as state_dicts
+from .build import SUPPORTED_DTYPES, ParamGroupFn
 from .buffers import FlatBuffers
-from .config import GROUP_KEYS, OptimizerConfig
-from .host_state import KINDS, HostState, new_local_state
+from .config import OptimizerConfig
+from .grad_norm import GradNorm
+from .host_state import KINDS, HostState
 from .layout import Bucket, Layout, ParamShard, ParamSpec, build_layout
+from .moments import Moments
 from .param_watch import ParamWatch
-from .pinned import PinnedBuffer
+from .update import STATE_NAMES, Update
 
-STATE_NAMES = ("master_param", "exp_avg", "exp_avg_sq")
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ParamGroupFn = Callable[[str, torch.nn.Parameter], dict[str, Any]]
+__all__ = ["SUPPORTED_DTYPES", "STATE_NAMES", "DistributedOptimizer", "GradientOrderError",
+           "LowPrecisionStateError", "ParamGroupFn"]
 
 
 class GradientOrderError(RuntimeError):
@@ -56,7 +57,7 @@ class GradientOrderError(RuntimeError):
 
 
 class LowPrecisionStateError(ValueError):
-    """The operation does not support Adam moments stored in less than fp32 (yet)."""
+    """An fp32 view of Adam moments stored in less than fp32 was asked for."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -93,88 +94,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
         guards.check_args(model, config, torch_kwargs)
         self.config = config if config is not None else OptimizerConfig()
         self.dp = comm.DPGroup.resolve(process_group)
-        named = [(fqn, p) for fqn, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("model has no parameters that require grad")
-        self.device = named[0][1].device
-        for fqn, p in named:
-            if p.device != self.device:
-                raise ValueError(
-                    f"param {fqn!r} is on {p.device} but {named[0][0]!r} is on {self.device}; "
-                    "all trainable params must be on one device"
-                )
-            if p.dtype not in SUPPORTED_DTYPES:
-                # fp32 main params and fp32 state would silently lower float64 precision.
-                raise ValueError(
-                    f"param {fqn!r} has dtype {p.dtype}; shardopt trains bf16, fp16 and fp32 params"
-                )
-        self.aliases = _tied_aliases(model)
+        named, self.device = build.trainable(model)
+        self.aliases = build.tied_aliases(model)
         specs = [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named]
         guards.check_same_layout(self.dp, specs, self.config, guards.ownership_problem(named))
         guards.claim(self, named)
-        self.layout: Layout = build_layout(
-            specs,
-            self.dp.size,
-            self.config.bucket_numel,
-            *_alignment(self.config),
-        )
+        self.layout: Layout = build_layout(specs, self.dp.size, self.config.bucket_numel,
+                                           *build.alignment(self.config))
         self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_accum_fp32)
         self.fqn_of = {p: fqn for fqn, p in named}
+        self.shards: tuple[ParamShard, ...] = self.layout.shards(self.dp.rank)
+        self._init_groups(named, param_group_fn)
+        self._main = build.main_params(self.layout, self.buffers, self.dp, self.device)
+        self._moments: Moments | None = None  # allocated lazily (first step or a load)
+        # Host copies: offload()/onload() and the moments a low_memory_resume load stages.
+        self._host = HostState(self, model, lambda: self._watch.rebase())
+        # Updates applied to each param (torch's state[p]["step"]): a param that got no
+        # gradient on any rank in a step is not updated and its count stays.
+        self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
+        self._fqns = tuple(fqn for fqn, _ in named)
+        self._init_grad_sync(named)
+        self._norm = GradNorm(self.dp, self.buffers, self.layout, self.config, self._fqns,
+                              self._written)
+        self._grad_norm: torch.Tensor | None = None
+        self.step_kernel = build.choose_kernel(self.config, self.device)
+        self._update = Update(self)
+        self._init_param_sync(model)
+        self._watch = ParamWatch(self._fqns, [p for _, p in named],
+                                 [(p.dtype, p.device) for _, p in named], self.dp.rank)
 
-        defaults = {
-            "lr": self.config.lr,
-            "betas": self.config.betas,
-            "eps": self.config.eps,
-            "weight_decay": self.config.weight_decay,
-        }
-        super().__init__(_param_groups(named, defaults, param_group_fn), defaults)
+    def _init_groups(self, named: list[tuple[str, torch.nn.Parameter]],
+                     param_group_fn: ParamGroupFn | None) -> None:
+        defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
+                    "weight_decay": self.config.weight_decay}
+        super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
         self._groups_final = True
         self.state = state_dicts.LocalState(self)  # torch's defaultdict, computed on access
         self.group_of = {
             self.fqn_of[p]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]
         }
-
-        self.shards: tuple[ParamShard, ...] = self.layout.shards(self.dp.rank)
-        self._main: list[torch.Tensor | None] = []
-        for buf in self.layout.buffers:
-            if buf.dtype == torch.float32:
-                self._main.append(None)  # the param buffer shard is the main param
-                continue
-            main = torch.zeros(buf.local_numel, dtype=torch.float32, device=self.device)
-            for bucket in buf.buckets:
-                self._local_bucket(main, bucket).copy_(
-                    self.buffers.bucket_params(bucket).narrow(
-                        0, self.dp.rank * bucket.shard_numel, bucket.shard_numel
-                    )
-                )
-            self._main.append(main)
-        self._exp_avg: list[torch.Tensor] | None = None
-        self._exp_avg_sq: list[torch.Tensor] | None = None
-        # Host copies: offload()/onload() and the moments a low_memory_resume load stages.
-        self._host = HostState(self, model)
-        # Updates applied to each param (torch's state[p]["step"]): a param that got no
-        # gradient on any rank in a step is not updated and its count stays.
-        self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
         self._group_fqns = [[self.fqn_of[p] for p in g["params"]] for g in self.param_groups]
-        self._fqns = tuple(fqn for fqn, _ in named)  # order of the grad-presence flags
-        self._all_present: torch.Tensor | None = None  # flags of a rank that has every grad
-        # Moments stored in bf16 or int8 (exp_avg_dtype / exp_avg_sq_dtype): (exp_avg, exp_avg_sq)
-        # per buffer, allocated lazily like the fp32 ones, which then stay None.
-        self._packed: tuple[list[quant.Moment], list[quant.Moment]] | None = None
-        self._grad_norm: torch.Tensor | None = None
-        self.step_kernel = self._choose_kernel()
-        self._chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
-        self._subset_tables: dict[tuple[int, ...], kernels.ChunkTable] = {}
-        self._norm_views: list[torch.Tensor] | None = None  # each bucket's own grad shard
         self._group_shards = [
             [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
-            for gi in range(len(self.param_groups))
-        ]
+            for gi in range(len(self.param_groups))]
         self._shards_of: dict[str, list[int]] = {}
         for i, s in enumerate(self.shards):
             self._shards_of.setdefault(s.fqn, []).append(i)
 
-        self._launch_order = _launch_order(self.layout, named)
+    def _init_grad_sync(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        self._launch_order = build.launch_order(self.layout, named)
         position = {(b.buffer_index, b.index): i for i, b in enumerate(self._launch_order)}
         self._launch_pos = {
             fqn: position[(slot.buffer_index, slot.bucket_index)]
@@ -186,31 +154,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # their first gradient or zeroed when their bucket launches.
         self._written: set[str] = set()
         self._next_launch = 0
-        self._views: list[list[list[torch.Tensor]]] | None = None  # reset when moments move
         self._handles: list[object] = []
         self._sync_enabled = True
         self._reset_readiness()
-        # Weak: a tensor's hooks live where Python's garbage collector cannot see them, so a
-        # hook holding the optimizer would keep it (and through it the model) alive forever.
-        on_grad = _WeakGradHook(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
-        weakref.finalize(self, _remove_hooks, list(self._hooks))
+        self._hooks = build.grad_hooks(self, named)
+
+    def _init_param_sync(self, model: torch.nn.Module) -> None:
         # overlap_param_gather: all-gathers in flight, keyed (buffer index, bucket index); each
         # module's forward waits for the buckets of its own params.
         self._param_handles: dict[tuple[int, int], object] = {}
-        if self.config.overlap_param_gather and self.dp.size > 1:
-            for module in model.modules():
-                keys = sorted({(self.layout.slots[self.fqn_of[p]].buffer_index,
-                                self.layout.slots[self.fqn_of[p]].bucket_index)
-                               for p in module.parameters(recurse=False) if p in self.fqn_of})
-                if keys:
-                    self._hooks.append(module.register_forward_pre_hook(
-                        lambda _m, _args, keys=tuple(keys): self._wait_params(keys)))
-            # model.load_state_dict writes the params: no gather may still be writing them.
-            self._hooks.append(model.register_load_state_dict_pre_hook(
-                lambda *_: self.finish_param_sync()))
-        self._watch = ParamWatch(self._fqns, [p for _, p in named],
-                                 [(p.dtype, p.device) for _, p in named], self.dp.rank)
+        if not (self.config.overlap_param_gather and self.dp.size > 1):
+            return
+        for module in model.modules():
+            keys = sorted({(self.layout.slots[self.fqn_of[p]].buffer_index,
+                            self.layout.slots[self.fqn_of[p]].bucket_index)
+                           for p in module.parameters(recurse=False) if p in self.fqn_of})
+            if keys:
+                self._hooks.append(module.register_forward_pre_hook(
+                    lambda _m, _args, keys=tuple(keys): self._wait_params(keys)))
+        # model.load_state_dict writes the params: no gather may still be writing them.
+        self._hooks.append(model.register_load_state_dict_pre_hook(
+            lambda *_: self.finish_param_sync()))
 
     # ------------------------------------------------------------------ grads
     def _reset_readiness(self) -> None:
@@ -287,10 +251,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._sync_enabled = previous
             self._reset_readiness()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def wait_grad_reductions(self) -> bool:
+        """Wait for the gradient reductions in flight (starts none). Returns whether a
+        backward since the last ``step()`` or ``zero_grad()`` left gradients in the grad
+        buffers (in ``no_sync`` accumulation, or before ``step()``)."""
         for h in self._handles:
             h.wait()
         self._handles.clear()
+        return bool(self._written)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wait_grad_reductions()
         self._written.clear()  # the next gradient overwrites: the buffer needs no memset
         for group in self.param_groups:
             for p in group["params"]:
@@ -314,17 +285,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fused_norm = self.step_kernel == "triton" and not self.config.max_grad_norm
         grad_scale = None
         if fused_norm:
-            got = self._agree(None)[1]
+            got = self._norm.agree(None)[1]
         else:
-            self._grad_norm, grad_scale, got = self._global_norm()
+            self._grad_norm, grad_scale, got = self._norm.global_norm()
         self._ensure_moments()
         steps = step_plan.next_steps(self.param_steps, self._group_fqns, got)
         if self.step_kernel == "triton":
-            sq = self._update_triton(grad_scale, fused_norm, steps, got)
+            sq = self._update.triton(grad_scale, fused_norm, steps, got)
             if sq is not None:
-                self._grad_norm = self._finish_norm(sq)
+                self._grad_norm = self._norm.finish(sq)
         else:
-            self._update_torch(grad_scale, steps, got)
+            self._update.torch(grad_scale, steps, got)
         step_plan.advance(self.param_steps, self._group_fqns, got, steps)
         self._publish_params(own_written=self.step_kernel == "triton",
                              wait=not self.config.overlap_param_gather)
@@ -333,210 +304,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._written.clear()  # step() consumes the gradients
         self._host.after_step()
         return loss
-
-    def _choose_kernel(self) -> str:
-        wanted = self.config.step_kernel
-        if wanted == "torch" or (wanted == "auto" and self.device.type != "cuda"):
-            return "torch"
-        if kernels.available(self.device):
-            return "triton"
-        if wanted == "auto":
-            return "torch"
-        raise ValueError(
-            f"step_kernel='triton' needs Triton and a CUDA device (params are on {self.device}"
-            f"{'' if kernels.triton is not None else ', Triton is not installed'})"
-        )
-
-    def _update_triton(self, grad_scale: torch.Tensor | None, sum_sq: bool,
-                       steps: list[int | None], got: frozenset[str] | None
-                       ) -> torch.Tensor | None:
-        """Two kernel launches per (buffer, param group), or per (buffer, param group, step
-        count) for a group that is not updated whole at one count (``steps``, ``got``: see
-        :mod:`.step_plan`): update and write model-dtype params. With ``sum_sq``, return
-        the local sum of squared grads (a device scalar)."""
-        if self._chunk_tables is None:
-            ids: dict[tuple[int, int], list[int]] = {}
-            for i, s in enumerate(self.shards):
-                ids.setdefault((s.buffer_index, self.group_of[s.fqn]), []).append(i)
-            self._chunk_tables = {k: self._chunk_table(v) for k, v in ids.items()}
-        launches = [(bi, gi, steps[gi], table) for (bi, gi), table in self._chunk_tables.items()
-                    if steps[gi] is not None]
-        for gi, n in enumerate(steps):
-            if n is None:
-                parts = step_plan.split(self._group_shards[gi], self.shards, self.param_steps, got)
-                launches += [(bi, gi, count, self._subset_table(tuple(ids)))
-                             for (bi, count), ids in parts.items()]
-        partials = None
-        if sum_sq:
-            partials = torch.empty(sum(t.num_blocks for *_, t in launches),
-                                   dtype=torch.float32, device=self.device)
-        first = 0
-        for bi, gi, count, table in launches:
-            group = self.param_groups[gi]
-            main = self._main[bi]
-            params = self.buffers.param_buffers[bi]
-            kernels.adamw_(
-                table, params if main is None else main, self.buffers.grad_buffers[bi],
-                *self._kernel_moments(bi), None if main is None else params,
-                main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
-                beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-                step=count, grad_scale=grad_scale,
-                sum_sq=None if partials is None else partials[first:first + table.num_blocks],
-            )
-            first += table.num_blocks
-        return None if partials is None else partials.sum()
-
-    def _chunk_table(self, shard_ids: tuple[int, ...] | list[int]) -> kernels.ChunkTable:
-        """The Triton launch table of ``self.shards[i]`` for ``i`` in ``shard_ids`` (one buffer)."""
-        parts = []
-        for i in shard_ids:
-            s = self.shards[i]
-            buf = self.layout.buffers[s.buffer_index]
-            local_base = buf.local_offset(s.bucket_index)
-            global_base = buf.buckets[s.bucket_index].shard_range_global(self.dp.rank).start
-            start = s.range_local.start - local_base
-            parts.append((local_base, global_base, start, start + s.range_local.size))
-        return kernels.chunk_table(parts, self.device)
-
-    def _subset_table(self, shard_ids: tuple[int, ...]) -> kernels.ChunkTable:
-        """Cached: once a param skipped a step its group splits in every later step too."""
-        table = self._subset_tables.get(shard_ids)
-        if table is None:
-            if len(self._subset_tables) >= 256:  # patterns that keep changing (MoE): bounded
-                self._subset_tables.clear()
-            table = self._subset_tables[shard_ids] = self._chunk_table(shard_ids)
-        return table
-
-    def _kernel_moments(self, bi: int) -> tuple[torch.Tensor | kernels.Packed, ...]:
-        if self._packed is None:
-            assert self._exp_avg is not None and self._exp_avg_sq is not None
-            return self._exp_avg[bi], self._exp_avg_sq[bi]
-        return tuple(kernels.Packed(m.values, m.scales) for m in
-                     (self._packed[0][bi], self._packed[1][bi]))
-
-    def _update_torch(self, grad_scale: torch.Tensor | None, steps: list[int | None],
-                      got: frozenset[str] | None) -> None:
-        """torch's fused AdamW on the fp32 main params of each param group (only the params
-        this step updates, each at its own step count: ``steps``, ``got``, :mod:`.step_plan`).
-        Low-precision moments are widened to fp32 copies first and stored back after (the
-        reference for the Triton path, which does it in registers)."""
-        grads = self._grad_shards()
-        work = None
-        if self._packed is None:
-            views = self._state_views()
-        else:
-            work = ([m.to_fp32() for m in self._packed[0]], [m.to_fp32() for m in self._packed[1]])
-            main_views = [self.state_view("master_param", s) for s in self.shards]
-            views = [[[main_views[i] for i in idx]]
-                     + [[w[self.shards[i].buffer_index][self.shards[i].range_local.as_slice()]
-                         for i in idx] for w in work] for idx in self._group_shards]
-        for gi, group in enumerate(self.param_groups):
-            idx = self._group_shards[gi]
-            main, exp_avg, exp_avg_sq = views[gi]
-            grad = [grads[i] for i in idx]
-            if steps[gi] is not None:
-                counts = [steps[gi]] * len(idx)
-            else:
-                keep = [k for k, i in enumerate(idx) if got is None or self.shards[i].fqn in got]
-                main, exp_avg, exp_avg_sq, grad = ([t[k] for k in keep]
-                                                   for t in (main, exp_avg, exp_avg_sq, grad))
-                counts = [self.param_steps[self.shards[idx[k]].fqn] + 1 for k in keep]
-            if not counts:
-                continue
-            beta1, beta2 = group["betas"]
-            step_of = {n: torch.tensor(float(n), device=self.device) for n in set(counts)}
-            torch._fused_adamw_(
-                main,
-                grad,
-                exp_avg,
-                exp_avg_sq,
-                [],
-                [step_of[n] for n in counts],
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                amsgrad=False,
-                maximize=False,
-                grad_scale=grad_scale,
-            )
-        if work is not None:
-            for packed, wide in zip(self._packed, work):
-                for moment, w in zip(packed, wide):
-                    moment.store_(w)
-
-    def _state_views(self) -> list[list[list[torch.Tensor]]]:
-        """Per param group: views of main params, exp_avg, exp_avg_sq (cached until moments move)."""
-        if self._views is None:
-            self._views = [
-                [[self.state_view(name, self.shards[i]) for i in idx] for name in STATE_NAMES]
-                for idx in self._group_shards
-            ]
-        return self._views
-
-    def _grad_shards(self) -> list[torch.Tensor]:
-        grads = [self.buffers.shard_grads(s) for s in self.shards]
-        if any(g.dtype != torch.float32 for g in grads):
-            grads = [g.float() for g in grads]
-        return grads
-
-    def _global_norm(self) -> tuple[torch.Tensor, torch.Tensor | None, frozenset[str] | None]:
-        """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model), when
-        clipping the divisor the update applies to the grads in the same pass, and which
-        params got a gradient (see :meth:`_agree`).
-
-        Reads each bucket's own shard whole: its padding is zero in every rank's buffer,
-        so it adds nothing, and a few large tensors are faster than one per param."""
-        if self._norm_views is None:
-            self._norm_views = [
-                self.buffers.bucket_grads(b).narrow(0, self.dp.rank * b.shard_numel, b.shard_numel)
-                for buf in self.layout.buffers for b in buf.buckets]
-        if self._norm_views:
-            norms = torch._foreach_norm(self._norm_views, 2, dtype=torch.float32)
-            sq = torch.stack(norms).square().sum()
-        else:
-            sq = torch.zeros((), device=self.device)
-        total, got = self._agree(sq)
-        assert total is not None
-        max_norm = self.config.max_grad_norm
-        if not max_norm:
-            return total, None, got
-        # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its
-        # reciprocal inside the update saves a pass over the grads (no host sync either).
-        return total, torch.clamp((total + 1e-6) / max_norm, min=1.0), got
-
-    def _finish_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
-        """Collective. sqrt of the sum over ranks of each rank's sum of squared grads."""
-        return comm.all_reduce_sum_(local_sq.reshape(1), self.dp).sqrt()[0]
-
-    def _agree(self, local_sq: torch.Tensor | None
-               ) -> tuple[torch.Tensor | None, frozenset[str] | None]:
-        """Collective (one all-reduce; none with ``dp_size == 1``). The params that got a
-        gradient on some rank in this step (None: every param) and, given this rank's sum
-        of squared grads ``local_sq``, the global grad norm.
-
-        A rank that got every gradient itself knows the answer (None) and sends ones
-        without reading the result back: only a rank that misses some syncs the host."""
-        missing = len(self._written) < len(self._fqns)
-        local = frozenset(self._written) if missing else None
-        if self.dp.size == 1:
-            return (None if local_sq is None else local_sq.sqrt()), local
-        if missing:
-            flags = torch.tensor([f in self._written for f in self._fqns],
-                                 dtype=torch.float32).to(self.device)
-        else:
-            if self._all_present is None:
-                self._all_present = torch.ones(len(self._fqns), device=self.device)
-            flags = self._all_present
-        sums = torch.cat([local_sq.reshape(1), flags]) if local_sq is not None else flags.clone()
-        comm.all_reduce_sum_(sums, self.dp)
-        norm = None if local_sq is None else sums[0].sqrt()
-        if not missing:
-            return norm, None
-        counts = sums[len(sums) - len(self._fqns):].tolist()
-        got = frozenset(f for f, c in zip(self._fqns, counts) if c > 0)
-        return norm, (None if len(got) == len(self._fqns) else got)
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -566,60 +333,65 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return local.narrow(0, offset, bucket.shard_numel)
 
     def _ensure_moments(self) -> None:
-        if self.config.lowprec_moments:
-            if self._packed is None:
-                kinds = (self.config.exp_avg_dtype, self.config.exp_avg_sq_dtype)
-                self._packed = tuple(  # type: ignore[assignment]
-                    [quant.Moment(kind, b.local_numel, self.device, sqrt=name == "exp_avg_sq")
-                     for b in self.layout.buffers]
-                    for kind, name in zip(kinds, STATE_NAMES[1:]))
-            return
-        if self._host.bring_staged():  # low_memory_resume: moments waited until after backward
-            self._views = None
-        elif self._exp_avg is None:
-            self._views = None
-            self._exp_avg = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
-            self._exp_avg_sq = [self._zeros_local(b.local_numel) for b in self.layout.buffers]
+        staged = self._host.bring_staged()  # low_memory_resume: moments waited until now
+        if staged is not None or self._moments is None:
+            self._moments = staged if staged is not None else moments_.zeros(self)
+            self._update.views = None
 
-    def _zeros_local(self, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=torch.float32, device=self.device)
-
-    def _new_local_state(self, host: bool) -> tuple[list[torch.Tensor], list[PinnedBuffer]]:
-        return new_local_state(self, host)
+    @property
+    def moments(self) -> Moments | None:
+        """This rank's Adam moments on the device in their storage format (None before the
+        first step, and while a ``low_memory_resume`` load keeps them on the host)."""
+        return self._moments
 
     @property
     def has_moments(self) -> bool:
-        return (self._exp_avg is not None or self._host.staged is not None
-                or self._packed is not None)
+        """Whether the moments exist (on the device or staged on the host by a load)."""
+        return self._moments is not None or self._host.staged is not None
 
-    def require_fp32_moments(self, what: str) -> None:
-        """Raise :class:`LowPrecisionStateError` unless both moments are stored in fp32
-        (checkpoints of bf16/int8 moments are not written yet)."""
-        cfg = self.config
-        if cfg.lowprec_moments:
-            raise LowPrecisionStateError(
-                f"[dp rank {self.dp.rank}] {what} supports only fp32 Adam moments; this "
-                f"optimizer has exp_avg_dtype={cfg.to_dict()['exp_avg_dtype']!r}, "
-                f"exp_avg_sq_dtype={cfg.to_dict()['exp_avg_sq_dtype']!r}")
+    @property
+    def main_params(self) -> list[torch.Tensor | None]:
+        """Per layout buffer, this rank's fp32 main params (None for an fp32 buffer, whose
+        param buffer is its main param)."""
+        return self._main
+
+    @property
+    def group_shards(self) -> list[list[int]]:
+        """Per param group, the indices into :attr:`shards` of its params' shards."""
+        return self._group_shards
+
+    def allocate_moments(self, on_host: bool = False) -> Moments:
+        """New moments in this optimizer's storage format for a load to fill: params' parts
+        uninitialised, padding and scales zero; ``on_host``: in (page-locked) host memory."""
+        return moments_.allocate(self, on_host)
 
     def state_view(self, name: str, shard: ParamShard) -> torch.Tensor:
         """1-D fp32 view of state ``name`` for ``shard`` (a record of this rank's); while
         offloaded, of its host copy."""
         if name == "master_param" and self._main[shard.buffer_index] is None:
             return self.buffers.shard_params(shard)
-        if name != "master_param":
-            self.require_fp32_moments(f"state_view({name!r})")  # no fp32 view of bf16/int8 state
+        if name != "master_param" and self.config.lowprec_moments:
+            raise LowPrecisionStateError(  # no fp32 view of bf16/int8 state
+                f"[dp rank {self.dp.rank}] state_view({name!r}) is an fp32 view; this "
+                f"optimizer stores its moments as {self.config.to_dict()['exp_avg_dtype']!r} / "
+                f"{self.config.to_dict()['exp_avg_sq_dtype']!r}: use moment_view()")
         return self._host.local(name, shard.buffer_index)[shard.range_local.as_slice()]
 
-    def _adopt_loaded_state(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]],
-                            on_host: bool, param_steps: dict[str, int],
-                            pinned: list[PinnedBuffer] | None = None) -> None:
-        """Collective. Take loaded moments (on the host: with their page-locked memory) and
-        per-param step counts; rebuild params from the loaded master shards and all-gather
-        them. Called by ``checkpoint.load`` only."""
-        self._host.adopt(moments, on_host, list(pinned or []))
+    def moment_view(self, name: str, shard: ParamShard) -> quant.Moment:
+        """Moment ``name`` (``"exp_avg"``/``"exp_avg_sq"``) of ``shard`` (a record of this
+        rank's) in its storage form: views of its values and, for int8, of the scales of
+        its blocks (the shard starts on a block boundary); while offloaded, of the host copy."""
+        return moments_.piece(self._host.local_moment(name, shard.buffer_index),
+                              shard.range_local)
+
+    def adopt_state(self, moments: Moments, param_steps: dict[str, int],
+                    on_host: bool = False) -> None:
+        """Collective. Take loaded moments (``on_host``: kept there until the first step,
+        with the page-locked memory they carry) and per-param step counts; rebuild params
+        from the master params (loaded in place) and all-gather them."""
+        self._moments = self._host.adopt(moments, on_host)
         self.param_steps.update(param_steps)
-        self._views = None
+        self._update.views = None
         self._publish_params()
         self._watch.record()  # the loaded weights replace whatever the user wrote before
 
@@ -628,8 +400,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Move ``what`` (of :data:`~shardopt.host_state.KINDS`; default all) to pinned host
         memory and give its device memory back; a forward, ``step()`` and ``checkpoint.load``
         are refused until :meth:`onload`. Not collective. See :mod:`shardopt.host_state`."""
-        if "moments" in what:
-            self.require_fp32_moments("offload() of the moments")
         self._host.offload(what)
 
     def onload(self) -> None:
@@ -641,6 +411,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Free the host copies that :meth:`offload` keeps between cycles (refused while
         offloaded)."""
         self._host.release()
+
+    def check_onloaded(self, what: str, kinds: Iterable[str] = KINDS) -> None:
+        """Raise :class:`~shardopt.host_state.OffloadError` naming ``what`` if any of
+        ``kinds`` is offloaded."""
+        self._host.check_onloaded(what, kinds)
 
     @property
     def offloaded(self) -> tuple[str, ...]:
@@ -708,90 +483,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "settings pass param_group_fn=lambda fqn, param: {'lr': ...} to the constructor")
         super().add_param_group(param_group)
 
-    def _step_of(self, fqn: str) -> int:
-        return self.param_steps[fqn]
-
-    def _set_steps(self, steps: dict[str, int]) -> None:
-        """Set the step counts of the params ``steps`` names (FQN -> count)."""
-        self.param_steps.update(steps)
-
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by kind (optimizer state counts only what is allocated)."""
         out = self.buffers.num_bytes()
         state = sum(t.numel() * 4 for t in self._main if t is not None)
-        if self._exp_avg is not None:
-            state += 2 * sum(t.numel() * 4 for t in self._exp_avg)
-        if self._packed is not None:
-            state += sum(m.num_bytes() for moments in self._packed for m in moments)
+        if self._moments is not None:
+            state += self._moments.num_bytes()
         out["optimizer_state"] = state
         return out
 
 
-def _alignment(config: OptimizerConfig) -> tuple[int, int]:
-    """``(align_numel, param_align)`` for the layout: 8-bit moments need every block of
-    :data:`quant.QBLOCK` elements of a param whole on one rank (see :mod:`.quant`)."""
-    if not config.quantized_moments:
-        return config.align_numel, 1
-    return math.lcm(config.align_numel, quant.QBLOCK), quant.QBLOCK
-
-
-class _WeakGradHook:
-    """``opt._on_grad_ready`` through a weak reference (a no-op once ``opt`` is gone)."""
-
-    def __init__(self, opt: DistributedOptimizer) -> None:
-        self.owner = weakref.ref(opt)
-
-    def __call__(self, param: torch.nn.Parameter) -> None:
-        opt = self.owner()
-        if opt is not None:
-            opt._on_grad_ready(param)
-
-
-def _remove_hooks(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-
-
-def _param_groups(
-    named: list[tuple[str, torch.nn.Parameter]],
-    defaults: dict[str, Any],
-    param_group_fn: ParamGroupFn | None,
-) -> list[dict[str, Any]]:
-    groups: dict[tuple, dict[str, Any]] = {}
-    for fqn, p in named:
-        overrides = dict(param_group_fn(fqn, p) or {}) if param_group_fn else {}
-        unknown = set(overrides) - set(GROUP_KEYS)
-        if unknown:
-            raise ValueError(
-                f"param_group_fn returned unknown keys {sorted(unknown)} for param {fqn!r}; "
-                f"allowed: {list(GROUP_KEYS)}"
-            )
-        if "betas" in overrides:
-            overrides["betas"] = tuple(float(b) for b in overrides["betas"])
-        for key, value in overrides.items():
-            if key != "betas" and not (isinstance(value, (int, float)) and math.isfinite(value)):
-                raise ValueError(f"param_group_fn gave {key}={value!r} for param {fqn!r}")
-        key = tuple(sorted(overrides.items()))
-        group = groups.setdefault(key, {"params": [], **overrides})
-        group["params"].append(p)
-    return list(groups.values())
-
-
-def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """Map every alias FQN of a shared param to the FQN ``named_parameters`` reports."""
-    canonical = {p: fqn for fqn, p in model.named_parameters()}
-    return {
-        fqn: canonical[p]
-        for fqn, p in model.named_parameters(remove_duplicate=False)
-        if canonical[p] != fqn
-    }
-
-
-def _launch_order(layout: Layout, named: list[tuple[str, torch.nn.Parameter]]) -> list[Bucket]:
-    """Buckets in the order backward completes them: by the earliest-registered param, last first."""
-    position = {fqn: i for i, (fqn, _) in enumerate(named)}
-    buckets = [b for buf in layout.buffers for b in buf.buckets]
-    return sorted(
-        buckets,
-        key=lambda b: (-min(position[f] for f in b.param_fqns), b.buffer_index, b.index),
-    )

@@ -83,6 +83,18 @@ class Moment:
         self.scales = (torch.zeros(num_scales(numel), dtype=torch.float32, device=device)
                        if kind == INT8 else None)
 
+    @classmethod
+    def wrap(cls, kind: torch.dtype | str, values: torch.Tensor, scales: torch.Tensor | None,
+             sqrt: bool = False) -> Moment:
+        """A moment over existing storage tensors (no copy)."""
+        out = cls.__new__(cls)
+        out.kind, out.sqrt, out.values, out.scales = kind, sqrt and kind == INT8, values, scales
+        return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The storage tensors: values, then scales where there are any."""
+        return [self.values] + ([self.scales] if self.scales is not None else [])
+
     def num_bytes(self) -> int:
         out = self.values.numel() * self.values.element_size()
         if self.scales is not None:

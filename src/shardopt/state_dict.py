@@ -18,6 +18,15 @@ FlatShards make host zeros on demand (what the first step would start from),
 so a DCP load into a fresh optimizer's ``state_dict()`` has somewhere to put
 them; an empty ``state``, torch's choice, would silently drop them.
 
+Moments kept in bf16 or int8 (``exp_avg_dtype`` / ``exp_avg_sq_dtype``) appear as
+stored, never widened: ``exp_avg`` is a FlatShard of bf16 values or int8 codes
+(uint8 codes of the square root for ``exp_avg_sq``), and an 8-bit moment adds
+``"exp_avg.scale"`` / ``"exp_avg_sq.scale"``: FlatShards of the fp32 scales, one
+per 64-element block of the flattened param (offset ``offset // 64``), the keys
+and encoding of a checkpoint (docs/lowprec.md). ``load_state_dict`` takes a dict
+of the same dtypes only (same DP size and layout, as for fp32 state); converting
+between formats is ``shardopt.checkpoint.load``'s.
+
 ``load_state_dict`` is collective: every rank validates its own dict, the ranks
 agree, and only then is anything written (master params and moments, step
 counts, param-group hyperparameters; params are rebuilt from the master params
@@ -35,15 +44,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import comm
-from .config import GROUP_KEYS
+from . import comm, quant
+from . import moments as moments_
+from .config import GROUP_KEYS, INT8
 from .flat_shard import FlatShard
 from .layout import ParamShard
 
 if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = moments_.NAMES
 
 
 class StateDictError(ValueError):
@@ -62,15 +72,45 @@ def _numel(opt: DistributedOptimizer, fqn: str) -> int:
     return math.prod(opt.layout.slots[fqn].shape)
 
 
-def _value(opt: DistributedOptimizer, name: str, shard: ParamShard | None,
-           numel: int) -> FlatShard:
+def _names(opt: DistributedOptimizer) -> list[str]:
+    """The state entries of each param: moments (with ``".scale"`` entries for 8-bit ones),
+    then the master param."""
+    out = []
+    for name, kind in moments_.kinds(opt).items():
+        out += [name, f"{name}.scale"] if kind == INT8 else [name]
+    return out + ["master_param"]
+
+
+def _expected(opt: DistributedOptimizer, name: str, fqn: str, shard: ParamShard | None
+              ) -> tuple[torch.dtype, int, int, int]:
+    """dtype, global numel, offset and local numel of entry ``name`` of ``fqn`` on this rank."""
+    numel = _numel(opt, fqn)
+    start, size = (shard.range_param.start, shard.range_param.size) if shard else (0, 0)
+    base = name.removesuffix(".scale")
+    if base != name:  # a piece starts on a block boundary (the layout's param_align)
+        return (torch.float32, quant.num_scales(numel), start // quant.QBLOCK,
+                quant.num_scales(size))
+    if name == "master_param":
+        return torch.float32, numel, start, size
+    kind = moments_.kinds(opt)[name]
+    return quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, start, size
+
+
+def _view(m: quant.Moment, name: str) -> torch.Tensor:
+    return m.scales if name.endswith(".scale") else m.values  # type: ignore[return-value]
+
+
+def _value(opt: DistributedOptimizer, name: str, fqn: str, shard: ParamShard | None
+           ) -> FlatShard:
+    dtype, numel, offset, size = _expected(opt, name, fqn, shard)
     if shard is None:
-        return FlatShard(torch.empty(0, dtype=torch.float32, device=opt.device), 0, numel)
-    if name == "master_param" or opt.has_moments:
-        return FlatShard(opt.state_view(name, shard), shard.range_param.start, numel)
-    size = shard.range_param.size
-    return FlatShard.lazy(lambda: torch.zeros(size, dtype=torch.float32),
-                          shard.range_param.start, numel, size, torch.float32,
+        return FlatShard(torch.empty(0, dtype=dtype, device=opt.device), 0, numel)
+    if name == "master_param":
+        return FlatShard(opt.state_view(name, shard), offset, numel)
+    if opt.has_moments:
+        base = name.removesuffix(".scale")
+        return FlatShard(_view(opt.moment_view(base, shard), name), offset, numel)
+    return FlatShard.lazy(lambda: torch.zeros(size, dtype=dtype), offset, numel, size, dtype,
                           torch.device("cpu"))
 
 
@@ -90,10 +130,9 @@ def _build(opt: DistributedOptimizer) -> dict[str, Any]:
     shards = _own_shards(opt)
     state: dict[str, dict[str, Any]] = {}
     for fqn in opt.fqn_of.values():
-        numel, shard = _numel(opt, fqn), shards.get(fqn)
-        entry: dict[str, Any] = {"step": torch.tensor(float(opt._step_of(fqn)))}
-        for name in (*MOMENTS, "master_param"):
-            entry[name] = _value(opt, name, shard, numel)
+        entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
+        for name in _names(opt):
+            entry[name] = _value(opt, name, fqn, shards.get(fqn))
         entry["param_dtype"] = _dtype_name(opt.layout.buffers[
             opt.layout.slots[fqn].buffer_index].dtype)
         state[fqn] = entry
@@ -115,12 +154,14 @@ class LocalState(defaultdict):
 
     def _entry(self, fqn: str) -> dict[str, Any]:
         opt = self._opt
-        out: dict[str, Any] = {"step": torch.tensor(float(opt._step_of(fqn)))}
+        out: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
         shard = _own_shards(opt).get(fqn)
         if shard is not None:
             out["offset"] = shard.range_param.start
-            names = ("master_param", *MOMENTS) if opt.has_moments else ("master_param",)
-            out.update({name: opt.state_view(name, shard) for name in names})
+            out["master_param"] = opt.state_view("master_param", shard)
+            if opt.has_moments:
+                out.update({name: _view(opt.moment_view(name.removesuffix(".scale"), shard),
+                                        name) for name in _names(opt)[:-1]})
         return out
 
     def __getitem__(self, param: Any) -> Any:
@@ -176,35 +217,32 @@ def load_state_dict(opt: DistributedOptimizer, sd: Any) -> None:
 
 def _load(opt: DistributedOptimizer, sd: Any) -> None:
     opt.finish_param_sync()
-    old_steps = {fqn: opt._step_of(fqn) for fqn in opt.fqn_of.values()}
+    old_steps = {fqn: opt.param_steps[fqn] for fqn in opt.fqn_of.values()}
     plan, error = None, None
     try:
         plan = _check(opt, sd)
-        opt._set_steps(plan.steps)
+        opt.param_steps.update(plan.steps)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error, plan = e, None
     problems = _agree(opt.dp, error)
     if problems:
         if plan is not None:
-            opt._set_steps(old_steps)
+            opt.param_steps.update(old_steps)
         raise StateDictError(f"load_state_dict failed: {problems}") from error
     assert plan is not None
     for shard, name, src in plan.copies:
         if name == "master_param":
             opt.state_view(name, shard).copy_(src)
     host = opt.config.low_memory_resume
-    if host or opt._exp_avg is None:  # new tensors: low_memory_resume keeps them on the host
-        (exp_avg, pinned_a), (exp_avg_sq, pinned_b) = (opt._new_local_state(host)
-                                                       for _ in MOMENTS)
-        moments, pinned = (exp_avg, exp_avg_sq), pinned_a + pinned_b
+    if host or opt.moments is None:  # new tensors: low_memory_resume keeps them on the host
+        moments = opt.allocate_moments(on_host=host)
     else:  # in place: no second copy of the moments on the device
-        moments, pinned = (opt._exp_avg, opt._exp_avg_sq), []
+        moments = opt.moments
     for shard, name, src in plan.copies:
         if name != "master_param":
-            local = moments[MOMENTS.index(name)][shard.buffer_index]
-            local[shard.range_local.as_slice()].copy_(src)
-    opt._adopt_loaded_state(moments, host, {f: opt._step_of(f) for f in opt.fqn_of.values()},
-                            pinned)
+            m = moments.of(name.removesuffix(".scale"))[shard.buffer_index]
+            _view(moments_.piece(m, shard.range_local), name).copy_(src)
+    opt.adopt_state(moments, {f: opt.param_steps[f] for f in opt.fqn_of.values()}, on_host=host)
     for group, saved in zip(opt.param_groups, plan.groups):
         group.update(saved)  # as torch's load_state_dict: lr & co. resume as saved
 
@@ -299,27 +337,28 @@ def _check_state(opt: DistributedOptimizer, state: Mapping
         if entry.get("param_dtype") != dtype:
             raise StateDictError(f"param {fqn!r} is {dtype} here but was "
                                  f"{entry.get('param_dtype')!r} in the state dict")
-        numel, shard = _numel(opt, fqn), shards.get(fqn)
-        want = (shard.range_param.start, shard.range_param.size) if shard else (0, 0)
-        for name in (*MOMENTS, "master_param"):
+        shard = shards.get(fqn)
+        for name in _names(opt):
+            dtype, numel, offset, size = _expected(opt, name, fqn, shard)
             v = entry.get(name)
             where = f"param {fqn!r}: {name} of the state dict"
             if not isinstance(v, FlatShard):
                 raise StateDictError(f"{where} is a {type(v).__name__}, not a FlatShard as "
                                      "DistributedOptimizer.state_dict() returns")
-            if v.shape[0] != numel or v.dtype != torch.float32:
-                raise StateDictError(f"{where} has {v.shape[0]} {v.dtype} elements; the "
-                                     f"param has {numel} (fp32 state)")
-            if (v.offset, v.local_numel) != want:
+            if v.shape[0] != numel or v.dtype != dtype:
+                raise StateDictError(f"{where} has {v.shape[0]} {v.dtype} elements; this "
+                                     f"optimizer keeps {numel} {dtype} elements (moments: "
+                                     "exp_avg_dtype / exp_avg_sq_dtype)")
+            if (v.offset, v.local_numel) != (offset, size):
                 raise StateDictError(
                     f"{where} holds elements [{v.offset}, {v.offset + v.local_numel}) on dp "
-                    f"rank {opt.dp.rank}, which holds [{want[0]}, {want[0] + want[1]}) here "
+                    f"rank {opt.dp.rank}, which holds [{offset}, {offset + size}) here "
                     f"(dp size {opt.dp.size}): it was saved at another DP size or bucket "
                     "layout; reshard with shardopt.checkpoint or torch.distributed.checkpoint")
             local = v.local
-            if local.dim() != 1 or local.numel() != want[1] or local.dtype != torch.float32:
+            if local.dim() != 1 or local.numel() != size or local.dtype != dtype:
                 raise StateDictError(f"{where}: its local tensor is {local.dtype} of shape "
-                                     f"{tuple(local.shape)}, expected ({want[1]},) fp32")
+                                     f"{tuple(local.shape)}, expected ({size},) {dtype}")
             if shard is not None:
                 copies.append((shard, name, local))
     return copies

@@ -23,9 +23,11 @@ from ..optimizer import STATE_NAMES
 from . import commit
 from .agree import CheckpointError
 from .format import MANIFEST, FormatError, dtype_name
-from .manifest import Manifest, parse
+from .manifest import Manifest, MomentEncoding, parse
 from .read import DataFiles, read_verified
 from .transfer import io_threads
+
+EXPORT_MOMENTS = ("float32", "stored")
 
 
 def _open(path: str | os.PathLike) -> Manifest:
@@ -50,10 +52,16 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """Summary of a checkpoint from its manifest (no data is read)."""
     m = _open(path)
+    stored = m.stored()
+
+    def state_bytes(fqn: str) -> int:
+        keys = [f"{fqn}.{n}{scale}" for n in STATE_NAMES for scale in ("", ".scale")]
+        return sum(stored[k][0] * stored[k][1].itemsize for k in keys if k in stored)
+
     rows = [{"fqn": fqn, "shape": list(p.shape), "dtype": dtype_name(p.dtype),
              "trainable": p.trainable, "numel": p.numel,
              "weight_bytes": p.numel * p.dtype.itemsize,
-             "state_bytes": 4 * len(STATE_NAMES) * p.numel if p.trainable else 0}
+             "state_bytes": state_bytes(fqn) if p.trainable else 0}
             for fqn, p in m.params.items()]
     return {
         "path": str(m.path),
@@ -67,14 +75,21 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         "bytes_on_disk": m.nbytes,
         "num_files": len(m.files),
         "config": dict(m.config),
+        "moments": {name: enc.to_json() for name, enc in m.moments.items()},
         "extra": dict(m.extra),
         "params": rows,
     }
 
 
 def export(path: str | os.PathLike, out_dir: str | os.PathLike,
-           max_file_bytes: int = 5 << 30, verify: bool = True) -> list[str]:
+           max_file_bytes: int = 5 << 30, verify: bool = True,
+           moments_dtype: str = "float32") -> list[str]:
     """Write ``model*.safetensors`` and ``optimizer*.safetensors`` with full-shape tensors.
+
+    Adam moments are written in fp32 (``moments_dtype="float32"``, decoded from bf16 or
+    int8 storage exactly as the optimizer reads them), or as stored
+    (``moments_dtype="stored"``): bf16, or 8-bit codes with their fp32 scales as
+    ``"{fqn}.exp_avg.scale"`` (1-D, one per block of the flattened param).
 
     Returns the written file paths. Tensors are read and written one file's
     worth at a time, so memory stays near ``max_file_bytes``. ``out_dir`` must not
@@ -82,6 +97,9 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
     files are written into a temporary sibling renamed to ``out_dir`` at the end, so
     a failed export leaves no partial output.
     """
+    if moments_dtype not in EXPORT_MOMENTS:
+        raise ValueError(f"moments_dtype must be one of {list(EXPORT_MOMENTS)}, "
+                         f"got {moments_dtype!r}")
     m = _open(path)
     out = Path(out_dir)
     _check_output_dir(m.path, out)
@@ -95,10 +113,17 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
             read_verified([], verify=True, threads=io_threads(),
                           whole=[f for f in files.readers.values() if f.record.kind == "rng"])
         model_keys = [(fqn, p.shape) for fqn, p in m.params.items()]
-        optim_keys = [(f"{fqn}.{n}", p.shape) for fqn, p in m.params.items() if p.trainable
-                      for n in ("exp_avg", "exp_avg_sq", "master_param")]
-        names = _write_split(files, tmp, "model", model_keys, verify, max_file_bytes)
-        names += _write_split(files, tmp, "optimizer", optim_keys, verify, max_file_bytes)
+        optim_keys = []
+        for fqn, p in m.params.items():
+            for n in ("exp_avg", "exp_avg_sq", "master_param") if p.trainable else ():
+                enc = m.moments.get(n)
+                optim_keys.append((f"{fqn}.{n}", p.shape))
+                if enc is not None and enc.block and moments_dtype == "stored":
+                    optim_keys.append((f"{fqn}.{n}.scale", (files.stored[f"{fqn}.{n}.scale"][0],)))
+        decode = {} if moments_dtype == "stored" else dict(m.moments)
+        names = _write_split(files, tmp, "model", model_keys, verify, max_file_bytes, {})
+        names += _write_split(files, tmp, "optimizer", optim_keys, verify, max_file_bytes,
+                              decode)
         os.rename(tmp, out)  # replaces an empty directory; fails on anything else
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -126,13 +151,20 @@ def _check_output_dir(ckpt: Path, out: Path) -> None:
 
 
 def _write_split(files: DataFiles, out: Path, stem: str, keys: list[tuple[str, tuple]],
-                 verify: bool, max_file_bytes: int) -> list[str]:
+                 verify: bool, max_file_bytes: int,
+                 decode: dict[str, MomentEncoding]) -> list[str]:
     """Write ``keys`` as ``stem`` files under ``out`` (split past ``max_file_bytes``), each
-    file's tensors read in one call; return the file names."""
+    file's tensors read in one call; return the file names. Moments named in ``decode``
+    (by moment name) are written in fp32."""
+    def wide(key: str) -> MomentEncoding | None:
+        enc = decode.get(key.rsplit(".", 1)[-1])
+        return enc if enc is not None and enc.dtype != torch.float32 else None
+
     groups: list[list[tuple[str, tuple]]] = [[]]
     size = 0
     for key, shape in keys:
         numel, dtype = files.stored[key]
+        dtype = torch.float32 if wide(key) else dtype
         if groups[-1] and size + numel * dtype.itemsize > max_file_bytes:
             groups.append([])
             size = 0
@@ -142,15 +174,25 @@ def _write_split(files: DataFiles, out: Path, stem: str, keys: list[tuple[str, t
              [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map, total = {}, 0
     for name, group in zip(names, groups):
-        tensors, reads = {}, []
+        tensors, reads, scales = {}, [], {}
         for key, shape in group:
             numel, dtype = files.stored[key]
             tensors[key] = torch.empty(numel, dtype=dtype)
             reads += files.reads(key, Range(0, numel), tensors[key], in_place=False)
-            tensors[key] = tensors[key].view(shape)
+            enc = wide(key)
+            if enc is not None and enc.block:
+                scale = f"{key}.scale"
+                scales[key] = torch.empty(files.stored[scale][0], dtype=torch.float32)
+                reads += files.reads(scale, Range(0, scales[key].numel()), scales[key],
+                                     in_place=False)
             weight_map[key] = name
-            total += numel * dtype.itemsize
         read_verified(reads, verify=verify, threads=io_threads())
+        for key, shape in group:
+            enc = wide(key)
+            if enc is not None:
+                tensors[key] = enc.decode(tensors[key], scales.pop(key, None), 0)
+            tensors[key] = tensors[key].view(shape)
+            total += tensors[key].numel() * tensors[key].element_size()
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         del tensors, reads
     if len(names) > 1:

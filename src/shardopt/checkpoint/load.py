@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ..moments import Moments
 from ..optimizer import DistributedOptimizer
-from ..pinned import PinnedBuffer
-from . import state
+from . import convert, state
 from .agree import CheckpointError, agree
 from .commit import resolve
 from .config import CheckpointConfig, resolve_config
@@ -30,8 +30,6 @@ from .format import FormatError, data_file_name
 from .manifest import Manifest, parse
 from .read import DataFiles, Read, read_verified
 from .transfer import io_threads as resolve_threads
-
-Moments = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,7 @@ class _Plan:
     hparams: list[dict[str, Any]]
     rng: dict[str, torch.Tensor]
     moments: Moments
-    pinned: list[PinnedBuffer]
+    pieces: list[convert.Piece]  # moments stored in another format, to convert
 
 
 def load(
@@ -79,7 +77,6 @@ def load(
     model and optimizer are left as they were. ``config`` holds these settings in one
     object; a keyword argument that is not None overrides its field.
     """
-    optimizer.require_fp32_moments("checkpoint.load")
     dp = optimizer.dp
     optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
     plan, error, host = None, None, False
@@ -111,8 +108,10 @@ def load(
     finally:
         plan.files.close()
     agree(dp, error, f"reading {plan.manifest.path}")
+    convert.apply(optimizer, dict(plan.manifest.moments), plan.pieces, plan.moments,
+                  str(plan.manifest.path))
 
-    optimizer._adopt_loaded_state(plan.moments, host, plan.steps, plan.pinned)
+    optimizer.adopt_state(plan.moments, plan.steps, on_host=host)
     for group, saved in zip(optimizer.param_groups, plan.hparams):
         group.update(saved)  # as torch's load_state_dict does: lr & co. resume as saved
     if "torch_cpu" in plan.rng:
@@ -127,19 +126,21 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
              opt: DistributedOptimizer, verify: bool, host: bool,
              staging_bytes: int, threads: int) -> _Plan:
     """Coordinator-free. Every check of a load, and everything it reads before writing."""
-    opt._host.check_onloaded("checkpoint.load")
+    opt.check_onloaded("checkpoint.load")
     m = parse(resolve(root_or_path))
     _check_compatible(m, model, opt)
     steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
     hparams = _group_hyperparameters(m, opt)
-    moments, pinned, fresh = _moment_tensors(opt, host)
+    moments, fresh = _moment_tensors(opt, host)
     rng_file = data_file_name("rng", opt.dp.rank) if m.dp_size == opt.dp.size else None
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
     try:
         reads: list[Read] = []
-        for d in state.destinations(model, opt):
+        for d in state.destinations(model, opt, dict(m.moments)):
             reads += files.reads(d.key, d.want, d.resolve(moments),
                                  in_place=d.tensor is not None or not fresh)
+        pieces, conversion_reads = convert.plan(opt, dict(m.moments), files)
+        reads += conversion_reads
         rng_reads = _rng_reads(files, rng_file) if rng_file else {}
         reads += rng_reads.values()
         files.keep_only(reads)
@@ -150,7 +151,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     except BaseException:
         files.close()
         raise
-    return _Plan(m, files, read_in_place, steps, hparams, rng, moments, pinned)
+    return _Plan(m, files, read_in_place, steps, hparams, rng, moments, pieces)
 
 
 def _rng_reads(files: DataFiles, name: str) -> dict[str, Read]:
@@ -177,9 +178,9 @@ def _check_rng(rng: dict[str, torch.Tensor], path: str) -> None:
                 put(current)
 
 
-def _moment_tensors(opt: DistributedOptimizer, host: bool
-                    ) -> tuple[Moments, list[PinnedBuffer], bool]:
-    """Where loaded moments go, the page-locked memory behind them, and whether they are new.
+def _moment_tensors(opt: DistributedOptimizer, host: bool) -> tuple[Moments, bool]:
+    """Where loaded moments go (with the page-locked memory behind them), and whether
+    they are new.
 
     New tensors let the load read the moments in one verifying pass before the
     ranks agree (a failed load just drops them): for ``low_memory_resume``
@@ -188,11 +189,9 @@ def _moment_tensors(opt: DistributedOptimizer, host: bool
     are reused in place (verified first, read after the agreement): a second copy
     of the optimizer state is what a resume must never hold, on the GPU least of all.
     """
-    if host or opt._exp_avg is None:
-        exp_avg, pinned_a = opt._new_local_state(host)
-        exp_avg_sq, pinned_b = opt._new_local_state(host)
-        return (exp_avg, exp_avg_sq), pinned_a + pinned_b, True
-    return (opt._exp_avg, opt._exp_avg_sq), [], False
+    if host or opt.moments is None:
+        return opt.allocate_moments(on_host=host), True
+    return opt.moments, False
 
 
 def _group_hyperparameters(m: Manifest, opt: DistributedOptimizer) -> list[dict[str, Any]]:

@@ -20,11 +20,14 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import GROUP_KEYS
+from .. import quant
+from ..config import GROUP_KEYS, INT8
+from ..moments import NAMES as MOMENT_NAMES
 from ..optimizer import STATE_NAMES
 from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                      MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES,
-                     FormatError, data_file_name, manifest_checksum, parse_json_object)
+                     FormatError, data_file_name, dtype_name, manifest_checksum,
+                     parse_json_object)
 from .storage import open_regular
 
 _HASH = re.compile(r"^[0-9a-f]{16}$")
@@ -44,6 +47,56 @@ class ParamRecord:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class MomentEncoding:
+    """How an Adam moment is stored (manifest ``optimizer.moments``): ``dtype`` elements,
+    and for 8-bit codes one fp32 scale per ``block`` elements (key ``"{fqn}.{name}.scale"``)
+    with the block's absolute maximum stored as ``code_max``; ``sqrt``: the codes encode
+    the moment's square root (:mod:`shardopt.quant`)."""
+
+    dtype: torch.dtype
+    block: int = 0  # 0: no scales
+    sqrt: bool = False
+    code_max: int = 0
+
+    @property
+    def kind(self) -> torch.dtype | str:
+        """The config value (``exp_avg_dtype`` & co.) that stores a moment this way."""
+        return INT8 if self.block else self.dtype
+
+    @classmethod
+    def of(cls, kind: torch.dtype | str, name: str) -> MomentEncoding:
+        """The encoding of moment ``name`` stored as ``kind`` by this shardopt."""
+        if kind != INT8:
+            return cls(kind)  # type: ignore[arg-type]
+        sqrt = name == MOMENT_NAMES[1]
+        return cls(quant.storage_dtype(INT8, sqrt), quant.QBLOCK, sqrt, int(quant.code_max(sqrt)))
+
+    def decode(self, values: torch.Tensor, scales: torch.Tensor | None,
+               start: int) -> torch.Tensor:
+        """fp32 values of a stored piece that starts at element ``start`` of its param;
+        ``scales`` are those of the blocks from ``start // block`` on. The same fp32
+        operations as :meth:`shardopt.quant.Moment.to_fp32`, so bit-identical to it."""
+        x = values.float()
+        if not self.block:
+            return x
+        if scales is None:
+            raise ValueError(f"decoding {dtype_name(self.dtype)} codes needs their scales")
+        block = (torch.arange(values.numel()) + start % self.block) // self.block
+        x = x * scales[block]
+        return x.square_() if self.sqrt else x
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": dtype_name(self.dtype)}
+        if self.block:
+            out |= {"block": self.block, "map": "sqrt" if self.sqrt else "linear",
+                    "code_max": self.code_max}
+        return out
+
+
+FP32 = MomentEncoding(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -71,6 +124,7 @@ class Manifest:
     aliases: Mapping[str, str]
     files: Mapping[str, FileRecord]
     extra: Mapping[str, Any]
+    moments: Mapping[str, MomentEncoding]  # by moment name
 
     @property
     def file(self) -> Path:
@@ -81,8 +135,13 @@ class Manifest:
         out: dict[str, tuple[int, torch.dtype]] = {}
         for fqn, p in self.params.items():
             out[fqn] = (p.numel, p.dtype)
-            if p.trainable:
-                out.update({f"{fqn}.{name}": (p.numel, torch.float32) for name in STATE_NAMES})
+            if not p.trainable:
+                continue
+            out[f"{fqn}.master_param"] = (p.numel, torch.float32)
+            for name, enc in self.moments.items():
+                out[f"{fqn}.{name}"] = (p.numel, enc.dtype)
+                if enc.block:
+                    out[f"{fqn}.{name}.scale"] = (-(-p.numel // enc.block), torch.float32)
         return out
 
     def data_files(self) -> list[FileRecord]:
@@ -115,7 +174,7 @@ def parse(path: Path) -> Manifest:
     if m.get("checksum") != checksum:
         raise FormatError(f"{file}: checksum mismatch (the manifest is damaged or was edited)")
     dp_size = _int(m.get("dp_size"), "dp_size", file, 1)
-    _check_optimizer(m.get("optimizer"), file)
+    moments = _check_optimizer(m.get("optimizer"), file)
     for key in ("config", "extra", "aliases"):
         if not isinstance(m.get(key, {}), dict):
             raise FormatError(f"{file}: {key} must be a JSON object")
@@ -132,7 +191,7 @@ def parse(path: Path) -> Manifest:
                         m.get("created") if isinstance(m.get("created"), str) else None,
                         MappingProxyType(m.get("config", {})), MappingProxyType(params),
                         MappingProxyType(m.get("aliases", {})), MappingProxyType(files),
-                        MappingProxyType(m.get("extra", {})))
+                        MappingProxyType(m.get("extra", {})), MappingProxyType(moments))
     _check_tiling(manifest)
     return manifest
 
@@ -162,8 +221,9 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_optimizer(saved: Any, file: Path) -> None:
-    """The stored state must mean what this optimizer's does."""
+def _check_optimizer(saved: Any, file: Path) -> dict[str, MomentEncoding]:
+    """The stored state must mean what this optimizer's does; returns how each moment is
+    stored (fp32 where the manifest does not say)."""
     if not (isinstance(saved, dict) and isinstance(saved.get("kind"), str)
             and isinstance(saved.get("state"), list)):
         raise FormatError(f"{file}: optimizer must be an object with 'kind' and 'state'")
@@ -171,6 +231,24 @@ def _check_optimizer(saved: Any, file: Path) -> None:
         raise FormatError(f"{file}: the checkpoint holds {saved['kind']!r} optimizer state "
                           f"{saved['state']}, this optimizer is {OPTIMIZER_KIND!r} with "
                           f"{list(STATE_NAMES)}")
+    moments = saved.get("moments", {})
+    if not isinstance(moments, dict) or set(moments) - set(MOMENT_NAMES):
+        raise FormatError(f"{file}: optimizer.moments must map {list(MOMENT_NAMES)} to their "
+                          f"encodings, got {moments!r}")
+    return {name: _encoding(name, moments.get(name), file) for name in MOMENT_NAMES}
+
+
+def _encoding(name: str, raw: Any, file: Path) -> MomentEncoding:
+    """One moment's encoding; only the ones this shardopt writes are accepted."""
+    if raw is None:
+        return FP32
+    known = [MomentEncoding(torch.float32), MomentEncoding(torch.bfloat16)] + [
+        MomentEncoding.of(INT8, n) for n in MOMENT_NAMES]
+    for enc in known:
+        if raw == enc.to_json():
+            return enc
+    raise FormatError(f"{file}: unsupported encoding of {name}: {raw!r}; this shardopt reads "
+                      f"{[e.to_json() for e in known]}")
 
 
 def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
@@ -294,4 +372,4 @@ def _check_tiling(m: Manifest) -> None:
                               "elements")
 
 
-__all__ = ["FileRecord", "Manifest", "ParamRecord", "parse"]
+__all__ = ["FileRecord", "Manifest", "MomentEncoding", "ParamRecord", "parse"]

@@ -89,7 +89,6 @@ def save(
     raises :class:`CheckpointError` and nothing is committed. ``config`` holds these
     settings in one object; a keyword argument that is not None overrides its field.
     """
-    optimizer.require_fp32_moments("checkpoint.save")
     dp = optimizer.dp
     optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
     root = Path(root)
@@ -182,7 +181,8 @@ def _manifest_text(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
         "dp_size": opt.dp.size,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "torch_version": torch.__version__,
-        "optimizer": {"kind": OPTIMIZER_KIND, "state": list(STATE_NAMES)},
+        "optimizer": {"kind": OPTIMIZER_KIND, "state": list(STATE_NAMES),
+                      "moments": {k: e.to_json() for k, e in state.encodings(opt).items()}},
         "config": opt.config.to_dict(),
         "params": state.describe(model, opt),
         "aliases": dict(opt.aliases),

@@ -1,8 +1,9 @@
 """Model-space view of one rank's state: what it saves and where what it loads goes.
 
 Everything is keyed by the param's fully qualified name (FQN): model weights
-as ``"{fqn}"`` in the model dtype, optimizer state as ``"{fqn}.exp_avg"``,
-``"{fqn}.exp_avg_sq"`` and ``"{fqn}.master_param"`` in fp32, all flat 1-D.
+as ``"{fqn}"`` in the model dtype, optimizer state as ``"{fqn}.master_param"``
+in fp32 and ``"{fqn}.exp_avg"``, ``"{fqn}.exp_avg_sq"`` in the moments' storage
+dtype (8-bit codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.), all flat 1-D.
 A rank's chunks are exactly its :class:`~shardopt.layout.ParamShard` records,
 so no rank ever holds more than its own shard.
 """
@@ -13,10 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import moments as moments_
+from .. import quant
 from ..config import GROUP_KEYS
 from ..layout import Range
+from ..moments import NAMES as MOMENT_NAMES
+from ..moments import Moments
 from ..optimizer import STATE_NAMES, DistributedOptimizer
 from .format import dtype_name
+from .manifest import MomentEncoding
 from .storage import WriteEntry
 
 
@@ -26,25 +32,24 @@ class Destination:
 
     That tensor is ``tensor`` (written in place) or, for Adam moments, which
     are allocated only once every check has passed, the slice ``range_local``
-    of moment tensor ``moment`` (0: exp_avg, 1: exp_avg_sq) of buffer
-    ``buffer_index``.
+    of the ``part`` (``"values"`` or ``"scales"``) of moment ``moment``
+    (``"exp_avg"`` or ``"exp_avg_sq"``) of buffer ``buffer_index``.
     """
 
     key: str
     want: Range
     tensor: torch.Tensor | None = None
-    moment: int | None = None
+    moment: str | None = None
     buffer_index: int = 0
     range_local: Range | None = None
+    part: str = "values"
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32 if self.tensor is None else self.tensor.dtype
-
-    def resolve(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:
+    def resolve(self, moments: Moments) -> torch.Tensor:
         if self.tensor is not None:
             return self.tensor
-        return moments[self.moment][self.buffer_index][self.range_local.as_slice()]
+        assert self.moment is not None and self.range_local is not None
+        m = moments.of(self.moment)[self.buffer_index]
+        return getattr(m, self.part)[self.range_local.as_slice()]
 
 
 def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
@@ -92,29 +97,62 @@ def model_entries(model: torch.nn.Module, opt: DistributedOptimizer) -> list[Wri
     return out
 
 
+def encodings(opt: DistributedOptimizer) -> dict[str, MomentEncoding]:
+    """How ``opt`` stores each Adam moment, as a checkpoint records it."""
+    return {name: MomentEncoding.of(kind, name) for name, kind in moments_.kinds(opt).items()}
+
+
 def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
-    """Optimizer state ``name`` this rank writes; moments are zeros before the first step."""
+    """Optimizer state ``name`` this rank writes, moments in their storage dtype (with
+    their scales under ``"{fqn}.{name}.scale"``); moments are zeros before the first step."""
     out = []
+    enc = encodings(opt).get(name)
     for s in opt.shards:
-        src = opt.state_view(name, s) if (name == "master_param" or opt.has_moments) else None
-        out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, s.range_param.size,
-                              s.range_param.start, src))
+        r = s.range_param
+        if enc is None:  # the master param
+            out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, r.size, r.start,
+                                  opt.state_view(name, s)))
+            continue
+        m = opt.moment_view(name, s) if opt.has_moments else None
+        out.append(WriteEntry(f"{s.fqn}.{name}", enc.dtype, r.size, r.start,
+                              None if m is None else m.values))
+        if enc.block:  # the piece starts on a block boundary (param_align): whole blocks
+            out.append(WriteEntry(f"{s.fqn}.{name}.scale", torch.float32,
+                                  quant.num_scales(r.size), r.start // enc.block,
+                                  None if m is None else m.scales))
     return out
 
 
-def destinations(model: torch.nn.Module, opt: DistributedOptimizer) -> list[Destination]:
+def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
+                 saved: dict[str, MomentEncoding]) -> list[Destination]:
     """Where this rank's loaded data goes: master params and frozen tensors in
     place, moments into tensors allocated later. Trainable model weights are not
-    read: they are rebuilt from the master params and all-gathered."""
+    read: they are rebuilt from the master params and all-gathered. Moments stored
+    as ``opt`` stores them (``saved``) are read as they are, scales included; the
+    others are left to :func:`conversions`."""
     out = []
+    mine = encodings(opt)
     for s in opt.shards:
         out.append(Destination(f"{s.fqn}.master_param", s.range_param,
                                tensor=opt.state_view("master_param", s)))
-        for which, name in enumerate(("exp_avg", "exp_avg_sq")):
-            out.append(Destination(f"{s.fqn}.{name}", s.range_param, moment=which,
+        for name in MOMENT_NAMES:
+            if saved[name] != mine[name]:
+                continue
+            out.append(Destination(f"{s.fqn}.{name}", s.range_param, moment=name,
                                    buffer_index=s.buffer_index, range_local=s.range_local))
+            if mine[name].block:
+                b = mine[name].block
+                out.append(Destination(
+                    f"{s.fqn}.{name}.scale", _blocks(s.range_param, b), moment=name,
+                    buffer_index=s.buffer_index, range_local=_blocks(s.range_local, b),
+                    part="scales"))
     for fqn, t in frozen_tensors(model, opt).items():
         if not t.is_contiguous():
             raise ValueError(f"tensor {fqn!r} is not contiguous and cannot be loaded in place")
         out.append(Destination(fqn, Range(0, t.numel()), tensor=t.detach().view(-1)))
     return out
+
+
+def _blocks(r: Range, block: int) -> Range:
+    """The blocks of ``block`` elements that cover ``r`` (which starts on a block boundary)."""
+    return Range(r.start // block, r.start // block + -(-r.size // block))

@@ -1,0 +1,154 @@
+"""The steps of building a :class:`~shardopt.DistributedOptimizer` that need no
+optimizer yet: checking the params, grouping them, the layout's alignment, the
+fp32 main params, the order buckets launch in, and which update path runs."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import comm, kernels, quant
+from .buffers import FlatBuffers
+from .config import GROUP_KEYS, OptimizerConfig
+from .layout import Bucket, Layout
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ParamGroupFn = Callable[[str, torch.nn.Parameter], dict[str, Any]]
+
+
+def trainable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], torch.device]:
+    """The params that require grad, by FQN, and the one device they are all on."""
+    named = [(fqn, p) for fqn, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("model has no parameters that require grad")
+    device = named[0][1].device
+    for fqn, p in named:
+        if p.device != device:
+            raise ValueError(
+                f"param {fqn!r} is on {p.device} but {named[0][0]!r} is on {device}; "
+                "all trainable params must be on one device"
+            )
+        if p.dtype not in SUPPORTED_DTYPES:
+            # fp32 main params and fp32 state would silently lower float64 precision.
+            raise ValueError(
+                f"param {fqn!r} has dtype {p.dtype}; shardopt trains bf16, fp16 and fp32 params"
+            )
+    return named, device
+
+
+def main_params(layout: Layout, buffers: FlatBuffers, dp: comm.DPGroup,
+                device: torch.device) -> list[torch.Tensor | None]:
+    """Per buffer, this rank's fp32 main params seeded from its shard of the params (None for
+    an fp32 buffer: the param buffer shard is the main param)."""
+    out: list[torch.Tensor | None] = []
+    for buf in layout.buffers:
+        if buf.dtype == torch.float32:
+            out.append(None)
+            continue
+        main = torch.zeros(buf.local_numel, dtype=torch.float32, device=device)
+        for bucket in buf.buckets:
+            local = main.narrow(0, buf.local_offset(bucket.index), bucket.shard_numel)
+            local.copy_(buffers.bucket_params(bucket).narrow(
+                0, dp.rank * bucket.shard_numel, bucket.shard_numel))
+        out.append(main)
+    return out
+
+
+def choose_kernel(config: OptimizerConfig, device: torch.device) -> str:
+    """``"triton"`` or ``"torch"``: the update path ``config.step_kernel`` asks for on ``device``."""
+    wanted = config.step_kernel
+    if wanted == "torch" or (wanted == "auto" and device.type != "cuda"):
+        return "torch"
+    if kernels.available(device):
+        return "triton"
+    if wanted == "auto":
+        return "torch"
+    raise ValueError(
+        f"step_kernel='triton' needs Triton and a CUDA device (params are on {device}"
+        f"{'' if kernels.triton is not None else ', Triton is not installed'})"
+    )
+
+
+
+def alignment(config: OptimizerConfig) -> tuple[int, int]:
+    """``(align_numel, param_align)`` for the layout: 8-bit moments need every block of
+    :data:`quant.QBLOCK` elements of a param whole on one rank (see :mod:`.quant`)."""
+    if not config.quantized_moments:
+        return config.align_numel, 1
+    return math.lcm(config.align_numel, quant.QBLOCK), quant.QBLOCK
+
+
+def param_groups(
+    named: list[tuple[str, torch.nn.Parameter]],
+    defaults: dict[str, Any],
+    param_group_fn: ParamGroupFn | None,
+) -> list[dict[str, Any]]:
+    groups: dict[tuple, dict[str, Any]] = {}
+    for fqn, p in named:
+        overrides = dict(param_group_fn(fqn, p) or {}) if param_group_fn else {}
+        unknown = set(overrides) - set(GROUP_KEYS)
+        if unknown:
+            raise ValueError(
+                f"param_group_fn returned unknown keys {sorted(unknown)} for param {fqn!r}; "
+                f"allowed: {list(GROUP_KEYS)}"
+            )
+        if "betas" in overrides:
+            overrides["betas"] = tuple(float(b) for b in overrides["betas"])
+        for key, value in overrides.items():
+            if key != "betas" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"param_group_fn gave {key}={value!r} for param {fqn!r}")
+        key = tuple(sorted(overrides.items()))
+        group = groups.setdefault(key, {"params": [], **overrides})
+        group["params"].append(p)
+    return list(groups.values())
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Map every alias FQN of a shared param to the FQN ``named_parameters`` reports."""
+    canonical = {p: fqn for fqn, p in model.named_parameters()}
+    return {
+        fqn: canonical[p]
+        for fqn, p in model.named_parameters(remove_duplicate=False)
+        if canonical[p] != fqn
+    }
+
+
+def launch_order(layout: Layout, named: list[tuple[str, torch.nn.Parameter]]) -> list[Bucket]:
+    """Buckets in the order backward completes them: by the earliest-registered param, last first."""
+    position = {fqn: i for i, (fqn, _) in enumerate(named)}
+    buckets = [b for buf in layout.buffers for b in buf.buckets]
+    return sorted(
+        buckets,
+        key=lambda b: (-min(position[f] for f in b.param_fqns), b.buffer_index, b.index),
+    )
+
+
+def grad_hooks(opt: Any, named: list[tuple[str, torch.nn.Parameter]]) -> list[Any]:
+    """Register ``opt._on_grad_ready`` on every param, holding ``opt`` weakly: a tensor's hooks
+    live where Python's garbage collector cannot see them, so a hook holding the optimizer
+    would keep it (and through it the model) alive for good. Removed when ``opt`` is gone."""
+    on_grad = _WeakGradHook(opt)
+    handles = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
+    weakref.finalize(opt, _remove_hooks, list(handles))
+    return handles
+
+
+class _WeakGradHook:
+    """``opt._on_grad_ready`` through a weak reference (a no-op once ``opt`` is gone)."""
+
+    def __init__(self, opt: Any) -> None:
+        self.owner = weakref.ref(opt)
+
+    def __call__(self, param: torch.nn.Parameter) -> None:
+        opt = self.owner()
+        if opt is not None:
+            opt._on_grad_ready(param)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()

@@ -1,0 +1,92 @@
+"""Loading Adam moments stored in another format than the optimizer keeps them in.
+
+A checkpoint stores each moment as the saving optimizer kept it (fp32, bf16, or
+8-bit codes with one fp32 scale per block: :class:`~.manifest.MomentEncoding`).
+When the loading optimizer is configured otherwise, each rank reads its pieces in
+the stored format into temporaries (the codes with the scales of the blocks that
+cover them: a piece need not start on a block boundary in the loader's layout),
+decodes them to fp32 exactly as :meth:`shardopt.quant.Moment.to_fp32` does
+(:meth:`~.manifest.MomentEncoding.decode`), and
+stores each whole local tensor in the target format blockwise
+(:meth:`~shardopt.quant.Moment.store_`), as a step would. This is explicit: one
+log line (logger ``shardopt.checkpoint``) names every conversion of a load.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import ParamShard, Range
+from ..moments import NAMES, Moments
+from ..optimizer import DistributedOptimizer
+from .manifest import MomentEncoding
+from .read import DataFiles, Read
+from .state import encodings
+
+log = logging.getLogger("shardopt.checkpoint")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One shard's stored moment ``name`` read as stored: ``values`` and the ``scales`` of
+    the blocks covering it (None unless 8-bit)."""
+
+    shard: ParamShard
+    name: str
+    values: torch.Tensor
+    scales: torch.Tensor | None
+
+
+def plan(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], files: DataFiles
+         ) -> tuple[list[Piece], list[Read]]:
+    """The pieces of the moments ``opt`` stores otherwise than ``saved``, and their reads
+    (into new tensors, so they are read in the verifying pass before the ranks agree)."""
+    mine = encodings(opt)
+    pieces: list[Piece] = []
+    reads: list[Read] = []
+    for name in NAMES:
+        enc = saved[name]
+        if enc == mine[name]:
+            continue
+        for s in opt.shards:
+            r = s.range_param
+            values = torch.empty(r.size, dtype=enc.dtype)
+            reads += files.reads(f"{s.fqn}.{name}", r, values, in_place=False)
+            scales = None
+            if enc.block:
+                blocks = Range(r.start // enc.block, -(-r.end // enc.block))
+                scales = torch.empty(blocks.size, dtype=torch.float32)
+                reads += files.reads(f"{s.fqn}.{name}.scale", blocks, scales, in_place=False)
+            pieces.append(Piece(s, name, values, scales))
+    return pieces, reads
+
+
+def apply(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], pieces: list[Piece],
+          moments: Moments, path: str) -> None:
+    """Decode ``pieces`` to fp32 and store them into ``moments`` in ``opt``'s format."""
+    mine = encodings(opt)
+    names = [n for n in NAMES if saved[n] != mine[n]]
+    if not names:
+        return
+    log.info("loading %s: converting Adam moments %s (dequantised to fp32, stored blockwise)",
+             path, ", ".join(f"{n} {_describe(saved[n])} -> {_describe(mine[n])}"
+                             for n in names))
+    for name in names:
+        targets = moments.of(name)
+        work = [torch.zeros(t.values.numel(), dtype=torch.float32, device=t.values.device)
+                for t in targets]
+        for p in pieces:
+            if p.name == name:
+                x = saved[name].decode(p.values, p.scales, p.shard.range_param.start)
+                work[p.shard.buffer_index][p.shard.range_local.as_slice()].copy_(x)
+        for target, w in zip(targets, work):
+            target.store_(w)
+
+
+def _describe(enc: MomentEncoding) -> str:
+    if not enc.block:
+        return str(enc.dtype).removeprefix("torch.")
+    return f"int8 ({'sqrt' if enc.sqrt else 'linear'}, blocks of {enc.block})"

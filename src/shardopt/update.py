@@ -1,0 +1,167 @@
+"""The AdamW update of a rank's local shard, by torch's fused AdamW or the Triton kernel
+(:mod:`.kernels`), each param group at its step count (:mod:`.step_plan`).
+
+Both paths do the same arithmetic: torch's widens low-precision moments to fp32 copies
+and stores them back after (the reference), the Triton kernel does it in registers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import kernels, step_plan
+
+if TYPE_CHECKING:
+    from .optimizer import DistributedOptimizer
+
+STATE_NAMES = ("master_param", "exp_avg", "exp_avg_sq")
+
+
+class Update:
+    """The update paths of one optimizer and what they cache between steps."""
+
+    def __init__(self, opt: DistributedOptimizer) -> None:
+        self.opt = opt
+        self.chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
+        self._subset_tables: dict[tuple[int, ...], kernels.ChunkTable] = {}
+        self.views: list[list[list[torch.Tensor]]] | None = None  # reset when moments move
+
+    def triton(self, grad_scale: torch.Tensor | None, sum_sq: bool,
+               steps: list[int | None], got: frozenset[str] | None) -> torch.Tensor | None:
+        """Two kernel launches per (buffer, param group), or per (buffer, param group, step
+        count) for a group that is not updated whole at one count (``steps``, ``got``: see
+        :mod:`.step_plan`): update and write model-dtype params. With ``sum_sq``, return
+        the local sum of squared grads (a device scalar)."""
+        opt = self.opt
+        if self.chunk_tables is None:
+            ids: dict[tuple[int, int], list[int]] = {}
+            for i, s in enumerate(opt.shards):
+                ids.setdefault((s.buffer_index, opt.group_of[s.fqn]), []).append(i)
+            self.chunk_tables = {k: self._chunk_table(v) for k, v in ids.items()}
+        launches = [(bi, gi, steps[gi], table) for (bi, gi), table in self.chunk_tables.items()
+                    if steps[gi] is not None]
+        for gi, n in enumerate(steps):
+            if n is None:
+                parts = step_plan.split(opt.group_shards[gi], opt.shards, opt.param_steps, got)
+                launches += [(bi, gi, count, self._subset_table(tuple(ids)))
+                             for (bi, count), ids in parts.items()]
+        partials = None
+        if sum_sq:
+            partials = torch.empty(sum(t.num_blocks for *_, t in launches),
+                                   dtype=torch.float32, device=opt.device)
+        moments = opt.moments
+        assert moments is not None
+        first = 0
+        for bi, gi, count, table in launches:
+            group = opt.param_groups[gi]
+            main = opt.main_params[bi]
+            params = opt.buffers.param_buffers[bi]
+            kernels.adamw_(
+                table, params if main is None else main, opt.buffers.grad_buffers[bi],
+                *(kernels.Packed(m.values, m.scales)
+                  for m in (moments.exp_avg[bi], moments.exp_avg_sq[bi])),
+                None if main is None else params,
+                main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
+                beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                step=count, grad_scale=grad_scale,
+                sum_sq=None if partials is None else partials[first:first + table.num_blocks],
+            )
+            first += table.num_blocks
+        return None if partials is None else partials.sum()
+
+    def _chunk_table(self, shard_ids: tuple[int, ...] | list[int]) -> kernels.ChunkTable:
+        """The Triton launch table of ``opt.shards[i]`` for ``i`` in ``shard_ids`` (one buffer)."""
+        opt = self.opt
+        parts = []
+        for i in shard_ids:
+            s = opt.shards[i]
+            buf = opt.layout.buffers[s.buffer_index]
+            local_base = buf.local_offset(s.bucket_index)
+            global_base = buf.buckets[s.bucket_index].shard_range_global(opt.dp.rank).start
+            start = s.range_local.start - local_base
+            parts.append(kernels.ChunkPart(local_base, global_base, start,
+                                           start + s.range_local.size))
+        return kernels.chunk_table(parts, opt.device)
+
+    def _subset_table(self, shard_ids: tuple[int, ...]) -> kernels.ChunkTable:
+        """Cached: once a param skipped a step its group splits in every later step too."""
+        table = self._subset_tables.get(shard_ids)
+        if table is None:
+            if len(self._subset_tables) >= 256:  # patterns that keep changing (MoE): bounded
+                self._subset_tables.clear()
+            table = self._subset_tables[shard_ids] = self._chunk_table(shard_ids)
+        return table
+
+    def torch(self, grad_scale: torch.Tensor | None, steps: list[int | None],
+              got: frozenset[str] | None) -> None:
+        """torch's fused AdamW on the fp32 main params of each param group (only the params
+        this step updates, each at its own step count: ``steps``, ``got``, :mod:`.step_plan`).
+        Low-precision moments are widened to fp32 copies first and stored back after (the
+        reference for the Triton path, which does it in registers)."""
+        opt = self.opt
+        grads = self._grad_shards()
+        work = None
+        moments = opt.moments
+        assert moments is not None
+        if not opt.config.lowprec_moments:
+            views = self._state_views()
+        else:
+            work = ([m.to_fp32() for m in moments.exp_avg],
+                    [m.to_fp32() for m in moments.exp_avg_sq])
+            main_views = [opt.state_view("master_param", s) for s in opt.shards]
+            views = [[[main_views[i] for i in idx]]
+                     + [[w[opt.shards[i].buffer_index][opt.shards[i].range_local.as_slice()]
+                         for i in idx] for w in work] for idx in opt.group_shards]
+        for gi, group in enumerate(opt.param_groups):
+            idx = opt.group_shards[gi]
+            main, exp_avg, exp_avg_sq = views[gi]
+            grad = [grads[i] for i in idx]
+            if steps[gi] is not None:
+                counts = [steps[gi]] * len(idx)
+            else:
+                keep = [k for k, i in enumerate(idx) if got is None or opt.shards[i].fqn in got]
+                main, exp_avg, exp_avg_sq, grad = ([t[k] for k in keep]
+                                                   for t in (main, exp_avg, exp_avg_sq, grad))
+                counts = [opt.param_steps[opt.shards[idx[k]].fqn] + 1 for k in keep]
+            if not counts:
+                continue
+            beta1, beta2 = group["betas"]
+            step_of = {n: torch.tensor(float(n), device=opt.device) for n in set(counts)}
+            torch._fused_adamw_(
+                main,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                [],
+                [step_of[n] for n in counts],
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                amsgrad=False,
+                maximize=False,
+                grad_scale=grad_scale,
+            )
+        if work is not None:
+            for stored, wide in zip((moments.exp_avg, moments.exp_avg_sq), work):
+                for moment, w in zip(stored, wide):
+                    moment.store_(w)
+
+    def _state_views(self) -> list[list[list[torch.Tensor]]]:
+        """Per param group: views of main params, exp_avg, exp_avg_sq (cached until moments move)."""
+        opt = self.opt
+        if self.views is None:
+            self.views = [
+                [[opt.state_view(name, opt.shards[i]) for i in idx] for name in STATE_NAMES]
+                for idx in opt.group_shards
+            ]
+        return self.views
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        grads = [self.opt.buffers.shard_grads(s) for s in self.opt.shards]
+        if any(g.dtype != torch.float32 for g in grads):
+            grads = [g.float() for g in grads]
+        return grads
