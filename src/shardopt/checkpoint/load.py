@@ -22,7 +22,7 @@ import torch
 
 from ..optimizer import DistributedOptimizer
 from ..pinned import PinnedBuffer
-from . import state
+from . import background, state
 from .agree import CheckpointError, agree
 from .commit import resolve
 from .config import CheckpointConfig, resolve_config
@@ -80,6 +80,7 @@ def load(
     object; a keyword argument that is not None overrides its field.
     """
     optimizer.require_fp32_moments("checkpoint.load")
+    background.wait_pending()  # it may be writing what this reads, and reads what this writes
     dp = optimizer.dp
     optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
     plan, error, host = None, None, False
