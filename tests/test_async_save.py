@@ -81,6 +81,40 @@ def test_async_save_equals_sync_save_at_the_call(backend, world_size, tmp_path):
             assert torch.equal(r["loaded"][k], v), k
 
 
+def failing_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Rank 1's background write fails: every rank's wait() raises the same error, nothing
+    is committed, and the next save (both ranks) works."""
+    from unittest import mock
+    save_module = importlib.import_module(SAVE_MODULE)
+    model, opt = build(0)
+    train(model, opt, range(2), rank, world_size)
+
+    def broken(path, *args, **kwargs):
+        raise OSError(5, "I/O error (simulated)", path)
+
+    with mock.patch.object(save_module, "write_file",
+                           broken if rank == 1 else save_module.write_file):
+        handle = checkpoint.save(root, model, opt, step=2, blocking=False)
+        train(model, opt, range(2, 3), rank, world_size)  # training collectives meanwhile
+        try:
+            handle.wait()
+            error = None
+        except CheckpointError as e:
+            error = str(e)
+    latest_after_failure = checkpoint.latest(root)
+    path = checkpoint.save(root, model, opt, step=3, blocking=False).wait()
+    return {"error": error, "latest": latest_after_failure, "path": path}
+
+
+def test_a_failed_background_write_on_one_rank_fails_every_rank(tmp_path):
+    results = run_distributed(failing_rank, 2, str(tmp_path / "root"), tmp_path=tmp_path)
+    for r in results:
+        assert r["error"] is not None and "[dp rank 1]" in r["error"]
+        assert "I/O error (simulated)" in r["error"]
+        assert r["latest"] is None
+        assert r["path"] == str(tmp_path / "root" / "step_00000003")
+
+
 # ------------------------------------------------------------- single process
 @pytest.fixture
 def trained_model():
