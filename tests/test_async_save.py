@@ -41,7 +41,8 @@ def _checkpoint_bytes(path: Path) -> dict[str, Any]:
     return out
 
 
-def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str) -> dict[str, Any]:
+def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
+                       where: str) -> dict[str, Any]:
     device = device_for(backend, rank)
     model, opt = build(0, device, dropout=0.1)
     torch.manual_seed(1000 + rank)
@@ -49,7 +50,7 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str) -> d
     at_call = snapshot(model)
     sync_path = checkpoint.save(f"{root}/sync", model, opt, step=3, extra={"k": 1})
     handle = checkpoint.save(f"{root}/async", model, opt, step=3, extra={"k": 1},
-                             blocking=False)
+                             blocking=False, snapshot=where)
     assert isinstance(handle, SaveHandle)
     train(model, opt, range(3, 6), rank, world_size)  # changes every saved tensor meanwhile
     async_path = handle.wait()
@@ -61,13 +62,16 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str) -> d
             "loaded": snapshot(model), "step": info.step}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3], ids=["dp1", "dp2", "dp3"])
-def test_async_save_equals_sync_save_at_the_call(backend, world_size, tmp_path):
+@pytest.mark.parametrize("world_size,where", [(1, "host"), (2, "host"), (3, "host"),
+                                              (2, "device")],
+                         ids=["dp1", "dp2", "dp3", "dp2-device-snapshot"])
+def test_async_save_equals_sync_save_at_the_call(backend, world_size, where, tmp_path):
     """bf16 and fp32 params, a frozen param and a buffer: the async checkpoint's files are
     byte for byte those of a synchronous save at the same step, although the run took
-    three more steps before it was written, and it loads the state at the call."""
+    three more steps before it was written, and it loads the state at the call. (On CPU a
+    device snapshot is a host one; with NCCL it is a copy in GPU memory.)"""
     require_world_size(backend, world_size)
-    results = run_distributed(async_vs_sync_rank, world_size, backend, str(tmp_path),
+    results = run_distributed(async_vs_sync_rank, world_size, backend, str(tmp_path), where,
                               backend=backend, tmp_path=tmp_path)
     r = results[0]
     sync, asyn = _checkpoint_bytes(Path(r["sync"])), _checkpoint_bytes(Path(r["async"]))
@@ -159,7 +163,7 @@ def test_config_blocking_false_and_bad_values(trained_model, tmp_path):
     handle = checkpoint.save(tmp_path, model, opt, step=2,
                              config=checkpoint.CheckpointConfig(blocking=False))
     assert handle.wait() == checkpoint.latest(tmp_path)
-    for bad in ({"blocking": "no"}, {"if_busy": "skip"}):
+    for bad in ({"blocking": "no"}, {"if_busy": "skip"}, {"snapshot": "disk"}):
         with pytest.raises(CheckpointError, match=next(iter(bad))):
             checkpoint.CheckpointConfig(**bad)
 

@@ -42,6 +42,10 @@ class CheckpointConfig:
     (``save`` returns a handle; see :mod:`.background`)."""
     if_busy: str = "wait"
     """Save while an asynchronous save is in flight: ``"wait"`` for it, or ``"error"``."""
+    snapshot: str = "host"
+    """Asynchronous save on a GPU: copy the state to pinned ``"host"`` memory (one copy of
+    the rank's state, reused), or to spare ``"device"`` memory, written out through the
+    ``staging_bytes`` pinned buffers (see :mod:`.snapshot`)."""
 
     def __post_init__(self) -> None:
         checks = {  # field: (valid, what it must be)
@@ -57,6 +61,7 @@ class CheckpointConfig:
                             f"an int in [1, {MAX_BLOCK_BYTES}]"),
             "blocking": (isinstance(self.blocking, bool), "a bool"),
             "if_busy": (self.if_busy in ("wait", "error"), "'wait' or 'error'"),
+            "snapshot": (self.snapshot in ("host", "device"), "'host' or 'device'"),
         }
         for name, (ok, wanted) in checks.items():
             if not ok:

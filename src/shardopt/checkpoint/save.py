@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import weakref
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ def save(
     *,
     blocking: bool | None = None,
     if_busy: str | None = None,
+    snapshot: str | None = None,
     config: CheckpointConfig | None = None,
 ) -> str | SaveHandle:
     """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.
@@ -100,6 +102,7 @@ def save(
     background (:mod:`.background`) and hold exactly the state at the call. A save while
     an asynchronous one is in flight waits for it (``if_busy="wait"``) or fails on every
     rank (``"error"``); an error of that earlier save nobody has seen fails this one.
+    ``snapshot`` (GPU only): where the copy goes, ``"host"`` or ``"device"``.
     """
     optimizer.require_fp32_moments("checkpoint.save")
     dp = optimizer.dp
@@ -113,7 +116,7 @@ def save(
         try:
             cfg = resolve_config(config, keep_last=keep_last, block_bytes=block_bytes,
                                  staging_bytes=staging_bytes, io_threads=io_threads,
-                                 blocking=blocking, if_busy=if_busy)
+                                 blocking=blocking, if_busy=if_busy, snapshot=snapshot)
             error = background.settle(cfg.if_busy)
             if error is None:
                 optimizer.check_model(model)
@@ -121,7 +124,7 @@ def save(
                 threads = resolve_threads(cfg.io_threads)
                 jobs = _rank_jobs(model, optimizer, threads)
                 if not cfg.blocking:
-                    jobs, event = _snapshot(optimizer).take(jobs)
+                    jobs, event = _snapshot(optimizer).take(jobs, cfg.snapshot == "device")
                     optimizer.set_save_fence(event)
                 if dp.rank == 0:
                     base = _manifest_base(model, optimizer, step, extra_obj)
@@ -142,12 +145,18 @@ def save(
         group = background.coordination_group(dp)
         owned, staged = staged, None  # the background thread removes it if it fails
 
+        # A device snapshot goes out through pinned staging, on a stream of its own: the
+        # background thread's current stream would be training's default stream.
+        device = optimizer.device if cfg.snapshot == "device" else torch.device("cpu")
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
         def work() -> None:
             try:
                 if event is not None:
                     event.synchronize()
-                _write_and_commit(tmp, owned, jobs, base, group, cfg, threads,
-                                  torch.device("cpu"), step, what)
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    _write_and_commit(tmp, owned, jobs, base, group, cfg, threads, device,
+                                      step, what)
             finally:
                 if owned is not None:
                     commit.abort(owned)

@@ -5,12 +5,16 @@ Adam state and params change only inside ``step()`` (and ``load``,
 the call, before any of those runs again, is exactly the state at the call while
 training goes on.
 
-Memory: one host buffer per dtype, each exactly the bytes of this rank's entries of
-that dtype (its model shards, fp32 main params and moments, rank 0's frozen tensors;
-a tensor saved under two keys, like an fp32 param that is its own main param, is
-copied once). The buffers are page-locked with :class:`~shardopt.pinned.PinnedBuffer`
-when the optimizer is on a GPU (exact size: no power-of-two rounding), allocated at
-the first asynchronous save and reused by the next ones while the sizes stay the same.
+Memory: one buffer per dtype, each exactly the bytes of this rank's entries of that
+dtype (its model shards, fp32 main params and moments, rank 0's frozen tensors; a tensor
+saved under two keys, like an fp32 param that is its own main param, is copied once),
+allocated at the first asynchronous save and reused by the next ones while the sizes stay
+the same. ``snapshot="host"`` (default): host memory, page-locked with
+:class:`~shardopt.pinned.PinnedBuffer` when the optimizer is on a GPU (exact size: no
+power-of-two rounding). ``snapshot="device"``: spare GPU memory, a device-to-device copy
+(about 100x faster than over PCIe, so the next ``step()`` hardly waits); the background
+writer then streams it to the files through the save's small pinned staging buffers
+(``staging_bytes``), so the host holds no copy of the state.
 
 Copies (CUDA): queued on a side stream behind the work already queued on the current
 stream, so the call returns at once. One event covers all of them: the optimizer's
@@ -38,12 +42,13 @@ class Snapshot:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.on_device = False  # where the buffers are: spare device memory, or the host
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._pinned: dict[torch.dtype, PinnedBuffer] = {}
         self._stream: torch.cuda.Stream | None = None
 
-    def host_bytes(self) -> int:
-        """Host memory the snapshot holds (kept between saves)."""
+    def nbytes(self) -> int:
+        """Memory the snapshot holds (kept between saves), on the device or the host."""
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def release(self) -> None:
@@ -51,10 +56,12 @@ class Snapshot:
             buf.release()
         self._buffers, self._pinned = {}, {}
 
-    def take(self, jobs: Sequence[Job]) -> tuple[list[Job], torch.cuda.Event | None]:
-        """Coordinator-free. Queue copies of every entry's source into the host buffers;
-        return the jobs with the copies as sources and the event after which they hold
-        the values (None off CUDA: already there)."""
+    def take(self, jobs: Sequence[Job], on_device: bool = False
+             ) -> tuple[list[Job], torch.cuda.Event | None]:
+        """Coordinator-free. Queue copies of every entry's source into the buffers (in
+        device memory with ``on_device`` and a GPU, else on the host); return the jobs with
+        the copies as sources and the event after which they hold the values (None off
+        CUDA: already there)."""
         unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         for _, entries in jobs:
             for e in entries:
@@ -63,7 +70,7 @@ class Snapshot:
         sizes: dict[torch.dtype, int] = {}
         for src in unique.values():
             sizes[src.dtype] = sizes.get(src.dtype, 0) + src.numel()
-        self._allocate(sizes)
+        self._allocate(sizes, on_device and self.cuda)
         offsets = dict.fromkeys(sizes, 0)
         copies: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         for key, src in unique.items():
@@ -77,12 +84,16 @@ class Snapshot:
                for name, entries in jobs]
         return out, event
 
-    def _allocate(self, sizes: dict[torch.dtype, int]) -> None:
-        if {d: t.numel() for d, t in self._buffers.items()} == sizes:
+    def _allocate(self, sizes: dict[torch.dtype, int], on_device: bool) -> None:
+        if {d: t.numel() for d, t in self._buffers.items()} == sizes and \
+                on_device == self.on_device:
             return
         self.release()
+        self.on_device = on_device
         for dtype, numel in sizes.items():
-            if self.cuda:
+            if on_device:
+                self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+            elif self.cuda:
                 self._pinned[dtype] = PinnedBuffer(numel, dtype)
                 self._buffers[dtype] = self._pinned[dtype].tensor
             else:
