@@ -229,6 +229,45 @@ def test_load_waits_for_the_save_in_flight(trained_model, tmp_path, monkeypatch)
         assert torch.equal(model.state_dict()[k], v), k
 
 
+def test_snapshot_is_a_copy_that_offload_cannot_touch(trained_model, tmp_path, monkeypatch):
+    """offload() right after the call (on CPU it fills the live state with NaN) and a step
+    after onload(): the background write still gets the state at the call."""
+    model, opt = trained_model
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    gate = threading.Event()
+    _gate_writes(monkeypatch, gate)
+    handle = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False)
+    opt.offload()
+    opt.onload()
+    train(model, opt, range(2, 3), 0, 1)
+    gate.set()
+    got, want = _checkpoint_bytes(Path(handle.wait())), _checkpoint_bytes(Path(reference))
+    assert got == want
+
+
+def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tmp_path):
+    model, opt = trained_model
+    save_module = importlib.import_module(SAVE_MODULE)
+    checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
+    snap = save_module._SNAPSHOTS[opt]
+    buffers = {d: t.data_ptr() for d, t in snap._buffers.items()}
+    # Model shards in their dtypes and three fp32 states per shard; an fp32 param's main
+    # param is the param itself, copied once. Frozen tensors and buffers on rank 0, the RNG.
+    fp32 = sum(s.range_param.size for s in opt.shards
+               if opt.layout.buffers[s.buffer_index].dtype == torch.float32)
+    state = sum(s.range_param.size for s in opt.shards) * 3 * 4
+    model_bytes = sum(s.range_param.size * opt.layout.buffers[s.buffer_index].dtype.itemsize
+                      for s in opt.shards) - fp32 * 4
+    frozen = sum(t.numel() * t.element_size()
+                 for t in importlib.import_module("shardopt.checkpoint.state")
+                 .frozen_tensors(model, opt).values())
+    rng = torch.get_rng_state().numel()
+    assert snap.nbytes() == state + model_bytes + frozen + rng
+    train(model, opt, range(2, 3), 0, 1)
+    checkpoint.save(tmp_path, model, opt, step=3, blocking=False).wait()
+    assert {d: t.data_ptr() for d, t in snap._buffers.items()} == buffers
+
+
 # ----------------------------------------------------------- other processes
 _CHILD = textwrap.dedent("""
     import sys, time
