@@ -9,7 +9,7 @@ device synchronisation and is timed. Phases, each into ``/dev/shm`` and ``/tmp``
 * ``none``: no checkpoint; its median iteration is the baseline.
 * ``sparse``: a save every ``--sparse-every`` iterations (long enough for the write to
   finish). ``stall_s`` = the iteration containing the save minus the baseline (target
-  <= 2% of an iteration); ``during_write`` = median iteration while a background write
+  <= 2% of an iteration), the first save (which allocates the snapshot) apart; ``during_write`` = median iteration while a background write
   runs, against the baseline (target <= 3% slower).
 * ``every``: a save every iteration for ``--every-iters`` iterations (each save waits for
   the one before): throughput against ``none``.
@@ -17,7 +17,10 @@ device synchronisation and is timed. Phases, each into ``/dev/shm`` and ``/tmp``
 DCP is used as torchtitan does: ``DefaultStager(StagingOptions(pinned memory, async
 staging, non-blocking copies))`` where torch has it; the step after a save waits for its
 staging, a save waits for the previous upload. Host RSS is sampled during each phase.
-A time budget (``--budget-s``) skips what would not fit; skipped phases are listed.
+No iteration of a phase starts after ``--phase-cap-s`` seconds (the number run is
+recorded), and a time budget (``--budget-s``) skips phases that would not fit, from the
+last of: every phase into the first directory, then into the others; skipped phases are
+listed in the result.
 
 GPU (one H200, under 5 minutes)::
 
@@ -115,6 +118,10 @@ class DcpSaver:
     def busy(self) -> bool:
         return self.upload is not None and not self.upload.done()
 
+    def close(self) -> None:  # its pinned staging memory, before the next phase
+        if self.stager is not None:
+            self.stager.close()
+
     def finish(self) -> None:
         self.before_step()
         if self.upload is not None:
@@ -128,9 +135,13 @@ SAVERS = {"shardopt": ShardoptSaver, "shardopt_device": ShardoptDeviceSaver, "dc
 
 
 def _loop(step_fn: Callable[[Callable[[], None]], None], device: torch.device, iters: int,
-          saver: Any, save_at: Callable[[int], bool], first_step: int) -> list[dict]:
-    rows = []
+          saver: Any, save_at: Callable[[int], bool], first_step: int,
+          cap_s: float = float("inf")) -> list[dict]:
+    """Up to ``iters`` timed iterations; none starts after ``cap_s`` seconds."""
+    rows, started = [], time.perf_counter()
     for i in range(iters):
+        if time.perf_counter() - started > cap_s:
+            break
         busy_before = saver is not None and saver.busy()
         t0 = time.perf_counter()
         saved = saver is not None and save_at(i)
@@ -153,6 +164,9 @@ def _phase(name: str, rows: list[dict], baseline: float | None, rss) -> dict:
         writing = [r["iter_s"] for r in rows if r["writing"] and not r["saved"]]
         out["baseline_iter_s"] = baseline
         if saves:
+            # The first save of a system allocates (and page-locks) its snapshot: apart.
+            out["first_save_stall_s"] = saves[0]["iter_s"] - baseline
+            saves = saves[1:] or saves
             stalls = [r["iter_s"] - baseline for r in saves]
             out["stall_s"] = _common.stats(stalls)
             out["stall_fraction_of_iter"] = statistics.median(stalls) / baseline
@@ -175,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every-iters", type=int, default=50)
     p.add_argument("--dirs", default="/dev/shm,/tmp")
     p.add_argument("--systems", default="shardopt,shardopt_device,dcp")
-    p.add_argument("--budget-s", type=float, default=240.0,
+    p.add_argument("--phase-cap-s", type=float, default=25.0,
+                   help="no iteration of a phase starts after this many seconds")
+    p.add_argument("--budget-s", type=float, default=250.0,
                    help="seconds for everything; phases that would not fit are skipped")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
@@ -212,14 +228,21 @@ def main(argv: list[str] | None = None) -> int:
         none = _loop(step_fn, device, args.none_iters, None, lambda i: False, 0)
     baseline = statistics.median(r["iter_s"] for r in none)
     phases.append(_phase("none", none, None, rss))
-    est_save_s = {}  # seconds per save, learnt from the sparse phase
-    plan = [(kind, d, system) for d in args.dirs.split(",") for kind in ("sparse", "every")
+    # Seconds one save of a system into a directory takes, learnt from the wait for its last
+    # save at the end of an earlier phase.
+    est_save_s: dict[tuple[str, str], float] = {}
+    dirs = args.dirs.split(",")
+    # Most wanted first: the budget skips from the end.
+    plan = [(kind, d, system) for d in dirs[:1] for kind in ("sparse", "every")
             for system in args.systems.split(",")]
+    plan += [(kind, d, system) for d in dirs[1:] for kind in ("sparse", "every")
+             for system in args.systems.split(",")]
     first_step = 1
     for kind, d, system in plan:
         iters = args.sparse_every * args.sparse_saves if kind == "sparse" else args.every_iters
-        guess = iters * max(baseline, est_save_s.get((d, system), 0.0) if kind == "every"
-                            else baseline) + 2 * est_save_s.get((d, system), 5.0)
+        save_s = est_save_s.get((d, system), 10.0)
+        loop_s = iters * (baseline if kind == "sparse" else max(baseline, save_s))
+        guess = min(args.phase_cap_s, loop_s) + 2 * save_s
         left = args.budget_s - (time.perf_counter() - started)
         if guess > left:
             skipped.append({"phase": f"{kind}:{system}:{d}", "estimated_s": guess,
@@ -231,15 +254,16 @@ def main(argv: list[str] | None = None) -> int:
             every = args.sparse_every if kind == "sparse" else 1
             with _common.HostRssSampler(0.005) as rss:
                 t0 = time.perf_counter()
-                rows = _loop(step_fn, device, iters, saver, lambda i: i % every == 0, first_step)
+                rows = _loop(step_fn, device, iters, saver, lambda i: i % every == 0, first_step,
+                             args.phase_cap_s)
+                t1 = time.perf_counter()
                 saver.finish()
                 total = time.perf_counter() - t0
-            first_step += iters
+            est_save_s[(d, system)] = max(time.perf_counter() - t1, baseline)
+            first_step += len(rows)
             ph = _phase(f"{kind}:{system}:{d}", rows, baseline, rss)
             ph["wall_with_last_save_s"] = total
             ph["notes"] = getattr(saver, "notes", {})
-            if kind == "sparse":
-                est_save_s[(d, system)] = total / max(1, args.sparse_saves)
             phases.append(ph)
             print(f"[{ph['phase']}] stall median {ph.get('stall_s', {}).get('median', 0):.4f} s "
                   f"({100 * ph.get('stall_fraction_of_iter', 0):.2f}% of {baseline:.3f} s), "
@@ -250,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             phases.append({"phase": f"{kind}:{system}:{d}", "error": repr(e)})
             print(f"[{kind}:{system}:{d}] FAILED: {e!r}", flush=True)
         finally:
+            getattr(saver, "close", lambda: None)()
             shutil.rmtree(root, ignore_errors=True)
     doc = {**_common.run_header(device, vars(args)), "benchmark": "async_save",
            "baseline_iter_s": baseline, "phases": phases, "skipped": skipped,
