@@ -9,8 +9,9 @@ device synchronisation and is timed. Phases, each into ``/dev/shm`` and ``/tmp``
 * ``none``: no checkpoint; its median iteration is the baseline.
 * ``sparse``: a save every ``--sparse-every`` iterations (long enough for the write to
   finish). ``stall_s`` = the iteration containing the save minus the baseline (target
-  <= 2% of an iteration), the first save (which allocates the snapshot) apart; ``during_write`` = median iteration while a background write
-  runs, against the baseline (target <= 3% slower).
+  <= 2% of an iteration), the first save (which allocates the snapshot) apart;
+  ``during_write`` = median iteration while a background write runs, against the
+  baseline (target <= 3% slower).
 * ``every``: a save every iteration for ``--every-iters`` iterations (each save waits for
   the one before): throughput against ``none``.
 
