@@ -699,8 +699,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state_dicts.load_state_dict(self, state_dict)
 
     def set_save_fence(self, event: torch.cuda.Event | None) -> None:
-        """An asynchronous ``checkpoint.save`` is copying this optimizer's state to the host
-        until ``event`` (None: the copies are done); see :mod:`shardopt.checkpoint.snapshot`."""
+        """An asynchronous ``checkpoint.save`` is copying this optimizer's state aside until
+        ``event`` (None: the copies are done); see :mod:`shardopt.checkpoint.snapshot`."""
         self._save_fence = event
 
     def wait_for_save_copies(self, host: bool = True) -> None:
