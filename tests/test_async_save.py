@@ -63,8 +63,8 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
 
 
 @pytest.mark.parametrize("world_size,where", [(1, "host"), (2, "host"), (3, "host"),
-                                              (2, "device")],
-                         ids=["dp1", "dp2", "dp3", "dp2-device-snapshot"])
+                                              (1, "device"), (2, "device")],
+                         ids=["dp1", "dp2", "dp3", "dp1-device-snapshot", "dp2-device-snapshot"])
 def test_async_save_equals_sync_save_at_the_call(backend, world_size, where, tmp_path):
     """bf16 and fp32 params, a frozen param and a buffer: the async checkpoint's files are
     byte for byte those of a synchronous save at the same step, although the run took
