@@ -63,7 +63,8 @@ def test_train_resume_inspect_verify_export(tmp_path, capsys):
     common = ["--steps", "6", "--batch-size", "6", "--ckpt-dir", str(ckpt), "--save-every", "2",
               "--log-file", str(log), "--no-progress"]
 
-    first = _ok(shardopt_cmd("train", "--nproc", "2", "--stop-at", "3", *common, cwd=tmp_path))
+    first = _ok(shardopt_cmd("train", "--nproc", "2", "--stop-at", "3", "--async-save", *common,
+                             cwd=tmp_path))
     assert first.stderr.count("preset tiny") == 1, first.stderr  # logs from rank 0 only
     assert "2 rank(s)" in first.stderr and "saved step 2" in first.stderr
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002"]

@@ -171,6 +171,18 @@ def test_interrupted_run_resumes_bitwise_on_one_rank(tmp_path):
     assert run(_cfg(tmp_path, "run.jsonl", resume=True))["step"] == 8
 
 
+def test_async_saves_resume_like_synchronous_ones(tmp_path):
+    """--async-save: the run waits for its last save; resuming from it continues the same
+    curve as an uninterrupted run."""
+    ref = run(_cfg(tmp_path, "ref.jsonl", ckpt_dir=None))
+    run(_cfg(tmp_path, "run.jsonl", save_every=2, stop_at=5, keep_last=2, async_save=True))
+    assert checkpoint.latest(tmp_path / "ckpt").endswith("step_00000004")
+    out = run(_cfg(tmp_path, "run.jsonl", save_every=2, resume=True, async_save=True))
+    assert out["step"] == 8 and out["loss"] == ref["loss"]
+    assert _losses(tmp_path / "run.jsonl") == _losses(tmp_path / "ref.jsonl")
+    assert checkpoint.latest(tmp_path / "ckpt").endswith("step_00000008")
+
+
 def test_keep_last_and_fresh_start_with_empty_ckpt_dir(tmp_path):
     out = run(_cfg(tmp_path, "a.jsonl", steps=4, save_every=1, keep_last=2, resume=True))
     assert out["step"] == 4

@@ -155,6 +155,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._written: set[str] = set()
         self._next_launch = 0
         self._handles: list[object] = []
+        self._save_fence: torch.cuda.Event | None = None  # checkpoint.snapshot's copies
         self._sync_enabled = True
         self._reset_readiness()
         self._hooks = build.grad_hooks(self, named)
@@ -277,6 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._host.check_onloaded("step()")
+        self.wait_for_save_copies(host=False)  # before the first write (the re-seed below)
         self.finish_param_sync()  # the update writes into the param buffers
         self._reseed(self._watch.written())  # before any collective: a moved param raises
         self.finish_grad_sync()
@@ -400,6 +402,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Move ``what`` (of :data:`~shardopt.host_state.KINDS`; default all) to pinned host
         memory and give its device memory back; a forward, ``step()`` and ``checkpoint.load``
         are refused until :meth:`onload`. Not collective. See :mod:`shardopt.host_state`."""
+        self.wait_for_save_copies()  # offload frees (CUDA) or overwrites (CPU) the state
         self._host.offload(what)
 
     def onload(self) -> None:
@@ -449,6 +452,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fp32 digits below the model dtype's precision are dropped for every param.
         """
         self.finish_param_sync()  # an all-gather in flight would overwrite the user's weights
+        self.wait_for_save_copies()
         self._watch.written()  # only to raise if a param was moved out of the buffer
         self._reseed(self._fqns)
 
@@ -469,7 +473,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Collective. Adopt a :meth:`state_dict` of this rank's; on any mismatch every rank
         raises :class:`~shardopt.state_dict.StateDictError` and nothing changes."""
+        self.wait_for_save_copies()
         state_dicts.load_state_dict(self, state_dict)
+
+    def set_save_fence(self, event: torch.cuda.Event | None) -> None:
+        """An asynchronous ``checkpoint.save`` is copying this optimizer's state aside until
+        ``event`` (None: the copies are done); see :mod:`shardopt.checkpoint.snapshot`."""
+        self._save_fence = event
+
+    def wait_for_save_copies(self, host: bool = True) -> None:
+        """Before anything writes or frees the state: wait for the copies of an asynchronous
+        save (the host waits, or with ``host=False`` only the current CUDA stream)."""
+        event, self._save_fence = self._save_fence, None
+        if event is None:
+            return
+        if host:
+            event.synchronize()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise a ``ValueError`` naming the first param unless ``model`` is the one this

@@ -222,10 +222,11 @@ SAVER_RAISED = 3  # exit code of a saver whose save raised (e.g. its peer was ki
 
 
 def saver_loop(rank: int, world_size: int, root: str, store: str, first_step: int,
-               log: str, width: int) -> None:
+               log: str, width: int, blocking: bool = True) -> None:
     """Process target: save steps ``first_step, first_step+1, ...`` until killed. If a save
     (or the training step before it, which communicates too) raises, log the exception's
-    type and exit with SAVER_RAISED."""
+    type and exit with SAVER_RAISED. With ``blocking=False`` the next model is trained
+    while the save is written in the background, then the save is waited for."""
     os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     if world_size > 1:
@@ -237,8 +238,12 @@ def saver_loop(rank: int, world_size: int, root: str, store: str, first_step: in
             try:
                 model, opt = trained(step, width=width)
                 f.write(f"{rank} begin {step}\n")
-                checkpoint.save(root, model, opt, step=step, keep_last=2, block_bytes=64 << 10,
-                                extra={"step": step})
+                saved = checkpoint.save(root, model, opt, step=step, keep_last=2,
+                                        block_bytes=64 << 10, extra={"step": step},
+                                        blocking=blocking)
+                if not blocking:
+                    train_step(model, opt, step + 1)  # changes what is being written
+                    saved.wait()
             except Exception as e:  # noqa: BLE001 - reported through the log and exit code
                 f.write(f"{rank} raised {type(e).__name__}\n")
                 os._exit(SAVER_RAISED)
@@ -274,11 +279,19 @@ def count_fs_calls(fn: Callable[[], Any], kill_at: int | None = None) -> int:
     return count[0]
 
 
-def crash_at(root: str, step: int, kill_at: int) -> None:
-    """Process target: save ``step`` (one process, no process group), dying at a given call."""
+def crash_at(root: str, step: int, kill_at: int, blocking: bool = True) -> None:
+    """Process target: save ``step`` (one process, no process group), dying at a given call
+    (with ``blocking=False``: of the save's background thread too, training meanwhile)."""
     model, opt = trained(step)
-    count_fs_calls(lambda: checkpoint.save(root, model, opt, step=step, keep_last=2,
-                                           block_bytes=4096), kill_at)
+
+    def save() -> None:
+        saved = checkpoint.save(root, model, opt, step=step, keep_last=2, block_bytes=4096,
+                                blocking=blocking)
+        if not blocking:
+            train_step(model, opt, step + 1)
+            saved.wait()
+
+    count_fs_calls(save, kill_at)
 
 
 # ------------------------------------------------------------------ concurrent jobs

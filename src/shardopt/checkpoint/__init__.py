@@ -1,10 +1,12 @@
 """Checkpoints: name-keyed, reshardable, pickle-free save and resume.
 
-``save`` and ``load`` are collective over the optimizer's DP group; ``latest``,
+``save`` and ``load`` are collective over the optimizer's DP group (``save`` may finish
+in the background: ``blocking=False``); ``latest``,
 ``export``, ``inspect`` and ``verify`` run in a single process.
 """
 
 from .agree import CheckpointError
+from .background import SaveHandle
 from .commit import latest
 from .config import CheckpointConfig
 from .export import export, inspect, verify
@@ -12,5 +14,5 @@ from .format import FormatError
 from .load import LoadInfo, load
 from .save import save
 
-__all__ = ["CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo", "export", "inspect",
-           "latest", "load", "save", "verify"]
+__all__ = ["CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo", "SaveHandle",
+           "export", "inspect", "latest", "load", "save", "verify"]

@@ -37,6 +37,15 @@ class CheckpointConfig:
     """Save: delete older committed checkpoints beyond the newest ``keep_last``."""
     block_bytes: int = DEFAULT_BLOCK_BYTES
     """Save: the hash block size of the data files."""
+    blocking: bool = True
+    """Save: ``False`` snapshots the state to host memory and writes it in the background
+    (``save`` returns a handle; see :mod:`.background`)."""
+    if_busy: str = "wait"
+    """Save while an asynchronous save is in flight: ``"wait"`` for it, or ``"error"``."""
+    snapshot: str = "host"
+    """Asynchronous save on a GPU: copy the state to pinned ``"host"`` memory (one copy of
+    the rank's state, reused), or to spare ``"device"`` memory, written out through the
+    ``staging_bytes`` pinned buffers (see :mod:`.snapshot`)."""
 
     def __post_init__(self) -> None:
         checks = {  # field: (valid, what it must be)
@@ -50,6 +59,9 @@ class CheckpointConfig:
                           "an int >= 1 or None"),
             "block_bytes": (_is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
                             f"an int in [1, {MAX_BLOCK_BYTES}]"),
+            "blocking": (isinstance(self.blocking, bool), "a bool"),
+            "if_busy": (self.if_busy in ("wait", "error"), "'wait' or 'error'"),
+            "snapshot": (self.snapshot in ("host", "device"), "'host' or 'device'"),
         }
         for name, (ok, wanted) in checks.items():
             if not ok:

@@ -22,7 +22,7 @@ import torch
 
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
-from . import convert, state
+from . import background, convert, state
 from .agree import CheckpointError, agree
 from .commit import resolve
 from .config import CheckpointConfig, resolve_config
@@ -77,6 +77,7 @@ def load(
     model and optimizer are left as they were. ``config`` holds these settings in one
     object; a keyword argument that is not None overrides its field.
     """
+    background.wait_pending()  # it may be writing what this reads, and reads what this writes
     dp = optimizer.dp
     optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
     plan, error, host = None, None, False

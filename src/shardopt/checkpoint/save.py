@@ -26,19 +26,24 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import weakref
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import comm
 from ..optimizer import STATE_NAMES, DistributedOptimizer
-from . import commit, state
+from . import background, commit, state
+from .background import SaveHandle
 from .agree import CheckpointError, agree
 from .config import CheckpointConfig, resolve_config
 from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, data_file_name,
                      manifest_checksum, state_file_kind, step_dir_name)
 from .storage import (FILE_THREADS, WriteEntry, entry_bytes, part_counts, split_entries,
                       write_file, write_scratch)
+from .snapshot import Job, Snapshot
 from .transfer import io_threads as resolve_threads
 from .transfer import run_parallel
 
@@ -75,8 +80,11 @@ def save(
     staging_bytes: int | None = None,
     io_threads: int | None = None,
     *,
+    blocking: bool | None = None,
+    if_busy: str | None = None,
+    snapshot: str | None = None,
     config: CheckpointConfig | None = None,
-) -> str:
+) -> str | SaveHandle:
     """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.
 
     ``extra`` must be JSON-serialisable (data position, scheduler state, ...).
@@ -88,6 +96,13 @@ def save(
     is split into and written at once. On any failure of any rank every rank
     raises :class:`CheckpointError` and nothing is committed. ``config`` holds these
     settings in one object; a keyword argument that is not None overrides its field.
+
+    ``blocking=False``: copy the state to host memory (:mod:`.snapshot`) and return a
+    :class:`~.background.SaveHandle` at once; the files are written and committed in the
+    background (:mod:`.background`) and hold exactly the state at the call. A save while
+    an asynchronous one is in flight waits for it (``if_busy="wait"``) or fails on every
+    rank (``"error"``); an error of that earlier save nobody has seen fails this one.
+    ``snapshot`` (GPU only): where the copy goes, ``"host"`` or ``"device"``.
     """
     dp = optimizer.dp
     optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
@@ -95,15 +110,24 @@ def save(
     what = f"saving step {step!r} to {root}"
     staged: commit.Staged | None = None
     try:
-        error, extra_obj, threads, cfg = None, None, 1, CheckpointConfig()
+        error, extra_obj, threads, cfg, jobs, event = None, None, 1, CheckpointConfig(), [], None
+        base: dict[str, Any] = {}
         try:
-            optimizer.check_model(model)
             cfg = resolve_config(config, keep_last=keep_last, block_bytes=block_bytes,
-                                 staging_bytes=staging_bytes, io_threads=io_threads)
-            extra_obj = _check_save_args(step, extra)
-            threads = resolve_threads(cfg.io_threads)
-            if dp.rank == 0:
-                staged = commit.begin(root, step_dir_name(step))
+                                 staging_bytes=staging_bytes, io_threads=io_threads,
+                                 blocking=blocking, if_busy=if_busy, snapshot=snapshot)
+            error = background.settle(cfg.if_busy)
+            if error is None:
+                optimizer.check_model(model)
+                extra_obj = _check_save_args(step, extra)
+                threads = resolve_threads(cfg.io_threads)
+                jobs = _rank_jobs(model, optimizer, threads)
+                if not cfg.blocking:
+                    jobs, event = _snapshot(optimizer).take(jobs, cfg.snapshot == "device")
+                    optimizer.set_save_fence(event)
+                if dp.rank == 0:
+                    base = _manifest_base(model, optimizer, step, extra_obj)
+                    staged = commit.begin(root, step_dir_name(step))
         except Exception as e:  # noqa: BLE001 - reported to every rank by agree
             error = e
         payloads = agree(dp, error, what,
@@ -112,38 +136,76 @@ def save(
             raise CheckpointError(f"saving to {root} failed: ranks disagree on the step "
                                   f"({[s for s, _ in payloads]})")
         tmp = root / payloads[0][1]
+        path = str(root / step_dir_name(step))
+        if cfg.blocking:
+            _write_and_commit(tmp, staged, jobs, base, dp, cfg, threads, optimizer.device,
+                              step, what)
+            return path
+        group = background.coordination_group(dp)
+        owned, staged = staged, None  # the background thread removes it if it fails
 
-        records, error = {}, None
-        try:
-            records = _write_rank_files(tmp, model, optimizer, cfg.block_bytes,
-                                        cfg.staging_bytes, threads)
-        except Exception as e:  # noqa: BLE001
-            error = e
-        all_records = agree(dp, error, what, records)
+        # A device snapshot goes out through pinned staging, on a stream of its own: the
+        # background thread's current stream would be training's default stream.
+        device = optimizer.device if cfg.snapshot == "device" else torch.device("cpu")
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-        error = None
-        if dp.rank == 0:
+        def work() -> None:
             try:
-                files = {name: rec for recs in all_records for name, rec in recs.items()}
-                text = _manifest_text(model, optimizer, step, files, extra_obj)
-                commit.commit(staged, step_dir_name(step), text, cfg.keep_last)
-            except Exception as e:  # noqa: BLE001
-                error = e
-        agree(dp, error, f"committing {root / step_dir_name(step)}")
+                if event is not None:
+                    event.synchronize()
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    _write_and_commit(tmp, owned, jobs, base, group, cfg, threads, device,
+                                      step, what)
+            finally:
+                if owned is not None:
+                    commit.abort(owned)
+        return background.start(path, work)
     finally:
         if staged is not None:
             commit.abort(staged)
-    return str(root / step_dir_name(step))
 
 
-def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimizer,
-                      block_bytes: int, staging_bytes: int, threads: int) -> dict[str, dict]:
-    """Coordinator-free. Write and fsync this rank's files, all at once; return their records.
+def _snapshot(opt: DistributedOptimizer) -> Snapshot:
+    snap = _SNAPSHOTS.get(opt)
+    if snap is None:
+        snap = _SNAPSHOTS[opt] = Snapshot(opt.device)
+    return snap
+
+
+# One reused host copy per optimizer, dropped with it.
+_SNAPSHOTS: weakref.WeakKeyDictionary[DistributedOptimizer, Snapshot] = \
+    weakref.WeakKeyDictionary()
+
+
+def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
+                      base: dict[str, Any], dp: comm.DPGroup, cfg: CheckpointConfig,
+                      threads: int, device: torch.device, step: int, what: str) -> None:
+    """Collective over ``dp``. Phases 2 and 3: write this rank's files, then (rank 0) the
+    manifest and the commit."""
+    records, error = {}, None
+    try:
+        records = _write_rank_files(tmp, jobs, cfg.block_bytes, cfg.staging_bytes, device)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    all_records = agree(dp, error, what, records)
+
+    error = None
+    if dp.rank == 0:
+        try:
+            files = {name: rec for recs in all_records for name, rec in recs.items()}
+            commit.commit(staged, step_dir_name(step), _manifest_text(base, files),
+                          cfg.keep_last)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    agree(dp, error, f"committing {tmp.parent / step_dir_name(step)}")
+
+
+def _rank_jobs(model: torch.nn.Module, opt: DistributedOptimizer, threads: int) -> list[Job]:
+    """Coordinator-free. The files this rank writes and their entries, the largest first.
 
     A file takes one writer at a time (the kernel locks it for each write), so the data is
     split into up to ``threads`` files of about equal size (a kind into parts where it is
-    larger than the others), written side by side, each by ``FILE_THREADS`` thread(s)
-    that copy blocks from the device, hash and write them.
+    larger than the others).
     """
     r = opt.dp.rank
     contents = {"model": state.model_entries(model, opt)}
@@ -156,7 +218,17 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimiz
         runs = split_entries(entries, counts[kind]) or [[]]
         jobs += [(data_file_name(kind, r, p), run) for p, run in enumerate(runs)]
     jobs.sort(key=lambda job: -entry_bytes(job[1]))  # the largest files start first
-    scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), opt.device,
+    return jobs
+
+
+def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_bytes: int,
+                      device: torch.device) -> dict[str, dict]:
+    """Coordinator-free. Write and fsync this rank's files, all at once; return their records.
+
+    The files are written side by side, each by ``FILE_THREADS`` thread(s) that copy
+    blocks from ``device``, hash and write them.
+    """
+    scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device,
                              threads=FILE_THREADS) for _ in jobs]
     records: dict[str, dict] = {}
 
@@ -172,9 +244,10 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, opt: DistributedOptimiz
     return {name: records[name] for name in sorted(records)}
 
 
-def _manifest_text(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
-                   files: dict[str, dict], extra: dict[str, Any]) -> bytes:
-    manifest = {
+def _manifest_base(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
+                   extra: dict[str, Any]) -> dict[str, Any]:
+    """Everything the manifest holds but the file records, as it is at the call (a copy)."""
+    return json.loads(json.dumps({
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "step": step,
@@ -186,9 +259,12 @@ def _manifest_text(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
         "config": opt.config.to_dict(),
         "params": state.describe(model, opt),
         "aliases": dict(opt.aliases),
-        "files": files,
         "extra": extra,
-    }
-    manifest = json.loads(json.dumps(manifest))  # the checksum covers what a reader parses
+    }))
+
+
+def _manifest_text(base: dict[str, Any], files: dict[str, dict]) -> bytes:
+    # The checksum covers what a reader parses.
+    manifest = json.loads(json.dumps({**base, "files": files}))
     manifest["checksum"] = manifest_checksum(manifest)
     return json.dumps(manifest, indent=1).encode()

@@ -71,6 +71,8 @@ class TrainConfig:
     """Save every this many steps (and at the last step); 0 saves only at the last step."""
     keep_last: int | None = None
     """Keep this many newest checkpoints in ``ckpt_dir``; ``None`` keeps all."""
+    async_save: bool = False
+    """Write checkpoints in the background (training goes on); the job waits for the last."""
     resume: bool | str = False
     """``True``: the latest checkpoint in ``ckpt_dir`` (fresh start if none); a string: that path."""
     low_memory_resume: bool = False
@@ -273,6 +275,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
     tokens_per_step = cfg.batch_size * mcfg.seq_len
     loss_value = float("nan")
+    pending: tuple[int, checkpoint.SaveHandle] | None = None
     try:
         for step in range(start_step + 1, end + 1):
             t0 = time.perf_counter()
@@ -292,7 +295,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             })
             last = step == cfg.steps
             if cfg.ckpt_dir and (last or (cfg.save_every and step % cfg.save_every == 0)):
-                _save(cfg, model, opt, sched, step, next_sample, out)
+                handle = _save(cfg, model, opt, sched, step, next_sample, out)
+                pending = (step, handle) if handle is not None else pending
+        if pending is not None:  # the job ends only when its last checkpoint is committed
+            out.status("waiting for the last checkpoint")
+            out.log(f"saved step {pending[0]} to {pending[1].wait()}")
     finally:
         out.close()
     if end < cfg.steps:
@@ -314,7 +321,7 @@ def _train_step(model, opt, batches, device) -> torch.Tensor:
     return total
 
 
-def _save(cfg, model, opt, sched, step, next_sample, out: Rank0) -> None:
+def _save(cfg, model, opt, sched, step, next_sample, out: Rank0) -> checkpoint.SaveHandle | None:
     out.status(f"saving step {step}")
     t0 = time.perf_counter()
     extra = {
@@ -323,9 +330,14 @@ def _save(cfg, model, opt, sched, step, next_sample, out: Rank0) -> None:
         "train": {"preset": cfg.preset, "steps": cfg.steps, "lr": cfg.lr,
                   "warmup_steps": cfg.num_warmup_steps},
     }
-    path = checkpoint.save(cfg.ckpt_dir, model, opt, step=step, extra=extra, keep_last=cfg.keep_last)
+    saved = checkpoint.save(cfg.ckpt_dir, model, opt, step=step, extra=extra, keep_last=cfg.keep_last,
+                            blocking=not cfg.async_save)
     out.status("train")
-    out.log(f"saved step {step} to {path} in {time.perf_counter() - t0:.2f}s")
+    if isinstance(saved, checkpoint.SaveHandle):
+        out.log(f"saving step {step} in the background (training paused {time.perf_counter() - t0:.2f}s)")
+        return saved
+    out.log(f"saved step {step} to {saved} in {time.perf_counter() - t0:.2f}s")
+    return None
 
 
 def _apply_extra(info, sched, opt, cfg: TrainConfig) -> tuple[int, int]:

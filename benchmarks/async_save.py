@@ -1,0 +1,291 @@
+"""Asynchronous checkpoint saves: how long training stalls and how much it slows, shardopt
+``checkpoint.save(..., blocking=False)`` against ``torch.distributed.checkpoint.async_save``.
+
+One process, one GPU, the ``1b`` preset (1.3B params, bf16 with fp32 norms and routers,
+shardopt's optimizer for both systems; DCP saves ``{"model": model.state_dict(), "optim":
+opt.state_dict()}``, the same bytes). Every iteration (forward, backward, step) ends in a
+device synchronisation and is timed. Phases, each into ``/dev/shm`` and ``/tmp``:
+
+* ``none``: no checkpoint; its median iteration is the baseline.
+* ``sparse``: a save every ``--sparse-every`` iterations (long enough for the write to
+  finish). ``stall_s`` = the iteration containing the save minus the baseline (target
+  <= 2% of an iteration), the first save (which allocates the snapshot) apart;
+  ``during_write`` = median iteration while a background write runs, against the
+  baseline (target <= 3% slower).
+* ``every``: a save every iteration for ``--every-iters`` iterations (each save waits for
+  the one before): throughput against ``none``.
+
+DCP is used as torchtitan does: ``DefaultStager(StagingOptions(pinned memory, async
+staging, non-blocking copies))`` where torch has it; the step after a save waits for its
+staging, a save waits for the previous upload. Host RSS is sampled during each phase.
+No iteration of a phase starts after ``--phase-cap-s`` seconds (the number run is
+recorded), and a time budget (``--budget-s``) skips phases that would not fit, from the
+last of: every phase into the first directory, then into the others; skipped phases are
+listed in the result.
+
+GPU (one H200, under 5 minutes)::
+
+    PYTHONPATH=src python3 benchmarks/async_save.py --out $OUT
+
+CPU smoke::
+
+    PYTHONPATH=src python benchmarks/async_save.py --device cpu --preset tiny \\
+        --every-iters 3 --sparse-every 2 --sparse-saves 2 --warmup 1 --dirs /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+import _peers  # noqa: E402
+
+
+class ShardoptSaver:
+    snapshot = "host"
+
+    def __init__(self, model, opt, root: Path) -> None:
+        from shardopt import checkpoint
+        self.ckpt, self.model, self.opt, self.root = checkpoint, model, opt, root
+        self.handle = None
+
+    def save(self, step: int) -> None:
+        self.handle = self.ckpt.save(self.root, self.model, self.opt, step=step, keep_last=1,
+                                     blocking=False, snapshot=self.snapshot)
+
+    def before_step(self) -> None:  # step() itself waits for the snapshot copies
+        pass
+
+    def busy(self) -> bool:
+        return self.handle is not None and not self.handle.done()
+
+    def finish(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+
+
+class ShardoptDeviceSaver(ShardoptSaver):
+    snapshot = "device"  # a copy in spare GPU memory, written out through pinned staging
+
+
+class DcpSaver:
+    def __init__(self, model, opt, root: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        self.dcp, self.model, self.opt, self.root = dcp, model, opt, root
+        self.stager, self.notes = None, {"staging": "default (none)"}
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            gpu = torch.cuda.is_available()  # pinned and non-blocking copies need one
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=gpu,
+                                                       use_shared_memory=False,
+                                                       use_async_staging=True,
+                                                       use_non_blocking_copy=gpu))
+            self.notes = {"staging": f"DefaultStager(pinned={gpu}, async, non-blocking={gpu})"}
+        except ImportError:
+            pass
+        self.staging = self.upload = None
+        self.kept: list[Path] = []
+
+    def save(self, step: int) -> None:
+        self.finish()  # one save in flight, as shardopt
+        path = self.root / f"step_{step:08d}"
+        kw = {"async_stager": self.stager} if self.stager is not None else {}
+        state = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+        out = self.dcp.async_save(state, checkpoint_id=str(path), **kw)
+        if hasattr(out, "upload_completion"):
+            self.staging, self.upload = out.staging_completion, out.upload_completion
+        else:
+            self.staging, self.upload = None, out
+        self.kept.append(path)
+
+    def before_step(self) -> None:  # the step writes what the stager may still be reading
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
+
+    def busy(self) -> bool:
+        return self.upload is not None and not self.upload.done()
+
+    def close(self) -> None:  # its pinned staging memory, before the next phase
+        if self.stager is not None:
+            self.stager.close()
+
+    def finish(self) -> None:
+        self.before_step()
+        if self.upload is not None:
+            self.upload.result()
+            self.upload = None
+        while len(self.kept) > 1:  # keep_last=1, as shardopt
+            shutil.rmtree(self.kept.pop(0), ignore_errors=True)
+
+
+SAVERS = {"shardopt": ShardoptSaver, "shardopt_device": ShardoptDeviceSaver, "dcp": DcpSaver}
+
+
+def _loop(step_fn: Callable[[Callable[[], None]], None], device: torch.device, iters: int,
+          saver: Any, save_at: Callable[[int], bool], first_step: int,
+          cap_s: float = float("inf")) -> list[dict]:
+    """Up to ``iters`` timed iterations; none starts after ``cap_s`` seconds."""
+    rows, started = [], time.perf_counter()
+    for i in range(iters):
+        if time.perf_counter() - started > cap_s:
+            break
+        busy_before = saver is not None and saver.busy()
+        t0 = time.perf_counter()
+        saved = saver is not None and save_at(i)
+        if saved:
+            saver.save(first_step + i)
+        call_s = time.perf_counter() - t0
+        step_fn(saver.before_step if saver is not None else (lambda: None))
+        _peers.sync(device)
+        rows.append({"iter_s": time.perf_counter() - t0, "save_call_s": call_s if saved else 0.0,
+                     "saved": saved, "writing": busy_before})
+    return rows
+
+
+def _phase(name: str, rows: list[dict], baseline: float | None, rss) -> dict:
+    it = [r["iter_s"] for r in rows]
+    out = {"phase": name, "iters": len(rows), "iter_s": _common.stats(it), "rows": rows,
+           "host_rss": rss.as_dict(), "wall_s": sum(it)}
+    if baseline:
+        saves = [r for r in rows if r["saved"]]
+        writing = [r["iter_s"] for r in rows if r["writing"] and not r["saved"]]
+        out["baseline_iter_s"] = baseline
+        if saves:
+            # The first save of a system allocates (and page-locks) its snapshot: apart.
+            out["first_save_stall_s"] = saves[0]["iter_s"] - baseline
+            saves = saves[1:] or saves
+            stalls = [r["iter_s"] - baseline for r in saves]
+            out["stall_s"] = _common.stats(stalls)
+            out["stall_fraction_of_iter"] = statistics.median(stalls) / baseline
+            out["save_call_s"] = _common.stats([r["save_call_s"] for r in saves])
+        if writing:
+            out["during_write_slowdown"] = statistics.median(writing) / baseline - 1
+        out["throughput_vs_none"] = baseline * len(rows) / sum(it)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--none-iters", type=int, default=20)
+    p.add_argument("--sparse-every", type=int, default=15)
+    p.add_argument("--sparse-saves", type=int, default=3)
+    p.add_argument("--every-iters", type=int, default=50)
+    p.add_argument("--dirs", default="/dev/shm,/tmp")
+    p.add_argument("--systems", default="shardopt,shardopt_device,dcp")
+    p.add_argument("--phase-cap-s", type=float, default=25.0,
+                   help="no iteration of a phase starts after this many seconds")
+    p.add_argument("--budget-s", type=float, default=250.0,
+                   help="seconds for everything; phases that would not fit are skipped")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available; use --device cpu for a smoke run")
+    started = time.perf_counter()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    n_batches = 8
+    batches = _peers.make_batches(args.preset, 0, 1, args.micro_batch, n_batches, device)
+    model = _peers.build_gpt(args.preset, device, seed=0)
+    opt = _peers.setup_shardopt(model, _peers.Hyper(), device).optimizer
+    counter = [0]
+
+    def step_fn(before_step: Callable[[], None]) -> None:
+        x, y = batches[counter[0] % n_batches]
+        counter[0] += 1
+        loss = model(x, y)
+        loss.backward()
+        before_step()
+        opt.step()
+        opt.zero_grad()
+
+    _loop(step_fn, device, args.warmup, None, lambda i: False, 0)
+    phases, skipped = [], []
+    with _common.HostRssSampler(0.005) as rss:
+        none = _loop(step_fn, device, args.none_iters, None, lambda i: False, 0)
+    baseline = statistics.median(r["iter_s"] for r in none)
+    phases.append(_phase("none", none, None, rss))
+    # Seconds one save of a system into a directory takes, learnt from the wait for its last
+    # save at the end of an earlier phase.
+    est_save_s: dict[tuple[str, str], float] = {}
+    dirs = args.dirs.split(",")
+    # Most wanted first: the budget skips from the end.
+    plan = [(kind, d, system) for d in dirs[:1] for kind in ("sparse", "every")
+            for system in args.systems.split(",")]
+    plan += [(kind, d, system) for d in dirs[1:] for kind in ("sparse", "every")
+             for system in args.systems.split(",")]
+    first_step = 1
+    for kind, d, system in plan:
+        iters = args.sparse_every * args.sparse_saves if kind == "sparse" else args.every_iters
+        save_s = est_save_s.get((d, system), 10.0)
+        loop_s = iters * (baseline if kind == "sparse" else max(baseline, save_s))
+        guess = min(args.phase_cap_s, loop_s) + 2 * save_s
+        left = args.budget_s - (time.perf_counter() - started)
+        if guess > left:
+            skipped.append({"phase": f"{kind}:{system}:{d}", "estimated_s": guess,
+                            "left_s": left})
+            continue
+        root = Path(tempfile.mkdtemp(prefix=f"async-save-bench-{system}-", dir=d))
+        saver = SAVERS[system](model, opt, root)
+        try:
+            every = args.sparse_every if kind == "sparse" else 1
+            with _common.HostRssSampler(0.005) as rss:
+                t0 = time.perf_counter()
+                rows = _loop(step_fn, device, iters, saver, lambda i: i % every == 0, first_step,
+                             args.phase_cap_s)
+                t1 = time.perf_counter()
+                saver.finish()
+                total = time.perf_counter() - t0
+            est_save_s[(d, system)] = max(time.perf_counter() - t1, baseline)
+            first_step += len(rows)
+            ph = _phase(f"{kind}:{system}:{d}", rows, baseline, rss)
+            ph["wall_with_last_save_s"] = total
+            ph["notes"] = getattr(saver, "notes", {})
+            phases.append(ph)
+            print(f"[{ph['phase']}] stall median {ph.get('stall_s', {}).get('median', 0):.4f} s "
+                  f"({100 * ph.get('stall_fraction_of_iter', 0):.2f}% of {baseline:.3f} s), "
+                  f"during write {100 * ph.get('during_write_slowdown', 0):+.2f}%, "
+                  f"throughput {100 * ph['throughput_vs_none']:.1f}% of none, "
+                  f"RSS peak {rss.peak_bytes / _common.GIB:.1f} GiB", flush=True)
+        except Exception as e:  # noqa: BLE001 - a failing system is a result
+            phases.append({"phase": f"{kind}:{system}:{d}", "error": repr(e)})
+            print(f"[{kind}:{system}:{d}] FAILED: {e!r}", flush=True)
+        finally:
+            getattr(saver, "close", lambda: None)()
+            shutil.rmtree(root, ignore_errors=True)
+    doc = {**_common.run_header(device, vars(args)), "benchmark": "async_save",
+           "baseline_iter_s": baseline, "phases": phases, "skipped": skipped,
+           "wall_s": time.perf_counter() - started, "pid": os.getpid()}
+    name = f"async_save_{'1gpu' if device.type == 'cuda' else 'cpu'}{args.tag}.json"
+    _common.write_json(Path(args.out) / name, doc)
+    dist.destroy_process_group()
+    print(f"wrote {Path(args.out) / name}; skipped {[s['phase'] for s in skipped]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The background half of an asynchronous save: its thread, handle and coordination group.
+
+One asynchronous save is in flight per process at a time: a later ``save`` (either
+kind), ``checkpoint.load`` and interpreter exit wait for it first. Its error is kept
+until someone sees it: :meth:`SaveHandle.wait`, the next ``save`` (which then fails on
+every rank, before it starts anything) or, if neither came, a log record at exit.
+
+The save's exchanges between ranks (:func:`~.agree.agree`) run from the background
+thread while training issues its own collectives on the DP group from the main
+thread; on one group the two would interleave and deadlock or mix up data. They
+therefore run on a separate gloo group over the same ranks, created collectively at
+the first asynchronous save on that DP group and cached (gloo carries the small CPU
+objects on CPU and CUDA hosts alike; dp_size 1 needs none).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from .. import comm
+from .agree import CheckpointError
+
+log = logging.getLogger("shardopt.checkpoint")
+
+BUSY_POLICIES = ("wait", "error")
+
+
+class SaveHandle:
+    """An asynchronous save in flight. Not collective: each rank has its own handle."""
+
+    def __init__(self, path: str, work: Callable[[], None]) -> None:
+        self.path = path
+        self._error: BaseException | None = None
+        self._reported = False
+        self._thread = threading.Thread(target=self._run, args=(work,),
+                                        name=f"shardopt-save {path}")
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - kept for wait(), the next save, or exit
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the save is committed and return its path; re-raise its error
+        (:class:`CheckpointError` on every rank alike). With ``timeout`` (seconds) and the
+        save still running, raise :class:`TimeoutError`."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"saving {self.path} has not finished after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        return self.path
+
+    def _unreported(self) -> BaseException | None:
+        """Join; the error nobody has seen yet (then counted as seen)."""
+        self._thread.join()
+        if self._error is None or self._reported:
+            return None
+        self._reported = True
+        return self._error
+
+
+_pending: SaveHandle | None = None
+_lock = threading.Lock()
+
+
+def start(path: str, work: Callable[[], None]) -> SaveHandle:
+    """Run ``work`` in the background as this process's asynchronous save of ``path``."""
+    global _pending
+    with _lock:
+        _pending = SaveHandle(path, work)
+        return _pending
+
+
+def settle(if_busy: str = "wait") -> BaseException | None:
+    """Wait for this process's asynchronous save in flight, if any, and return its error
+    that nobody has seen. With ``if_busy="error"`` a save still running is not waited for:
+    an error saying so is returned instead (the caller reports it on every rank)."""
+    handle = _pending
+    if handle is None:
+        return None
+    if if_busy == "error" and not handle.done():
+        return CheckpointError(f"an asynchronous save of {handle.path} is still in flight "
+                             "(if_busy='error'); wait() for its handle first")
+    return handle._unreported()
+
+
+def wait_pending() -> None:
+    """Wait for the save in flight, leaving its error to be reported by wait() or the next
+    save (``load`` calls this: it may read what that save writes)."""
+    handle = _pending
+    if handle is not None:
+        handle._thread.join()
+
+
+@atexit.register
+def _report_at_exit() -> None:
+    error = settle()
+    if error is not None:
+        log.error("an asynchronous checkpoint save failed and nobody waited for it: %s", error)
+
+
+# ------------------------------------------------------------ coordination group
+# ranks -> (the default group it was made under, the group); a new default group (a
+# re-initialised process group) makes the cached one stale.
+_groups: dict[tuple[int, ...], tuple[object, comm.DPGroup]] = {}
+
+
+def coordination_group(dp: comm.DPGroup) -> comm.DPGroup:
+    """Collective over ``dp`` the first time for its ranks. A gloo group over the ranks of
+    ``dp`` for the exchanges of background saves (``dp`` itself at size 1)."""
+    if dp.size == 1:
+        return dp
+    ranks = tuple(dist.get_process_group_ranks(dp.group) if dp.group is not None
+                  else range(dist.get_world_size()))
+    world = dist.group.WORLD
+    cached = _groups.get(ranks)
+    if cached is None or cached[0] is not world:
+        pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        cached = _groups[ranks] = (world, comm.DPGroup(pg, dp.rank, dp.size))
+    return cached[1]

@@ -1,0 +1,120 @@
+"""Host snapshot of what one rank's asynchronous save writes, taken at the call.
+
+Adam state and params change only inside ``step()`` (and ``load``,
+``load_state_dict``, ``offload()``, ``reload_model_params()``), so a copy queued at
+the call, before any of those runs again, is exactly the state at the call while
+training goes on.
+
+Memory: one buffer per dtype, each exactly the bytes of this rank's entries of that
+dtype (its model shards, fp32 main params and moments, rank 0's frozen tensors; a tensor
+saved under two keys, like an fp32 param that is its own main param, is copied once),
+allocated at the first asynchronous save and reused by the next ones while the sizes stay
+the same. ``snapshot="host"`` (default): host memory, page-locked with
+:class:`~shardopt.pinned.PinnedBuffer` when the optimizer is on a GPU (exact size: no
+power-of-two rounding). ``snapshot="device"``: spare GPU memory, a device-to-device copy
+(about 100x faster than over PCIe, so the next ``step()`` hardly waits); the background
+writer then streams it to the files through the save's small pinned staging buffers
+(``staging_bytes``), so the host holds no copy of the state.
+
+Copies (CUDA): queued on a side stream behind the work already queued on the current
+stream, so the call returns at once. One event covers all of them: the optimizer's
+:meth:`~shardopt.optimizer.DistributedOptimizer.wait_for_save_copies` makes the current
+stream (``step()``: the host does not wait) or the host (everything else that writes or
+frees the state) wait for it before the first write; the background writer waits for it
+on the host before reading the buffers. Off CUDA the copies are plain, finished at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..pinned import PinnedBuffer
+from .storage import WriteEntry
+
+Job = tuple[str, list[WriteEntry]]  # a file name and the entries it holds
+
+
+class Snapshot:
+    """Reused host buffers for one optimizer's asynchronous saves (one at a time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.on_device = False  # where the buffers are: spare device memory, or the host
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._pinned: dict[torch.dtype, PinnedBuffer] = {}
+        self._stream: torch.cuda.Stream | None = None
+
+    def nbytes(self) -> int:
+        """Memory the snapshot holds (kept between saves), on the device or the host."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def release(self) -> None:
+        for buf in self._pinned.values():
+            buf.release()
+        self._buffers, self._pinned = {}, {}
+
+    def take(self, jobs: Sequence[Job], on_device: bool = False
+             ) -> tuple[list[Job], torch.cuda.Event | None]:
+        """Coordinator-free. Queue copies of every entry's source into the buffers (in
+        device memory with ``on_device`` and a GPU, else on the host); return the jobs with
+        the copies as sources and the event after which they hold the values (None off
+        CUDA: already there)."""
+        unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        for _, entries in jobs:
+            for e in entries:
+                if e.source is not None:
+                    unique.setdefault(_identity(e.source), e.source)
+        sizes: dict[torch.dtype, int] = {}
+        for src in unique.values():
+            sizes[src.dtype] = sizes.get(src.dtype, 0) + src.numel()
+        self._allocate(sizes, on_device and self.cuda)
+        offsets = dict.fromkeys(sizes, 0)
+        copies: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, src in unique.items():
+            pos = offsets[src.dtype]
+            offsets[src.dtype] = pos + src.numel()
+            copies[key] = (self._buffers[src.dtype][pos:pos + src.numel()], src)
+        event = self._copy(list(copies.values()))
+        out = [(name, [e if e.source is None else
+                       WriteEntry(e.key, e.dtype, e.numel, e.offset,
+                                  copies[_identity(e.source)][0]) for e in entries])
+               for name, entries in jobs]
+        return out, event
+
+    def _allocate(self, sizes: dict[torch.dtype, int], on_device: bool) -> None:
+        if {d: t.numel() for d, t in self._buffers.items()} == sizes and \
+                on_device == self.on_device:
+            return
+        self.release()
+        self.on_device = on_device
+        for dtype, numel in sizes.items():
+            if on_device:
+                self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+            elif self.cuda:
+                self._pinned[dtype] = PinnedBuffer(numel, dtype)
+                self._buffers[dtype] = self._pinned[dtype].tensor
+            else:
+                self._buffers[dtype] = torch.empty(numel, dtype=dtype)
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
+        if not self.cuda:
+            for dst, src in pairs:
+                dst.copy_(src.detach().reshape(-1))
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        # The sources are final once the work queued so far on the current stream has run.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for dst, src in pairs:
+                dst.copy_(src.detach().reshape(-1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+
+def _identity(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    return (t.data_ptr(), t.numel(), t.dtype)

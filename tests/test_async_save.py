@@ -1,0 +1,326 @@
+"""Asynchronous saves (``checkpoint.save(..., blocking=False)``): the same checkpoint as a
+synchronous save at the call although training goes on, the handle, errors that are never
+lost, one save in flight at a time, crash safety, and ``load`` waiting for the save."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import device_for, require_world_size, run_distributed
+from shardopt import checkpoint
+from shardopt.checkpoint import CheckpointError, SaveHandle
+from test_checkpoint import build, snapshot, train
+
+SAVE_MODULE = "shardopt.checkpoint.save"
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _checkpoint_bytes(path: Path) -> dict[str, Any]:
+    """Every file of a committed checkpoint, the manifest without its creation time."""
+    out: dict[str, Any] = {}
+    for f in sorted(path.iterdir()):
+        if f.name == "manifest.json":
+            m = json.loads(f.read_text())
+            m.pop("created"), m.pop("checksum")
+            out[f.name] = m
+        else:
+            out[f.name] = f.read_bytes()
+    return out
+
+
+def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
+                       where: str) -> dict[str, Any]:
+    device = device_for(backend, rank)
+    model, opt = build(0, device, dropout=0.1)
+    torch.manual_seed(1000 + rank)
+    train(model, opt, range(3), rank, world_size)
+    at_call = snapshot(model)
+    sync_path = checkpoint.save(f"{root}/sync", model, opt, step=3, extra={"k": 1})
+    handle = checkpoint.save(f"{root}/async", model, opt, step=3, extra={"k": 1},
+                             blocking=False, snapshot=where)
+    assert isinstance(handle, SaveHandle)
+    train(model, opt, range(3, 6), rank, world_size)  # changes every saved tensor meanwhile
+    async_path = handle.wait()
+    assert handle.done() and handle.wait() == async_path  # wait() again: the same answer
+    assert checkpoint.latest(f"{root}/async") == async_path
+    after = snapshot(model)
+    info = checkpoint.load(async_path, model, opt)
+    return {"sync": sync_path, "async": async_path, "at_call": at_call, "after": after,
+            "loaded": snapshot(model), "step": info.step}
+
+
+@pytest.mark.parametrize("world_size,where", [(1, "host"), (2, "host"), (3, "host"),
+                                              (1, "device"), (2, "device")],
+                         ids=["dp1", "dp2", "dp3", "dp1-device-snapshot", "dp2-device-snapshot"])
+def test_async_save_equals_sync_save_at_the_call(backend, world_size, where, tmp_path):
+    """bf16 and fp32 params, a frozen param and a buffer: the async checkpoint's files are
+    byte for byte those of a synchronous save at the same step, although the run took
+    three more steps before it was written, and it loads the state at the call. (On CPU a
+    device snapshot is a host one; with NCCL it is a copy in GPU memory.)"""
+    require_world_size(backend, world_size)
+    results = run_distributed(async_vs_sync_rank, world_size, backend, str(tmp_path), where,
+                              backend=backend, tmp_path=tmp_path)
+    r = results[0]
+    sync, asyn = _checkpoint_bytes(Path(r["sync"])), _checkpoint_bytes(Path(r["async"]))
+    assert sorted(sync) == sorted(asyn)
+    for name in sync:
+        assert sync[name] == asyn[name], f"{name} differs"
+    for r in results:
+        assert r["step"] == 3
+        assert any(not torch.equal(r["after"][k], v) for k, v in r["at_call"].items())
+        for k, v in r["at_call"].items():
+            assert torch.equal(r["loaded"][k], v), k
+
+
+def failing_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Rank 1's background write fails: every rank's wait() raises the same error, nothing
+    is committed, and the next save (both ranks) works."""
+    from unittest import mock
+    save_module = importlib.import_module(SAVE_MODULE)
+    model, opt = build(0)
+    train(model, opt, range(2), rank, world_size)
+
+    def broken(path, *args, **kwargs):
+        raise OSError(5, "I/O error (simulated)", path)
+
+    with mock.patch.object(save_module, "write_file",
+                           broken if rank == 1 else save_module.write_file):
+        handle = checkpoint.save(root, model, opt, step=2, blocking=False)
+        train(model, opt, range(2, 3), rank, world_size)  # training collectives meanwhile
+        try:
+            handle.wait()
+            error = None
+        except CheckpointError as e:
+            error = str(e)
+    latest_after_failure = checkpoint.latest(root)
+    path = checkpoint.save(root, model, opt, step=3, blocking=False).wait()
+    return {"error": error, "latest": latest_after_failure, "path": path}
+
+
+def test_a_failed_background_write_on_one_rank_fails_every_rank(tmp_path):
+    results = run_distributed(failing_rank, 2, str(tmp_path / "root"), tmp_path=tmp_path)
+    for r in results:
+        assert r["error"] is not None and "[dp rank 1]" in r["error"]
+        assert "I/O error (simulated)" in r["error"]
+        assert r["latest"] is None
+        assert r["path"] == str(tmp_path / "root" / "step_00000003")
+
+
+# ------------------------------------------------------------- single process
+@pytest.fixture
+def trained_model():
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    return model, opt
+
+
+def _gate_writes(monkeypatch, gate: threading.Event, fail: bool = False) -> list[str]:
+    """Block the background writes until ``gate`` is set (then fail them with ``fail``)."""
+    save_module = importlib.import_module(SAVE_MODULE)  # the module, not the function
+    real, written = save_module.write_file, []
+
+    def gated(path, *args, **kwargs):
+        if not gate.wait(60):
+            raise AssertionError("the test never released the write")
+        if fail:
+            raise OSError(28, "No space left on device (simulated)", path)
+        written.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_file", gated)
+    return written
+
+
+def test_handle_returns_at_once_and_commits_later(trained_model, tmp_path, monkeypatch):
+    model, opt = trained_model
+    gate = threading.Event()
+    _gate_writes(monkeypatch, gate)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    assert not handle.done()
+    assert checkpoint.latest(tmp_path) is None  # not committed: never latest
+    with pytest.raises(TimeoutError):
+        handle.wait(timeout=0.05)
+    gate.set()
+    assert handle.wait() == str(tmp_path / "step_00000002") == checkpoint.latest(tmp_path)
+    assert handle.done()
+
+
+def test_config_blocking_false_and_bad_values(trained_model, tmp_path):
+    model, opt = trained_model
+    handle = checkpoint.save(tmp_path, model, opt, step=2,
+                             config=checkpoint.CheckpointConfig(blocking=False))
+    assert handle.wait() == checkpoint.latest(tmp_path)
+    for bad in ({"blocking": "no"}, {"if_busy": "skip"}, {"snapshot": "disk"}):
+        with pytest.raises(CheckpointError, match=next(iter(bad))):
+            checkpoint.CheckpointConfig(**bad)
+
+
+def test_failed_background_save_raises_at_wait(trained_model, tmp_path, monkeypatch):
+    model, opt = trained_model
+    checkpoint.save(tmp_path, model, opt, step=1)
+    gate = threading.Event()
+    gate.set()
+    _gate_writes(monkeypatch, gate, fail=True)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    with pytest.raises(CheckpointError, match="No space left"):
+        handle.wait()
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "step_00000001")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+    monkeypatch.undo()
+    assert checkpoint.save(tmp_path, model, opt, step=3) == checkpoint.latest(tmp_path)
+
+
+def test_failed_background_save_fails_the_next_save_once(trained_model, tmp_path,
+                                                         monkeypatch):
+    model, opt = trained_model
+    gate = threading.Event()
+    gate.set()
+    _gate_writes(monkeypatch, gate, fail=True)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    while not handle.done():  # nobody calls wait()
+        time.sleep(0.01)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="saving step 2 .*No space left"):
+        checkpoint.save(tmp_path, model, opt, step=3)
+    assert checkpoint.latest(tmp_path) is None  # the failed save changed nothing
+    assert checkpoint.save(tmp_path, model, opt, step=3) == checkpoint.latest(tmp_path)
+
+
+def test_second_save_waits_or_errors_while_one_is_in_flight(trained_model, tmp_path,
+                                                            monkeypatch):
+    model, opt = trained_model
+    gate = threading.Event()
+    _gate_writes(monkeypatch, gate)
+    first = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    with pytest.raises(CheckpointError, match="still in flight"):
+        checkpoint.save(tmp_path, model, opt, step=3, if_busy="error")
+    assert not first.done() and checkpoint.latest(tmp_path) is None
+    threading.Timer(0.2, gate.set).start()
+    second = checkpoint.save(tmp_path, model, opt, step=3, blocking=False)  # waits for first
+    assert first.done()
+    assert first.wait() == str(tmp_path / "step_00000002")
+    assert second.wait() == checkpoint.latest(tmp_path) == str(tmp_path / "step_00000003")
+
+
+def test_load_waits_for_the_save_in_flight(trained_model, tmp_path, monkeypatch):
+    model, opt = trained_model
+    gate = threading.Event()
+    _gate_writes(monkeypatch, gate)
+    saved = snapshot(model)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    train(model, opt, range(2, 4), 0, 1)
+    threading.Timer(0.2, gate.set).start()
+    info = checkpoint.load(tmp_path, model, opt)  # latest exists only once the save is done
+    assert handle.done() and info.step == 2
+    for k, v in saved.items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_snapshot_is_a_copy_that_offload_cannot_touch(trained_model, tmp_path, monkeypatch):
+    """offload() right after the call (on CPU it fills the live state with NaN) and a step
+    after onload(): the background write still gets the state at the call."""
+    model, opt = trained_model
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    gate = threading.Event()
+    _gate_writes(monkeypatch, gate)
+    handle = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False)
+    opt.offload()
+    opt.onload()
+    train(model, opt, range(2, 3), 0, 1)
+    gate.set()
+    got, want = _checkpoint_bytes(Path(handle.wait())), _checkpoint_bytes(Path(reference))
+    assert got == want
+
+
+def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tmp_path):
+    model, opt = trained_model
+    save_module = importlib.import_module(SAVE_MODULE)
+    checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
+    snap = save_module._SNAPSHOTS[opt]
+    buffers = {d: t.data_ptr() for d, t in snap._buffers.items()}
+    # Model shards in their dtypes and three fp32 states per shard; an fp32 param's main
+    # param is the param itself, copied once. Frozen tensors and buffers on rank 0, the RNG.
+    fp32 = sum(s.range_param.size for s in opt.shards
+               if opt.layout.buffers[s.buffer_index].dtype == torch.float32)
+    state = sum(s.range_param.size for s in opt.shards) * 3 * 4
+    model_bytes = sum(s.range_param.size * opt.layout.buffers[s.buffer_index].dtype.itemsize
+                      for s in opt.shards) - fp32 * 4
+    frozen = sum(t.numel() * t.element_size()
+                 for t in importlib.import_module("shardopt.checkpoint.state")
+                 .frozen_tensors(model, opt).values())
+    rng = torch.get_rng_state().numel()
+    assert snap.nbytes() == state + model_bytes + frozen + rng
+    train(model, opt, range(2, 3), 0, 1)
+    checkpoint.save(tmp_path, model, opt, step=3, blocking=False).wait()
+    assert {d: t.data_ptr() for d, t in snap._buffers.items()} == buffers
+
+
+# ----------------------------------------------------------- other processes
+_CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path[:0] = [{tests!r}, {src!r}]
+    from shardopt import checkpoint
+    import importlib
+    save_module = importlib.import_module("shardopt.checkpoint.save")
+    from test_checkpoint import build, train
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    checkpoint.save({root!r}, model, opt, step=1)
+    real = save_module.write_file
+    def write_file(path, *args, **kwargs):
+        out = real(path, *args, **kwargs)
+        print("wrote", path, flush=True)
+        {after_write}
+        return out
+    save_module.write_file = write_file
+    handle = checkpoint.save({root!r}, model, opt, step=2, blocking=False)
+    train(model, opt, range(2, 4), 0, 1)
+    print("trained", flush=True)
+""")
+
+
+def _child(root: Path, after_write: str) -> subprocess.Popen:
+    code = _CHILD.format(tests=str(Path(__file__).parent), src=SRC, root=str(root),
+                         after_write=after_write)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_kill9_during_background_write_keeps_latest(tmp_path):
+    """The process is SIGKILLed while its background thread writes the data files: latest
+    stays at the previous commit, which loads; the next save cleans the leftovers."""
+    root = tmp_path / "root"
+    p = _child(root, "time.sleep(600)")
+    deadline = time.monotonic() + 120
+    while "wrote" not in p.stdout.readline():
+        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert checkpoint.latest(root) == str(root / "step_00000001")
+    assert [n for n in os.listdir(root) if n.startswith(".tmp-step_00000002")]
+    model, opt = build(1)
+    assert checkpoint.load(root, model, opt).step == 1
+    checkpoint.save(root, model, opt, step=2)
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+
+
+def test_failure_nobody_waited_for_is_logged_at_exit(tmp_path):
+    root = tmp_path / "root"
+    p = _child(root, "raise OSError(5, 'I/O error (simulated)')")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "asynchronous checkpoint save failed" in err and "I/O error (simulated)" in err
+    assert checkpoint.latest(root) == str(root / "step_00000001")
