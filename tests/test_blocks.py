@@ -40,6 +40,25 @@ def test_read_blocks_places_direct_and_staged_segments(tmp_path, block_bytes):
                                                       (s.file_end - 1) // block_bytes + 1)}
 
 
+def test_staged_segment_after_an_odd_sized_int8_chunk(tmp_path):
+    """int8 codes of odd length followed by fp32 scales (a low-precision checkpoint's file):
+    the scales start off their alignment and are staged (a casting destination here, a GPU
+    tensor in real loads), which once failed to view the staged bytes as float32."""
+    codes = torch.randint(-127, 128, (5,), dtype=torch.int8)
+    scales = torch.randn(7)
+    data = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)])
+    path, hashes, size = _file(tmp_path, data, 4096)
+    out_codes, out_scales = torch.zeros(5, dtype=torch.int8), torch.zeros(7, dtype=torch.float64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        blocks.read_blocks([(blocks.BlockFile(fd, path, hashes, 4096, size),
+                             [blocks.Segment(0, out_codes, torch.int8),
+                              blocks.Segment(5, out_scales, torch.float32)])], threads=2)
+    finally:
+        os.close(fd)
+    assert torch.equal(out_codes, codes) and torch.equal(out_scales, scales.double())
+
+
 def test_one_pass_and_verify_take_several_files_at_once(tmp_path):
     """Blocks of several files (different block sizes) in one call: each file's bytes land
     in its own segments, and damage is reported with the damaged file's name."""

@@ -109,7 +109,7 @@ def read_blocks(items: list[tuple[BlockFile, list[Segment]]], threads: int) -> l
                 views.append(host_bytes(raw[lo - start:hi - start]))
                 first = (lo - s.file_start) // s.dtype.itemsize
                 copies.append((s.out.narrow(0, first, (hi - lo) // s.dtype.itemsize),
-                               raw[lo - start:hi - start].view(s.dtype)))
+                               raw[lo - start:hi - start], s.dtype))
             pos = hi
         if end > pos:
             views.append(host_bytes(raw[pos - start:end - start]))
@@ -125,10 +125,18 @@ def read_blocks(items: list[tuple[BlockFile, list[Segment]]], threads: int) -> l
         if h.hexdigest() != f.hashes[b]:
             raise _mismatch(f.path, start, end)
         if copies:
-            scratch.copy(slot, copies)
+            scratch.copy(slot, [(out, _typed(staged, dtype)) for out, staged, dtype in copies])
 
     try:
         run_parallel(jobs, work, scratch.threads)
     finally:
         scratch.drain()
     return touched
+
+
+def _typed(staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Staged bytes as ``dtype``. After an odd-sized int8 chunk a wider one starts off its
+    alignment in the file, and so in the scratch buffer: such bytes are realigned first."""
+    if staged.storage_offset() % dtype.itemsize:
+        staged = staged.clone()
+    return staged.view(dtype)
