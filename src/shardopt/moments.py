@@ -116,3 +116,32 @@ def _zero_padding(opt: DistributedOptimizer, t: torch.Tensor, bi: int) -> None:
         if r.start > pos:
             t[pos:r.start].zero_()
         pos = max(pos, r.end)
+
+
+def memory_bytes(opt: DistributedOptimizer) -> dict[str, int]:
+    """``opt.memory_bytes()``: params, grads and the optimizer state allocated now."""
+    out = opt.buffers.num_bytes()
+    state = sum(t.numel() * t.element_size() for t in opt.main_params if t is not None)
+    if opt.moments is not None:
+        state += opt.moments.num_bytes()
+    out["optimizer_state"] = state
+    return out
+
+
+def no_fp32_view(opt: DistributedOptimizer, name: str) -> str:
+    """Why ``opt.state_view(name, ...)`` has no fp32 view of bf16/int8 moments."""
+    kinds = opt.config.to_dict()
+    return (f"[dp rank {opt.dp.rank}] state_view({name!r}) is an fp32 view; this optimizer "
+            f"stores its moments as {kinds['exp_avg_dtype']!r} / {kinds['exp_avg_sq_dtype']!r}: "
+            "use moment_view()")
+
+
+def wait(event: torch.cuda.Event | None, device: torch.device, host: bool) -> None:
+    """Wait for ``event`` (an asynchronous save's copies): the host, or with ``host=False``
+    only ``device``'s current stream."""
+    if event is None:
+        return
+    if host:
+        event.synchronize()
+    else:
+        torch.cuda.current_stream(device).wait_event(event)

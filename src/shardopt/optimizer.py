@@ -373,10 +373,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if name == "master_param" and self._main[shard.buffer_index] is None:
             return self.buffers.shard_params(shard)
         if name != "master_param" and self.config.lowprec_moments:
-            raise LowPrecisionStateError(  # no fp32 view of bf16/int8 state
-                f"[dp rank {self.dp.rank}] state_view({name!r}) is an fp32 view; this "
-                f"optimizer stores its moments as {self.config.to_dict()['exp_avg_dtype']!r} / "
-                f"{self.config.to_dict()['exp_avg_sq_dtype']!r}: use moment_view()")
+            raise LowPrecisionStateError(moments_.no_fp32_view(self, name))
         return self._host.local(name, shard.buffer_index)[shard.range_local.as_slice()]
 
     def moment_view(self, name: str, shard: ParamShard) -> quant.Moment:
@@ -411,13 +408,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._host.onload()
 
     def release_host_memory(self) -> None:
-        """Free the host copies that :meth:`offload` keeps between cycles (refused while
-        offloaded)."""
+        """Free the host copies :meth:`offload` keeps between cycles (refused while offloaded)."""
         self._host.release()
 
     def check_onloaded(self, what: str, kinds: Iterable[str] = KINDS) -> None:
-        """Raise :class:`~shardopt.host_state.OffloadError` naming ``what`` if any of
-        ``kinds`` is offloaded."""
+        """Raise :class:`~shardopt.host_state.OffloadError` naming ``what`` if ``kinds`` are out."""
         self._host.check_onloaded(what, kinds)
 
     @property
@@ -485,12 +480,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Before anything writes or frees the state: wait for the copies of an asynchronous
         save (the host waits, or with ``host=False`` only the current CUDA stream)."""
         event, self._save_fence = self._save_fence, None
-        if event is None:
-            return
-        if host:
-            event.synchronize()
-        else:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        moments_.wait(event, self.device, host)
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise a ``ValueError`` naming the first param unless ``model`` is the one this
@@ -506,11 +496,4 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by kind (optimizer state counts only what is allocated)."""
-        out = self.buffers.num_bytes()
-        state = sum(t.numel() * 4 for t in self._main if t is not None)
-        if self._moments is not None:
-            state += self._moments.num_bytes()
-        out["optimizer_state"] = state
-        return out
-
-
+        return moments_.memory_bytes(self)

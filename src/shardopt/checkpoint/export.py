@@ -81,8 +81,12 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     }
 
 
+# Past this a file is split, Hugging Face style (as `save_pretrained`'s default shard size).
+MAX_FILE_BYTES = 5 << 30
+
+
 def export(path: str | os.PathLike, out_dir: str | os.PathLike,
-           max_file_bytes: int = 5 << 30, verify: bool = True,
+           max_file_bytes: int = MAX_FILE_BYTES, verify: bool = True,
            moments_dtype: str = "float32") -> list[str]:
     """Write ``model*.safetensors`` and ``optimizer*.safetensors`` with full-shape tensors.
 

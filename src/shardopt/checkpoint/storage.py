@@ -91,11 +91,17 @@ def split_entries(entries: Sequence[WriteEntry], parts: int) -> list[list[WriteE
     return [run for run in out if run]
 
 
-# Threads per file of a save. Writes to one file are serialised by the kernel; a second
-# thread per file (hashing or copying from the device while the other writes) made 16 files
-# slower than one thread that copies, hashes and writes each block in turn: 1.90 s against
-# 1.08 s for 18.4 GB on tmpfs (benchmarks/results/checkpoint_tuning.json).
+# Threads per file of a save: one thread copies, hashes and writes each block in turn. The
+# kernel serialises writes to one file, so a second thread per file only adds contention
+# (measured in benchmarks/checkpoint_tuning.py).
 FILE_THREADS = 1
+# The smallest per-thread staging buffer: below it a copy's fixed cost dominates.
+MIN_SCRATCH_BYTES = 64 << 10
+# Bound on a safetensors header: a fixed part, and per chunk its JSON record plus its key,
+# which appears twice, the second time JSON-escaped twice (one character can take 26 bytes).
+HEADER_FIXED_BYTES = 4096
+HEADER_CHUNK_BYTES = 256
+HEADER_KEY_CHAR_BYTES = 32
 
 
 def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
@@ -131,7 +137,7 @@ def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device,
     from ``device`` stage through (None on the host)."""
     if device.type != "cuda":
         return None
-    return Scratch(threads, max(1 << 16, min(block_bytes, staging_bytes // threads)), device)
+    return Scratch(threads, max(MIN_SCRATCH_BYTES, min(block_bytes, staging_bytes // threads)), device)
 
 
 def read_scratch(staging_bytes: int, device: torch.device, casts: bool,
@@ -140,7 +146,7 @@ def read_scratch(staging_bytes: int, device: torch.device, casts: bool,
     (or casting reads) on ``threads`` threads need."""
     if device.type != "cuda" and not casts:
         return None
-    return Scratch(threads, max(1 << 16, staging_bytes // threads), device)
+    return Scratch(threads, max(MIN_SCRATCH_BYTES, staging_bytes // threads), device)
 
 
 def open_regular(path: Path) -> int:
@@ -160,11 +166,11 @@ def open_regular(path: Path) -> int:
 
 
 def _header_bound(record: FileRecord) -> int:
-    """Generous bound on the header of a file holding the manifest's chunks (keys appear
-    twice, the second time JSON-escaped twice; one character can take 26 bytes)."""
+    """Generous bound on the header of a file holding the manifest's chunks."""
     chunks = record.chunks if record.kind != "rng" else (("torch_cpu", 0, 0),
                                                          ("torch_cuda", 0, 0))
-    return 4096 + sum(256 + 32 * len(key) for key, _, _ in chunks)
+    return HEADER_FIXED_BYTES + sum(HEADER_CHUNK_BYTES + HEADER_KEY_CHAR_BYTES * len(key)
+                                    for key, _, _ in chunks)
 
 
 class FileReader:

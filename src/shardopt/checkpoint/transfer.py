@@ -34,7 +34,8 @@ from .format import FormatError
 MAX_IO_THREADS = 16
 # Largest piece one thread moves at a time (and the size of its scratch buffer).
 PIECE_BYTES = 8 << 20
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+POSIX_IOV_MAX = 1024  # the limit POSIX guarantees, where the system cannot be asked
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else POSIX_IOV_MAX
 
 
 def io_threads(requested: int | None = None) -> int:
