@@ -101,6 +101,34 @@ def all_gather_objects(obj: object, dp: DPGroup) -> list[object]:
     return out
 
 
+def agree(dp: DPGroup, error: BaseException | None, payload: object = None
+          ) -> tuple[list[object], str | None]:
+    """Collective. Every rank's ``payload`` (small, JSON-like), and, if any rank brings an
+    ``error``, one line naming each problem once with the ranks that saw it
+    (``"[dp ranks 0-2] ...; [dp rank 5] ..."``); None when every rank succeeded."""
+    text = None if error is None else (
+        str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
+    gathered = all_gather_objects((payload, text), dp)
+    failed: dict[str, list[int]] = {}
+    for r, (_, e) in enumerate(gathered):
+        if e is not None:
+            failed.setdefault(e, []).append(r)
+    detail = "; ".join(f"[dp rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}] {e}"
+                       for e, rs in failed.items()) or None
+    return [p for p, _ in gathered], detail
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in runs)
+
+
 def broadcast_object(obj: object, dp: DPGroup, src_rank: int = 0) -> object:
     """Collective. ``obj`` from DP rank ``src_rank`` (small, JSON-like values only)."""
     if dp.size == 1:

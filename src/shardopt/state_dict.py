@@ -224,7 +224,7 @@ def _load(opt: DistributedOptimizer, sd: Any) -> None:
         opt.param_steps.update(plan.steps)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error, plan = e, None
-    problems = _agree(opt.dp, error)
+    problems = comm.agree(opt.dp, error)[1]
     if problems:
         if plan is not None:
             opt.param_steps.update(old_steps)
@@ -245,14 +245,6 @@ def _load(opt: DistributedOptimizer, sd: Any) -> None:
     opt.adopt_state(moments, {f: opt.param_steps[f] for f in opt.fqn_of.values()}, on_host=host)
     for group, saved in zip(opt.param_groups, plan.groups):
         group.update(saved)  # as torch's load_state_dict: lr & co. resume as saved
-
-
-def _agree(dp: comm.DPGroup, error: BaseException | None) -> str:
-    """Collective. Every rank's error, ``"[dp rank r] ..."`` joined; empty if none failed."""
-    text = None if error is None else (
-        str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
-    gathered = comm.all_gather_objects(text, dp)
-    return "; ".join(f"[dp rank {r}] {e}" for r, e in enumerate(gathered) if e is not None)
 
 
 def _check(opt: DistributedOptimizer, sd: Any) -> _Plan:
