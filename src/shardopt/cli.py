@@ -157,7 +157,8 @@ def _existing(path: str) -> str:
 # ----------------------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> int:
     from shardopt.recipes.launch import launch, under_torchrun
-    from shardopt.recipes.train import TrainConfig, check_paths, run
+    from shardopt.recipes.paths import check_paths
+    from shardopt.recipes.train import TrainConfig, run
 
     if args.low_memory_resume and not args.resume:
         raise UsageError("--low-memory-resume needs --resume")

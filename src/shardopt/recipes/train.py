@@ -19,7 +19,6 @@ import math
 import os
 import resource
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from tqdm import tqdm
 import shardopt
 from shardopt import checkpoint
 from shardopt.recipes.data import BatchPlan, MarkovTask, local_batches
+from shardopt.recipes.paths import check_paths
 from shardopt.recipes.model import PRESETS, build_model, count_params, model_config, no_decay
 
 
@@ -377,29 +377,6 @@ def saved_hyperparameters(extra: dict[str, Any], path: str) -> dict[str, Any]:
                          "(no data position / scheduler state in its extra)")
     return {field: extra[part][key] for field, (part, key) in _SAVED_AT.items()
             if key in extra.get(part, {})}
-
-
-def check_paths(cfg: TrainConfig) -> None:
-    """Fail now, with a ``ValueError`` naming the path, if the log file or the checkpoint root
-    cannot be written; creates them (and their parents) as training would."""
-    if cfg.log_file is not None:
-        log = Path(cfg.log_file)
-        if log.is_dir():
-            raise ValueError(f"--log-file {log} is a directory; give the path of a file")
-        try:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.open("a").close()
-        except OSError as exc:
-            raise ValueError(f"--log-file {log} cannot be written: {exc.strerror or exc}") from None
-    if cfg.ckpt_dir is not None:
-        root = Path(cfg.ckpt_dir)
-        if root.exists() and not root.is_dir():
-            raise ValueError(f"--ckpt-dir {root} is not a directory")
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=root).close()
-        except OSError as exc:
-            raise ValueError(f"--ckpt-dir {root} cannot be written: {exc.strerror or exc}") from None
 
 
 def _json_safe(state: dict[str, Any]) -> dict[str, Any]:
