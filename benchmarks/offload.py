@@ -178,12 +178,18 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     batches = _peers.make_batches(a.preset, 0, 1, a.micro_batch, a.cycles, device)
     hp = _peers.Hyper()
 
-    ref = _peers.setup_shardopt(_peers.build_gpt(a.preset, device), hp, device)
-    result["reference_losses"] = [float(ref.step(*b)) for b in batches]
-    del ref
-    gc.collect()  # the optimizer's hooks and the model reference each other
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    # With --noise-check the reference runs twice: if two runs without offload differ, the
+    # loss comparison below measures the backward's nondeterminism, not offload.
+    for key in ("reference_losses", "reference_again_losses")[:2 if a.noise_check else 1]:
+        ref = _peers.setup_shardopt(_peers.build_gpt(a.preset, device), hp, device)
+        result[key] = [float(ref.step(*b)) for b in batches]
+        del ref
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if a.noise_check:
+        result["reference_repeatable"] = (result["reference_losses"]
+                                          == result["reference_again_losses"])
 
     timeline = _common.MemoryTimeline(device)
     sys_ = _peers.setup_shardopt(_peers.build_gpt(a.preset, device), hp, device)
@@ -299,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-cycles", type=int, default=100, help="offload/onload cycles in all")
     p.add_argument("--rollout-fraction", type=float, default=0.9)
     p.add_argument("--reps", type=int, default=3, help="repetitions of the raw copies")
+    p.add_argument("--noise-check", action="store_true",
+                   help="run the reference twice and record whether it repeats bit for bit")
     a = p.parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     t0 = time.perf_counter()
