@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from faults import ranks
-from faults.common import read_json, trained
+from faults.common import check_root, check_state, read_json, trained
 from shardopt import checkpoint
 from shardopt.checkpoint import commit
-from test_reliability import _check_root, _check_state, _spawn, _step_of
+from test_commit_protocol import _spawn
 
 
 def _branch(root: Path, steps: range) -> dict[str, str]:
@@ -42,7 +42,7 @@ def test_resume_from_an_older_step_and_save_on(tmp_path: Path,
     assert checkpoint.latest(root) == str(root / "step_00000003")
     (root / "latest").unlink()  # the fallback finds no abandoned higher step either
     assert checkpoint.latest(root) == str(root / "step_00000003")
-    _check_state(str(root / "step_00000003"), 3)
+    check_state(str(root / "step_00000003"), 3)
     assert read_json(root / "step_00000003")["extra"] == {"branch": "new"}
     expected = [r.getMessage() for r in caplog.records]
     assert len(expected) == 1
@@ -50,7 +50,7 @@ def test_resume_from_an_older_step_and_save_on(tmp_path: Path,
             "abandoned branch") in expected[0]
     checkpoint.save(root, *trained(4), step=4)  # and training goes on
     assert not any(n.startswith((".tmp-", ".trash-")) for n in os.listdir(root))
-    _check_root(root)
+    check_root(root)
 
 
 def test_rollback_replaces_step_k_content(tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_rollback_replaces_step_k_content(tmp_path: Path) -> None:
     _branch(root, range(1, 4))
     model, opt = trained(2)
     checkpoint.save(root, model, opt, step=2)  # same step, new content
-    _check_state(str(root / "step_00000002"), 2)
+    check_state(str(root / "step_00000002"), 2)
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000001", "step_00000002"]
 
 
@@ -82,7 +82,7 @@ def test_rollback_with_and_without_atomic_exchange(tmp_path: Path, monkeypatch: 
     assert read_json(root / "step_00000002")["extra"] == {"branch": "new"}
     assert checkpoint.latest(root) == str(root / "step_00000002")
     assert sorted(os.listdir(root)) == [".lock", "latest", "step_00000001", "step_00000002"]
-    _check_root(root)
+    check_root(root)
 
 
 def test_a_failed_rollback_save_changes_nothing(tmp_path: Path,
@@ -131,7 +131,7 @@ def test_kill9_during_a_rollback_save(tmp_path: Path) -> None:
         p = _spawn(ranks.crash_at, str(root), 2, kill_at)
         p.join(60)
         assert p.exitcode in (0, -signal.SIGKILL), p.exitcode
-        steps = {q.name: read_json(q)["checksum"] for q in _check_root(root)}
+        steps = {q.name: read_json(q)["checksum"] for q in check_root(root)}
         latest = checkpoint.latest(root)
         others = {k: v for k, v in steps.items() if k != "step_00000002"}
         if steps == old:
@@ -139,7 +139,7 @@ def test_kill9_during_a_rollback_save(tmp_path: Path) -> None:
             outcomes.add("old branch")
         else:
             assert "step_00000002" in steps and others.items() <= old.items()
-            _check_state(str(root / "step_00000002"), 2)
+            check_state(str(root / "step_00000002"), 2)
             if latest == str(root / "step_00000004"):
                 assert others == {k: v for k, v in old.items() if k != "step_00000002"}
                 outcomes.add("new step, marker not moved")

@@ -11,7 +11,8 @@ import torch
 import xxhash
 from torch import nn
 
-from shardopt import DistributedOptimizer, OptimizerConfig
+from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
+from shardopt.checkpoint import commit
 from shardopt.checkpoint.format import manifest_checksum
 from shardopt.optimizer import STATE_NAMES
 
@@ -135,3 +136,20 @@ def data_offset(file: Path, key: str) -> int:
 
 def listing(root: Path) -> list[str]:
     return sorted(os.listdir(root))
+
+def check_state(path: str, step: int, width: int = 16) -> None:
+    """``path`` loads (here: one process, whatever DP size saved it) into exactly the state of
+    ``trained(step)``."""
+    model, opt = trained(10_000 + step, width=width)
+    info = checkpoint.load(path, model, opt)
+    assert info.step == step
+    expected_model, expected_opt = trained(step, width=width)
+    assert differences(snapshot(model, opt, rng=False),
+                       snapshot(expected_model, expected_opt, rng=False)) == []
+
+def check_root(root: Path) -> list[Path]:
+    """Every committed checkpoint under ``root`` verifies; returns them."""
+    steps = commit.complete_steps(root)
+    for p in steps:
+        checkpoint.verify(p)
+    return steps
