@@ -226,6 +226,14 @@ def test_low_memory_resume_then_offload_continues_bitwise(tmp_path):
     checkpoint.load(tmp_path, model2, opt2, low_memory_resume=True)
     assert opt2._host.staged is not None
     opt2.offload()
+    # Saved while offloaded with the moments still staged by the load: the same state.
+    exports = []
+    for path in (tmp_path / "step_00000002",
+                 checkpoint.save(tmp_path / "again", model2, opt2, step=2)):
+        out = tmp_path / f"export-{len(exports)}"
+        checkpoint.export(path, out)
+        exports.append({f.name: f.read_bytes() for f in sorted(out.iterdir())})
+    assert exports[0] == exports[1]
     opt2.onload()
     assert train(model2, opt2, 3, offload_at=(1,)) == ref_losses
     assert_same(state_of(model2, opt2), state_of(model, opt))

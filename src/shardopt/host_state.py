@@ -170,29 +170,20 @@ class HostState:
     def local(self, name: str, buffer_index: int) -> torch.Tensor:
         """This rank's local tensor of state ``name`` (fp32 main param or a moment) of
         buffer ``buffer_index``, wherever its values are now."""
-        opt = self.opt
-        if name == "master_param":
-            kind, index, live = "main_params", buffer_index, opt.main_params[buffer_index]
-        else:
-            which = NAMES.index(name)
-            if self.staged is not None:
-                return self.staged.of(name)[buffer_index].values
-            moments = opt.moments
-            if moments is None:
-                raise RuntimeError(
-                    f"optimizer state {name!r} is not allocated before the first step")
-            kind, live = "moments", moments.of(name)[buffer_index].values
-            index = which * len(opt.layout.buffers) + buffer_index
+        if name != "master_param":
+            return self.local_moment(name, buffer_index).values
+        live = self.opt.main_params[buffer_index]
         assert live is not None
-        if kind in self.offloaded:
-            return self._copies[kind][index]
+        if "main_params" in self.offloaded:
+            return self._copies["main_params"][buffer_index]
         return live
 
     def local_moment(self, name: str, buffer_index: int) -> Moment:
         """This rank's moment ``name`` of buffer ``buffer_index`` in its storage form (values
         and scales), wherever it is now."""
-        opt = self.opt
-        moments = self.staged if self.staged is not None else opt.moments
+        if self.staged is not None:  # a low_memory_resume load's, on the host: never offloaded
+            return self.staged.of(name)[buffer_index]
+        moments = self.opt.moments
         if moments is None:
             raise RuntimeError(f"optimizer state {name!r} is not allocated before the first step")
         live = moments.of(name)[buffer_index]
@@ -212,7 +203,7 @@ class HostState:
             return list(opt.main_params)  # None: an fp32 buffer's main param is the param buffer
         if opt.moments is None:
             return []  # not allocated yet, or staged on the host by a load
-        return list(opt.moments.tensors())  # values first: local() indexes them
+        return list(opt.moments.tensors())
 
     def _host_copies(self, kind: str, live: list[torch.Tensor | None]
                      ) -> list[torch.Tensor | None]:
