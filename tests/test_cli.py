@@ -180,6 +180,19 @@ def test_resume_of_a_checkpoint_not_written_by_train(tmp_path, capsys):
     assert len(err) == 1 and "was not written by `shardopt train`" in err[0] and str(path) in err[0], err
 
 
+def test_resume_of_a_damaged_checkpoint_fails_as_verify_does(tmp_path, capsys):
+    """A damaged manifest is no command-line mistake: exit 1, as `verify` of it, not 2."""
+    model = torch.nn.Linear(4, 4)
+    opt = shardopt.DistributedOptimizer(model, shardopt.OptimizerConfig(lr=1e-3))
+    path = Path(checkpoint.save(tmp_path / "ckpt", model, opt, step=1))
+    (path / "manifest.json").write_text("{garbage")
+    assert cli.main(["verify", str(path)]) == 1
+    capsys.readouterr()
+    assert cli.main(["train", "--ckpt-dir", str(tmp_path / "ckpt"), "--resume", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardopt: error: ") and "manifest" in err[0], err
+
+
 @pytest.fixture
 def keep_torch_threads():
     # A one-rank `train` runs in this process and sets torch's thread count as a rank does.

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -254,8 +256,14 @@ def test_memory_bytes_per_bf16_param(m, v, g, state, grad):
 
 def test_grad_accum_fp32_is_an_alias_of_grad_dtype():
     assert OptimizerConfig(grad_accum_fp32=False).grad_dtype == BF16
-    assert OptimizerConfig(grad_dtype=BF16).grad_accum_fp32 is False
-    assert OptimizerConfig().grad_accum_fp32 is True
+    assert OptimizerConfig(grad_accum_fp32=True).grad_dtype == torch.float32
+    assert OptimizerConfig().grad_dtype == torch.float32
+    # The alias is read once: copies and round trips change grad_dtype freely.
+    assert dataclasses.replace(OptimizerConfig(), grad_dtype=BF16).grad_dtype == BF16
+    assert dataclasses.replace(OptimizerConfig(grad_dtype=BF16),
+                               grad_dtype=torch.float32).grad_dtype == torch.float32
+    assert OptimizerConfig.from_dict(OptimizerConfig(grad_accum_fp32=False).to_dict()) == \
+        OptimizerConfig(grad_dtype=BF16)
     assert OptimizerConfig(grad_accum_fp32=False) == OptimizerConfig(grad_dtype=BF16)
     with pytest.raises(ValueError, match="grad_accum_fp32=True contradicts"):
         OptimizerConfig(grad_dtype=BF16, grad_accum_fp32=True)

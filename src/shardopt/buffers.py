@@ -23,7 +23,7 @@ class FlatBuffers:
         named_params: Sequence[tuple[str, torch.nn.Parameter]],
         layout: Layout,
         device: torch.device,
-        grad_accum_fp32: bool,
+        grad_dtype: torch.dtype,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -33,9 +33,10 @@ class FlatBuffers:
         self.host_params: list[torch.Tensor] | None = None
         self.grad_buffers: list[torch.Tensor] = []
         for buf in layout.buffers:
-            grad_dtype = torch.float32 if grad_accum_fp32 else buf.dtype
+            # bf16 grads: each buffer's own dtype (fp16 params keep fp16 grads, fp32 fp32)
+            buf_grad_dtype = torch.float32 if grad_dtype == torch.float32 else buf.dtype
             self.param_buffers.append(torch.zeros(buf.numel, dtype=buf.dtype, device=device))
-            self.grad_buffers.append(torch.zeros(buf.numel, dtype=grad_dtype, device=device))
+            self.grad_buffers.append(torch.zeros(buf.numel, dtype=buf_grad_dtype, device=device))
 
         params = dict(named_params)
         self.param_views: dict[str, torch.Tensor] = {}

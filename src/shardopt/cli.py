@@ -156,6 +156,7 @@ def _existing(path: str) -> str:
 
 # ----------------------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> int:
+    from shardopt import checkpoint
     from shardopt.recipes.launch import launch, under_torchrun
     from shardopt.recipes.paths import check_paths
     from shardopt.recipes.train import TrainConfig, run
@@ -172,6 +173,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             low_memory_resume=args.low_memory_resume,
             log_file=args.log_file, progress=not args.no_progress,
         )
+    except checkpoint.FormatError:
+        raise  # a damaged checkpoint to resume from: exit 1, as `verify` of it
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     nproc = args.nproc or _default_nproc(args.device)
@@ -213,7 +216,9 @@ def _hyperparameters(args: argparse.Namespace) -> tuple[dict[str, Any], list[str
         try:
             info = checkpoint.inspect(resume)
             saved = saved_hyperparameters(info["extra"], info["path"])
-        except ValueError as exc:
+        except checkpoint.FormatError:
+            raise  # a damaged checkpoint: exit 1 as for `verify`, not a command-line mistake
+        except ValueError as exc:  # nothing committed there, or not this job's checkpoint
             raise UsageError(f"--resume {resume}: {exc}") from None
         resume = info["path"]  # the ranks load the checkpoint read here, even if a newer one lands
     if "preset" in given and saved.get("preset", given["preset"]) != given["preset"]:

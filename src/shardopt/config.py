@@ -41,8 +41,8 @@ class OptimizerConfig:
     ``torch.bfloat16`` to halve grad memory and traffic (fp16 params then keep fp16 grads;
     fp32 params always keep fp32 grads). The optimizer math stays fp32."""
     grad_accum_fp32: bool | None = None
-    """Deprecated alias of ``grad_dtype`` (``True`` = fp32, ``False`` = low precision);
-    derived from ``grad_dtype`` when left ``None``, an error when the two disagree."""
+    """Deprecated alias of ``grad_dtype`` (``True`` = fp32, ``False`` = low precision), read at
+    construction into ``grad_dtype`` and then ``None`` (an error when the two disagree)."""
     exp_avg_dtype: torch.dtype | str = torch.float32
     """Storage of the first Adam moment: ``torch.float32``, ``torch.bfloat16`` (rounded to
     nearest even) or ``"int8"`` (one fp32 scale per block of 64, :mod:`shardopt.quant`)."""
@@ -78,16 +78,14 @@ class OptimizerConfig:
         self.exp_avg_sq_dtype = _state_dtype("exp_avg_sq_dtype", self.exp_avg_sq_dtype,
                                              MOMENT_DTYPES)
         self.grad_dtype = _state_dtype("grad_dtype", self.grad_dtype, GRAD_DTYPES)
-        fp32_grads = self.grad_dtype == torch.float32
-        if self.grad_accum_fp32 is None:
-            self.grad_accum_fp32 = fp32_grads
-        elif not isinstance(self.grad_accum_fp32, bool):
-            raise ValueError(f"grad_accum_fp32 must be a bool or None, got {self.grad_accum_fp32!r}")
-        elif self.grad_accum_fp32 != fp32_grads:
-            if self.grad_dtype != torch.float32:
-                raise ValueError(f"grad_accum_fp32=True contradicts grad_dtype={self.grad_dtype}; "
-                                 "set grad_dtype only (grad_accum_fp32 is its deprecated alias)")
-            self.grad_dtype = torch.bfloat16  # the alias was the only setting given
+        alias, self.grad_accum_fp32 = self.grad_accum_fp32, None  # folded into grad_dtype
+        if alias is not None and not isinstance(alias, bool):
+            raise ValueError(f"grad_accum_fp32 must be a bool or None, got {alias!r}")
+        if alias is True and self.grad_dtype != torch.float32:
+            raise ValueError(f"grad_accum_fp32=True contradicts grad_dtype={self.grad_dtype}; "
+                             "set grad_dtype only (grad_accum_fp32 is its deprecated alias)")
+        if alias is False:
+            self.grad_dtype = torch.bfloat16  # the alias's meaning: grads in the model dtype
 
     @property
     def lowprec_moments(self) -> bool:

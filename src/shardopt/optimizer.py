@@ -101,7 +101,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         guards.claim(self, named)
         self.layout: Layout = build_layout(specs, self.dp.size, self.config.bucket_numel,
                                            *build.alignment(self.config))
-        self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_accum_fp32)
+        self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_dtype)
         self.fqn_of = {p: fqn for fqn, p in named}
         self.shards: tuple[ParamShard, ...] = self.layout.shards(self.dp.rank)
         self._init_groups(named, param_group_fn)
