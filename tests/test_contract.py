@@ -92,6 +92,10 @@ def misuse_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     for i, other in enumerate(kwargs[1:], start=1):
         model = MixedLM(**(other if rank == 1 else {}))
         expect(f"models{i}", UsageError, lambda: DistributedOptimizer(model))
+    # Same model, other moment and grad dtypes on rank 1: other layouts and collectives.
+    model = MixedLM()
+    expect("settings", UsageError, lambda: DistributedOptimizer(model, OptimizerConfig(
+        **({"exp_avg_dtype": "int8", "grad_dtype": torch.bfloat16} if rank == 1 else {}))))
     model, opt = build(0)
     # Rank 0 alone reuses a model: every rank raises instead of hanging in a collective.
     if rank == 1:
@@ -112,6 +116,9 @@ def test_misuse_across_ranks_raises_on_every_rank(tmp_path):
         "models2": "param 'router.weight' has shape (3, 14) on dp rank 0 but (4, 14) on dp rank 1",
         "models3": "param 'router.weight' has dtype torch.float32 on dp rank 0 but "
                    "torch.bfloat16 on dp rank 1",
+        "settings": "optimizer settings (bucket_numel, align_numel, param_align), grad_dtype are "
+                    "((40000000, 64, 1), 'torch.float32') on dp rank 0 but ((40000000, 64, 64), "
+                    "'torch.bfloat16') on dp rank 1",
         "owned": "[dp rank 0] param 'emb.weight' already belongs to another",
         "save": "[dp rank 1] param 'emb.weight' of the model passed in",
     }

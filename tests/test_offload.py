@@ -6,6 +6,8 @@ offload: params, moments and losses must match bit for bit.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -371,3 +373,18 @@ def test_offload_returns_device_memory_and_reuses_pinned_host_buffers():
         for p, r in zip(model.parameters(), ref):
             assert torch.equal(p.cpu(), r)
     opt.release_host_memory()
+
+
+def test_load_state_dict_while_offloaded_is_refused_and_changes_nothing():
+    # It would write moments the onload then overwrites with the host copies (and, on a GPU,
+    # write into storage the offload gave back).
+    model, opt = make()
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())  # the state after 2 steps, not views of the live one
+    train(model, opt, 1)
+    before = state_of(model, opt)
+    opt.offload()
+    with pytest.raises(OffloadError, match="load_state_dict"):
+        opt.load_state_dict(sd)
+    opt.onload()
+    assert_same(state_of(model, opt), before)

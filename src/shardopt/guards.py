@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import comm
+from .build import alignment
 from .config import OptimizerConfig
 from .layout import ParamSpec
 
@@ -90,7 +91,9 @@ def check_same_layout(dp: comm.DPGroup, specs: list[ParamSpec], config: Optimize
             raise UsageError(local_problem)
         return
     described = [(s.fqn, tuple(s.shape), str(s.dtype)) for s in specs]
-    described.append(("bucket_numel/align_numel", (config.bucket_numel, config.align_numel), ""))
+    # Everything else the layout and the collectives depend on: bucket size, alignment (8-bit
+    # moments align params), and the grad dtype that the reduce-scatters carry.
+    described.append((_SETTINGS, (config.bucket_numel, *alignment(config)), str(config.grad_dtype)))
     digest = hashlib.sha256(repr(described).encode()).hexdigest()
     gathered = comm.all_gather_objects((digest, local_problem), dp)
     problems = [f"[dp rank {r}] {p}" for r, (_, p) in enumerate(gathered) if p]
@@ -102,8 +105,17 @@ def check_same_layout(dp: comm.DPGroup, specs: list[ParamSpec], config: Optimize
     raise UsageError("DP ranks built different models: " + _first_difference(lists))
 
 
+# The row of the layout digest that holds the settings, not a param.
+_SETTINGS = "(bucket_numel, align_numel, param_align), grad_dtype"
+
+
 def _first_difference(lists: list[Any]) -> str:
     ref = {fqn: (shape, dtype) for fqn, shape, dtype in lists[0]}
+    for r, other in enumerate(lists[1:], start=1):
+        theirs = {fqn: (shape, dtype) for fqn, shape, dtype in other}
+        if theirs[_SETTINGS] != ref[_SETTINGS]:
+            return (f"optimizer settings {_SETTINGS} are {ref[_SETTINGS]} on dp rank 0 but "
+                    f"{theirs[_SETTINGS]} on dp rank {r}")
     for r, other in enumerate(lists[1:], start=1):
         theirs = {fqn: (shape, dtype) for fqn, shape, dtype in other}
         for fqn, shape, dtype in other:

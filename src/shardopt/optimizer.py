@@ -468,6 +468,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Collective. Adopt a :meth:`state_dict` of this rank's; on any mismatch every rank
         raises :class:`~shardopt.state_dict.StateDictError` and nothing changes."""
+        self._host.check_onloaded("load_state_dict()")  # it would write into freed storage
         self.wait_for_save_copies()
         state_dicts.load_state_dict(self, state_dict)
 
