@@ -1,6 +1,7 @@
 """One-pass verified block reads (checkpoint.blocks) against the stored bytes."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,38 @@ def test_one_pass_refuses_odd_or_large_blocks_and_overlaps():
     two = [blocks.Segment(0, torch.zeros(4), torch.float32),
            blocks.Segment(8, torch.zeros(4), torch.float32)]
     assert not blocks.one_pass_ok(two, 64, 1 << 20)
+
+
+
+def test_an_in_place_read_is_verified_in_a_file_that_also_had_a_one_pass_read(tmp_path):
+    """A fresh (one-pass) read and an in-place read of the same file: the in-place read's
+    blocks are hash-checked before anything is written (they once were skipped)."""
+    from faults.common import data_offset, trained
+    from shardopt import checkpoint
+    from shardopt.checkpoint.manifest import parse
+    from shardopt.checkpoint.read import DataFiles, read_verified
+    from shardopt.layout import Range
+
+    model, opt = trained(1)
+    path = Path(checkpoint.save(tmp_path, model, opt, step=1, block_bytes=64))
+    m = parse(path)
+    name = "model-00000.safetensors"
+    files = DataFiles(m, [name])
+    try:
+        keys = [k for k, _, _ in m.files[name].chunks]
+        first, last = keys[0], keys[-1]
+        numel = {k: n for k, _, n in m.files[name].chunks}
+        fresh = torch.zeros(numel[first], dtype=files.stored[first][1])
+        existing = torch.zeros(numel[last], dtype=files.stored[last][1])
+        reads = (files.reads(first, Range(0, numel[first]), fresh, in_place=False)
+                 + files.reads(last, Range(0, numel[last]), existing, in_place=True))
+        with open(path / name, "r+b") as f:  # damage the in-place read's bytes only
+            f.seek(data_offset(path / name, last))
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(FormatError, match="content hash mismatch"):
+            read_verified(reads, verify=True, threads=2)
+        assert not existing.any()
+    finally:
+        files.close()

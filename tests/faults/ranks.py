@@ -114,6 +114,7 @@ SAVE_FAULTS: list[tuple[str, int, Callable[[], Any] | None, dict[str, Any]]] = [
     ("a rank raises while writing its files", 1, lambda: failing_nth_write_file(2), {}),
     ("a rank raises before the first collective", 1, None, {"extra": {"bad": object()}}),
     ("ranks disagree on the step", 1, None, {"step_offset": 1}),
+    ("ranks disagree on blocking", 1, None, {"blocking": False}),
     ("the commit rename fails", 0,
      lambda: failing_call(os, "rename", lambda src, *a: ".tmp-" in str(src),
                           OSError(errno.EXDEV, "Invalid cross-device link")), {}),

@@ -75,15 +75,14 @@ def apply(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], pieces: l
              path, ", ".join(f"{n} {_describe(saved[n])} -> {_describe(mine[n])}"
                              for n in names))
     for name in names:
-        targets = moments.of(name)
-        work = [torch.zeros(t.values.numel(), dtype=torch.float32, device=t.values.device)
-                for t in targets]
-        for p in pieces:
-            if p.name == name:
-                x = saved[name].decode(p.values, p.scales, p.shard.range_param.start)
-                work[p.shard.buffer_index][p.shard.range_local.as_slice()].copy_(x)
-        for target, w in zip(targets, work):
-            target.store_(w)
+        for bi, target in enumerate(moments.of(name)):  # one buffer's fp32 copy at a time
+            work = torch.zeros(target.values.numel(), dtype=torch.float32,
+                               device=target.values.device)
+            for p in pieces:
+                if p.name == name and p.shard.buffer_index == bi:
+                    x = saved[name].decode(p.values, p.scales, p.shard.range_param.start)
+                    work[p.shard.range_local.as_slice()].copy_(x)
+            target.store_(work)
 
 
 def _describe(enc: MomentEncoding) -> str:

@@ -104,13 +104,15 @@ def load(
     error = None
     try:
         plan.read_in_place()
+        # Inside the agreement: a rank that fails converting (out of memory, say) must not
+        # leave the others in the all-gather of adopt_state.
+        convert.apply(optimizer, dict(plan.manifest.moments), plan.pieces, plan.moments,
+                      str(plan.manifest.path))
     except Exception as e:  # noqa: BLE001 - the file changed after it was verified
         error = e
     finally:
         plan.files.close()
     agree(dp, error, f"reading {plan.manifest.path}")
-    convert.apply(optimizer, dict(plan.manifest.moments), plan.pieces, plan.moments,
-                  str(plan.manifest.path))
 
     optimizer.adopt_state(plan.moments, plan.steps, on_host=host)
     for group, saved in zip(optimizer.param_groups, plan.hparams):

@@ -125,8 +125,9 @@ def read_verified(reads: list[Read], *, verify: bool, threads: int,
         fresh = [r for r in fresh if r.file.name not in checked]
         wanted: dict[str, tuple[FileReader, set[int]]] = {}
         for r in reads:
-            blocks = _touched(r.file, [] if r.file.name in checked else
-                              [(r.file_start, r.segment().file_end)])
+            # Blocks the one-pass read already checked are taken off below, so an in-place
+            # read of a file that also had one is still verified.
+            blocks = _touched(r.file, [(r.file_start, r.segment().file_end)])
             wanted.setdefault(r.file.name, (r.file, set()))[1].update(blocks)
         for f in whole:
             wanted[f.name] = (f, set(range(len(f.record.hashes))))

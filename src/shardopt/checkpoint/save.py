@@ -130,12 +130,13 @@ def save(
                     staged = commit.begin(root, step_dir_name(step))
         except Exception as e:  # noqa: BLE001 - reported to every rank by agree
             error = e
-        payloads = agree(dp, error, what,
-                         (step if error is None else None, staged.tmp.name if staged else None))
-        if any(s != step for s, _ in payloads):
-            raise CheckpointError(f"saving to {root} failed: ranks disagree on the step "
-                                  f"({[s for s, _ in payloads]})")
-        tmp = root / payloads[0][1]
+        payloads = agree(dp, error, what, (step if error is None else None, cfg.blocking,
+                                           staged.tmp.name if staged else None))
+        # A rank that blocks and one that does not would wait in different collectives.
+        if any((s, b) != (step, cfg.blocking) for s, b, _ in payloads):
+            raise CheckpointError(f"saving to {root} failed: ranks disagree on the step or on "
+                                  f"blocking ({[(s, b) for s, b, _ in payloads]})")
+        tmp = root / payloads[0][2]
         path = str(root / step_dir_name(step))
         if cfg.blocking:
             _write_and_commit(tmp, staged, jobs, base, dp, cfg, threads, optimizer.device,
