@@ -20,26 +20,32 @@ from safetensors import safe_open
 from test_checkpoint import exported, saved3  # noqa: F401 - saved3 is a fixture
 
 
-def _chunks(saved) -> dict[str, list[tuple[int, torch.Tensor]]]:
-    """Every key's (offset, tensor) pieces, read with safetensors alone."""
+def _chunks(saved, infos: dict[str, list[dict]] | None = None
+            ) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """Every key's (offset, tensor) pieces, read with safetensors alone (and into ``infos``
+    each piece's sharding metadata)."""
     out: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for f in sorted(saved.path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             info = json.loads(st.metadata()["DCP_SHARDING_INFO"])
             for key in st.keys():
                 out.setdefault(key, []).append((info[key]["saved_offsets"][0], st.get_tensor(key)))
+                if infos is not None:
+                    infos.setdefault(key, []).append(info[key])
     return out
 
 
 def test_safetensors_sees_flat_chunks_only(saved3, tmp_path):  # noqa: F811
     whole = exported(saved3.path, tmp_path)
-    chunks = _chunks(saved3)
+    infos: dict[str, list[dict]] = {}
+    chunks = _chunks(saved3, infos)
     split = 0
     for key, full in whole.items():
         pieces = sorted(chunks[key], key=lambda c: c[0])
         assert all(t.dim() == 1 for _, t in pieces), key
-        if full.dim() > 1:  # no file says what the shape is
-            assert all(t.numel() < full.numel() or t.shape != full.shape for _, t in pieces)
+        if full.dim() > 1:  # no file says what the shape is: not the tensors, not the metadata
+            shape = list(full.shape)
+            assert all(shape not in info.values() for info in infos[key]), (key, infos[key])
         split += len(pieces) > 1
         assert torch.equal(torch.cat([t for _, t in pieces]), full.reshape(-1)), key
     assert split > 0  # some tensors really are in pieces from several ranks

@@ -57,8 +57,9 @@ def test_rollback_replaces_step_k_content(tmp_path: Path) -> None:
     root = tmp_path / "root"
     _branch(root, range(1, 4))
     model, opt = trained(2)
-    checkpoint.save(root, model, opt, step=2)  # same step, new content
+    checkpoint.save(root, model, opt, step=2, extra={"branch": "new"})  # same step, new save
     check_state(str(root / "step_00000002"), 2)
+    assert read_json(root / "step_00000002")["extra"] == {"branch": "new"}
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000001", "step_00000002"]
 
 
