@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .moments import NAMES, Moments
+from .moments import Moments
 from .quant import Moment
 from .pinned import PinnedBuffer
 

@@ -237,9 +237,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Collective. Reduce every bucket not yet launched (missing grads count as zero) and wait."""
         while self._next_launch < len(self._launch_order):
             self._launch_next()
-        for h in self._handles:
-            h.wait()
-        self._handles.clear()
+        self.wait_grad_reductions()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -4,11 +4,12 @@
 allocator, which rounds every block up to a power of two: a 4.9 GiB moment
 tensor locks 8 GiB of host memory, and the cache keeps the blocks after the
 tensor is gone. For the few large, long-lived host tensors of a
-``low_memory_resume`` load and of ``offload()`` (:mod:`.host_state`) this module
+``low_memory_resume`` load, of ``offload()`` (:mod:`.host_state`) and of an asynchronous
+save's snapshot (:mod:`.checkpoint.snapshot`) this module
 allocates ordinary host memory and page-locks exactly its pages with
 ``cudaHostRegister`` instead.
 
-Rules that keep this safe (all enforced here or by the one caller):
+Rules that keep this safe (all enforced here or by the callers):
 
 * :meth:`PinnedBuffer.release` unregisters before the last reference to the
   memory can go away (``__del__`` calls it too), so memory is never freed while
@@ -39,7 +40,7 @@ class PinnedBuffer:
                 raise RuntimeError(
                     f"cudaHostRegister of {nbytes} bytes of host memory failed "
                     f"({cudart.cudaGetErrorString(err)}); is the locked-memory limit "
-                    "(ulimit -l) too low for low_memory_resume?"
+                    "(ulimit -l) too low for this much page-locked host memory?"
                 )
             self._registered = ptr
 

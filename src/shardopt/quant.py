@@ -91,10 +91,6 @@ class Moment:
         out.kind, out.sqrt, out.values, out.scales = kind, sqrt and kind == INT8, values, scales
         return out
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The storage tensors: values, then scales where there are any."""
-        return [self.values] + ([self.scales] if self.scales is not None else [])
-
     def num_bytes(self) -> int:
         out = self.values.numel() * self.values.element_size()
         if self.scales is not None:

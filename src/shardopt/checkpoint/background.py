@@ -27,8 +27,6 @@ from .agree import CheckpointError
 
 log = logging.getLogger("shardopt.checkpoint")
 
-BUSY_POLICIES = ("wait", "error")
-
 
 class SaveHandle:
     """An asynchronous save in flight. Not collective: each rank has its own handle."""
@@ -72,16 +70,14 @@ class SaveHandle:
         return self._error
 
 
-_pending: SaveHandle | None = None
-_lock = threading.Lock()
+_pending: SaveHandle | None = None  # set and read by the training thread only
 
 
 def start(path: str, work: Callable[[], None]) -> SaveHandle:
     """Run ``work`` in the background as this process's asynchronous save of ``path``."""
     global _pending
-    with _lock:
-        _pending = SaveHandle(path, work)
-        return _pending
+    _pending = SaveHandle(path, work)
+    return _pending
 
 
 def settle(if_busy: str = "wait") -> BaseException | None:

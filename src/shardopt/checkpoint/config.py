@@ -9,6 +9,9 @@ from typing import Any
 from .agree import CheckpointError
 from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES
 
+# What a save does while another of this process is still being written.
+BUSY_POLICIES = ("wait", "error")
+
 # Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
 STAGING_BYTES = 128 << 20
 
@@ -60,7 +63,7 @@ class CheckpointConfig:
             "block_bytes": (_is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
                             f"an int in [1, {MAX_BLOCK_BYTES}]"),
             "blocking": (isinstance(self.blocking, bool), "a bool"),
-            "if_busy": (self.if_busy in ("wait", "error"), "'wait' or 'error'"),
+            "if_busy": (self.if_busy in BUSY_POLICIES, "'wait' or 'error'"),
             "snapshot": (self.snapshot in ("host", "device"), "'host' or 'device'"),
         }
         for name, (ok, wanted) in checks.items():

@@ -49,8 +49,8 @@ from .transfer import run_parallel
 
 
 def _rng_entries() -> list[WriteEntry]:
-    out = [WriteEntry("torch_cpu", torch.uint8, torch.get_rng_state().numel(), 0,
-                      torch.get_rng_state())]
+    t = torch.get_rng_state()
+    out = [WriteEntry("torch_cpu", torch.uint8, t.numel(), 0, t)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         t = torch.cuda.get_rng_state()
         out.append(WriteEntry("torch_cuda", torch.uint8, t.numel(), 0, t))

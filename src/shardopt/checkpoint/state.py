@@ -20,7 +20,7 @@ from ..config import GROUP_KEYS
 from ..layout import Range
 from ..moments import NAMES as MOMENT_NAMES
 from ..moments import Moments
-from ..optimizer import STATE_NAMES, DistributedOptimizer
+from ..optimizer import DistributedOptimizer
 from .format import dtype_name
 from .manifest import MomentEncoding
 from .storage import WriteEntry
