@@ -115,6 +115,26 @@ def _raw_copies(opt, device: torch.device, reps: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         out[f"{name}_s"] = _common.stats(times)
         out[f"{name}_gbps"] = _gbps(nbytes, min(times))
+    # What onload pays beyond the copy: fresh device memory for the same tensors (the
+    # allocator's cache emptied first, as after an offload), alone and then with the copies
+    # queued as each allocation returns.
+    for name, copy in (("alloc", False), ("alloc_and_h2d", True)):
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            t0 = time.perf_counter()
+            fresh = []
+            for h, d in pairs:
+                fresh.append(torch.empty_like(d))
+                if copy:
+                    with torch.cuda.stream(stream):
+                        fresh[-1].copy_(h, non_blocking=True)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            del fresh
+        out[f"{name}_s"] = _common.stats(times)
+    torch.cuda.empty_cache()
     return out
 
 
@@ -169,10 +189,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         result["baseline_cuda_context_used"] = _probe()  # before this process touches CUDA
         # Identical losses need a deterministic backward: cuBLAS with a fixed workspace, and
-        # no cuDNN attention (its backward is non-deterministic; flash attention then runs).
+        # no cuDNN attention (its backward is non-deterministic; flash attention then runs,
+        # with its deterministic backward, which warn_only=True would not select).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cuda.enable_cudnn_sdp(False)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True)  # flash attention's backward too
         # deterministic mode would also fill every torch.empty (host copies included)
         torch.utils.deterministic.fill_uninitialized_memory = False
     batches = _peers.make_batches(a.preset, 0, 1, a.micro_batch, a.cycles, device)

@@ -172,9 +172,10 @@ if triton is not None:
         if HAS_SCALE:
             grad = tl.div_rn(grad, tl.load(scale_ptr))
         param = tl.load(main_ptr + m_idx, mask=mask)
-        exp_avg = _load_moment(exp_avg_ptr, m_scale_ptr, l_idx, mask, M_KIND, False, FULL, QBLOCK)
-        exp_avg_sq = _load_moment(exp_avg_sq_ptr, v_scale_ptr, l_idx, mask, V_KIND, True, FULL,
-                                  QBLOCK)
+        exp_avg = _load_moment(exp_avg_ptr, m_scale_ptr, local, l_idx, mask, M_KIND, False, FULL,
+                               QBLOCK, BLOCK)
+        exp_avg_sq = _load_moment(exp_avg_sq_ptr, v_scale_ptr, local, l_idx, mask, V_KIND, True,
+                                  FULL, QBLOCK, BLOCK)
         param = param - lr_wd * param
         exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
         exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
@@ -191,18 +192,24 @@ if triton is not None:
             tl.store(out_ptr + g_idx, param.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _load_moment(ptr, scale_ptr, idx, mask, KIND: tl.constexpr, SQRT: tl.constexpr,
-                     FULL: tl.constexpr, QBLOCK: tl.constexpr):
+    def _load_moment(ptr, scale_ptr, local, idx, mask, KIND: tl.constexpr, SQRT: tl.constexpr,
+                     FULL: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
         if FULL:
             raw = tl.load(ptr + idx)
         else:  # masked lanes read as zero (they may lie past the end of the tensor)
             raw = tl.load(ptr + idx, mask=mask, other=0)
         if KIND == 2:
+            # One load per QBLOCK elements (blocks start on a QBLOCK boundary), broadcast to
+            # its elements: a per-element gather of the scales costs BLOCK loads instead.
+            s_idx = local // QBLOCK + tl.arange(0, BLOCK // QBLOCK)
             if FULL:
-                scale = tl.load(scale_ptr + idx // QBLOCK)
+                scale = tl.load(scale_ptr + s_idx)
             else:
-                scale = tl.load(scale_ptr + idx // QBLOCK, mask=mask, other=0.0)
-            x = raw.to(tl.float32) * scale
+                hit = tl.reshape(mask.to(tl.int32), (BLOCK // QBLOCK, QBLOCK))
+                scale = tl.load(scale_ptr + s_idx, mask=tl.max(hit, axis=1) > 0, other=0.0)
+            per_elem = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK // QBLOCK, QBLOCK)),
+                                  (BLOCK,))
+            x = raw.to(tl.float32) * per_elem
             if SQRT:
                 x = x * x
         else:
