@@ -16,10 +16,10 @@ are copied only when a backward left some pending (``no_sync`` accumulation):
 otherwise the buffer is freed without a copy and zeroed at onload (its param
 regions are overwritten by the next backward, its padding must be zero).
 
-Onload: each storage is re-allocated for the current stream just before its H2D copy
-is queued on the side stream (allocating the next overlaps the copies running), the
-current stream zeroes dropped grads beside the copies and then waits for them; the
-host does not wait. The host copies are kept for the
+Onload: every storage is re-allocated for the current stream (about 2 ms for 18 GB on
+an H200), then the H2D copies are queued on the side stream back to back, the current
+stream zeroes dropped grads beside the copies and then waits for them; the host does not
+wait. The host copies are kept for the
 next cycle (the same addresses) until :meth:`HostState.release`.
 
 Off CUDA nothing can be freed safely (a CPU kernel reading an empty storage
@@ -246,25 +246,23 @@ class HostState:
         """Queue ``dev.copy_(host)`` for each pair on the side stream, after the current
         stream's work, and zero ``zero`` on the current stream beside them; then the current
         stream waits for the copies, the host does not. With ``nbytes``, the storage of
-        each device tensor (pairs', then ``zero``'s) is re-allocated to that many bytes just
-        before its copy is queued, so that allocating the next overlaps the copies already
-        running. Returns the event after which the host tensors may be reused or unlocked."""
+        each device tensor (pairs', then ``zero``'s) is first re-allocated to that many
+        bytes. Returns the event after which the host tensors may be reused or unlocked."""
         current = torch.cuda.current_stream(self.opt.device)
         stream = self._side_stream()
         # Memory allocated for the current stream may have been freed by its earlier work,
         # still queued: the copies wait for it (nothing new is queued there meanwhile).
         stream.wait_stream(current)
-        sizes = None if nbytes is None else iter(nbytes)
-        for dev, host in pairs:
-            if sizes is not None:  # for the current stream, which uses them from now on
-                dev.untyped_storage().resize_(next(sizes))
-            with torch.cuda.stream(stream):
+        zero = list(zero)
+        if nbytes is not None:  # for the current stream, which uses them from now on
+            for t, size in zip([d for d, _ in pairs] + zero, nbytes, strict=True):
+                t.untyped_storage().resize_(size)
+        with torch.cuda.stream(stream):
+            for dev, host in pairs:
                 dev.copy_(host, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
         for t in zero:
-            if sizes is not None:
-                t.untyped_storage().resize_(next(sizes))
             t.zero_()
         current.wait_event(event)
         return event

@@ -61,26 +61,36 @@ class Snapshot:
         """Coordinator-free. Queue copies of every entry's source into the buffers (in
         device memory with ``on_device`` and a GPU, else on the host); return the jobs with
         the copies as sources and the event after which they hold the values (None off
-        CUDA: already there)."""
+        CUDA: already there).
+
+        The sources are mostly adjacent views of a few flat buffers (a rank's shard of each
+        bucket): each run of adjacent or overlapping elements of one storage is copied at
+        once, a few large copies instead of one per param and state, which keeps the call
+        short."""
         unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         for _, entries in jobs:
             for e in entries:
                 if e.source is not None:
                     unique.setdefault(_identity(e.source), e.source)
+        runs = _runs(unique.values())
         sizes: dict[torch.dtype, int] = {}
-        for src in unique.values():
-            sizes[src.dtype] = sizes.get(src.dtype, 0) + src.numel()
+        for run in runs:
+            sizes[run.dtype] = sizes.get(run.dtype, 0) + run.numel
         self._allocate(sizes, on_device and self.cuda)
         offsets = dict.fromkeys(sizes, 0)
-        copies: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        for key, src in unique.items():
-            pos = offsets[src.dtype]
-            offsets[src.dtype] = pos + src.numel()
-            copies[key] = (self._buffers[src.dtype][pos:pos + src.numel()], src)
-        event = self._copy(list(copies.values()))
+        pairs, copies = [], {}
+        for run in runs:
+            pos = offsets[run.dtype]
+            offsets[run.dtype] = pos + run.numel
+            dst = self._buffers[run.dtype][pos:pos + run.numel]
+            pairs.append((dst, run.source()))
+            for key, src in run.members:
+                at = src.storage_offset() - run.start
+                copies[key] = dst[at:at + src.numel()]
+        event = self._copy(pairs)
         out = [(name, [e if e.source is None else
-                       WriteEntry(e.key, e.dtype, e.numel, e.offset,
-                                  copies[_identity(e.source)][0]) for e in entries])
+                       WriteEntry(e.key, e.dtype, e.numel, e.offset, copies[_identity(e.source)])
+                       for e in entries])
                for name, entries in jobs]
         return out, event
 
@@ -118,3 +128,34 @@ class Snapshot:
 
 def _identity(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
     return (t.data_ptr(), t.numel(), t.dtype)
+
+
+class _Run:
+    """Elements ``[start, start + numel)`` of one storage, covering the sources ``members``."""
+
+    def __init__(self, key, src: torch.Tensor) -> None:
+        self.storage, self.dtype, self.device = src.untyped_storage(), src.dtype, src.device
+        self.start, self.numel = src.storage_offset(), src.numel()
+        self.members = [(key, src)]
+
+    def source(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            self.storage, self.start, (self.numel,))
+
+
+def _runs(sources) -> list[_Run]:
+    """The sources (1-D, contiguous) as runs of adjacent or overlapping elements of one
+    storage, each storage's runs in memory order."""
+    ordered = sorted(((src.untyped_storage().data_ptr(), src.dtype, src.storage_offset(), src)
+                      for src in sources), key=lambda x: (x[0], str(x[1]), x[2]))
+    runs: list[_Run] = []
+    for ptr, dtype, start, src in ordered:
+        assert src.dim() == 1 and src.is_contiguous(), "snapshot sources are flat views"
+        last = runs[-1] if runs else None
+        if (last is not None and last.storage.data_ptr() == ptr and last.dtype == dtype
+                and start <= last.start + last.numel):
+            last.numel = max(last.numel, start + src.numel() - last.start)
+            last.members.append((_identity(src), src))
+        else:
+            runs.append(_Run(_identity(src), src))
+    return runs
