@@ -47,12 +47,6 @@ from .snapshot import Job, Snapshot
 from .transfer import io_threads as resolve_threads
 from .transfer import run_parallel
 
-# An asynchronous save writes with this fraction of the default io_threads: its files are
-# written while training runs, whose Python thread must keep the GPU fed (measured in
-# benchmarks/async_breakdown.py: with 16 writer threads the forward/backward's launches
-# took 0.34 s instead of 0.075 s on a 16-core host).
-BACKGROUND_SHARE = 4
-
 
 def _rng_entries() -> list[WriteEntry]:
     t = torch.get_rng_state()
@@ -127,8 +121,6 @@ def save(
                 optimizer.check_model(model)
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
-                if not cfg.blocking and cfg.io_threads is None:
-                    threads = max(1, threads // BACKGROUND_SHARE)
                 contents = _rank_contents(model, optimizer)
                 if not cfg.blocking:  # split into files later, in the background
                     contents, event = _snapshot(optimizer).take(contents,
