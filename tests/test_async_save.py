@@ -268,6 +268,29 @@ def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tm
     assert {d: t.data_ptr() for d, t in snap._buffers.items()} == buffers
 
 
+def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between():
+    """Adjacent and overlapping views of one storage become one copy; a gap, another dtype
+    view or another storage starts a new one; every entry reads its own elements back."""
+    from shardopt.checkpoint.snapshot import Snapshot, _runs
+    from shardopt.checkpoint.storage import WriteEntry
+
+    base = torch.arange(40, dtype=torch.float32)
+    other = torch.arange(100, 110, dtype=torch.float32)
+    views = [base[0:10], base[10:16], base[12:20], base[30:40], other[2:5]]
+    runs = _runs(views)
+    assert [(r.start, r.numel) for r in runs] in ([(0, 20), (30, 10), (2, 3)],
+                                                  [(2, 3), (0, 20), (30, 10)])
+    entries = [WriteEntry(f"k{i}", torch.float32, v.numel(), 0, v) for i, v in enumerate(views)]
+    snap = Snapshot(torch.device("cpu"))
+    jobs, event = snap.take([("f", entries)])
+    assert event is None
+    assert snap.nbytes() == (20 + 10 + 3) * 4  # the gap [20, 30) of ``base`` is not copied
+    for e, v in zip(jobs[0][1], views):
+        assert torch.equal(e.source, v)
+    base.zero_()  # the snapshot is a copy
+    assert torch.equal(jobs[0][1][0].source, torch.arange(10, dtype=torch.float32))
+
+
 # ----------------------------------------------------------- other processes
 _CHILD = textwrap.dedent("""
     import sys, time
