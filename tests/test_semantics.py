@@ -144,7 +144,7 @@ def write_weights(model: Net, how: str, opt: DistributedOptimizer) -> None:
         opt.reload_model_params()
         return
     model.load_state_dict(fresh.state_dict())
-    assert not opt._param_handles  # it waited for gathers still in flight before writing
+    assert not opt.param_sync.handles  # it waited for gathers still in flight before writing
     ema = {f: p.detach() * 0.5 + 0.25 for f, p in model.c.named_parameters()}
     with torch.no_grad():
         model.a.weight.zero_()

@@ -128,9 +128,10 @@ def launch_order(layout: Layout, named: list[tuple[str, torch.nn.Parameter]]) ->
 
 
 def grad_hooks(opt: Any, named: list[tuple[str, torch.nn.Parameter]]) -> list[Any]:
-    """Register ``opt._on_grad_ready`` on every param, holding ``opt`` weakly: a tensor's hooks
-    live where Python's garbage collector cannot see them, so a hook holding the optimizer
-    would keep it (and through it the model) alive for good. Removed when ``opt`` is gone."""
+    """Register ``opt.grad_sync.on_grad_ready`` on every param, holding ``opt`` weakly: a
+    tensor's hooks live where Python's garbage collector cannot see them, so a hook holding
+    the optimizer would keep it (and through it the model) alive for good. Removed when
+    ``opt`` is gone."""
     on_grad = _WeakGradHook(opt)
     handles = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
     weakref.finalize(opt, _remove_hooks, list(handles))
@@ -138,7 +139,7 @@ def grad_hooks(opt: Any, named: list[tuple[str, torch.nn.Parameter]]) -> list[An
 
 
 class _WeakGradHook:
-    """``opt._on_grad_ready`` through a weak reference (a no-op once ``opt`` is gone)."""
+    """``opt.grad_sync.on_grad_ready`` through a weak reference (a no-op once ``opt`` is gone)."""
 
     def __init__(self, opt: Any) -> None:
         self.owner = weakref.ref(opt)
@@ -146,7 +147,7 @@ class _WeakGradHook:
     def __call__(self, param: torch.nn.Parameter) -> None:
         opt = self.owner()
         if opt is not None:
-            opt._on_grad_ready(param)
+            opt.grad_sync.on_grad_ready(param)
 
 
 def _remove_hooks(handles: list[Any]) -> None:
