@@ -111,6 +111,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.fqn_of = {p: fqn for fqn, p in named}
         self._fqns = tuple(fqn for fqn, _ in named)
         self.shards: tuple[ParamShard, ...] = self.layout.shards(self.dp.rank)
+        # A param lies in one bucket, so this rank holds at most one shard of it.
+        self.shard_of: dict[str, ParamShard] = {s.fqn: s for s in self.shards}
 
     def _init_state(self, model: torch.nn.Module,
                     named: list[tuple[str, torch.nn.Parameter]]) -> None:
@@ -154,9 +156,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._group_shards = [
             [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
             for gi in range(len(self.param_groups))]
-        self._shards_of: dict[str, list[int]] = {}
-        for i, s in enumerate(self.shards):
-            self._shards_of.setdefault(s.fqn, []).append(i)
 
     # ------------------------------------------------------------------ grads
     def finish_param_sync(self) -> None:
@@ -349,10 +348,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _reseed(self, fqns: Iterable[str]) -> None:
         """Copy the model-dtype params of ``fqns`` into this rank's fp32 main params."""
         for fqn in fqns:
-            for i in self._shards_of.get(fqn, ()):
-                s = self.shards[i]
-                if self._main[s.buffer_index] is not None:  # fp32: the param is the main
-                    self.state_view("master_param", s).copy_(self.buffers.shard_params(s))
+            s = self.shard_of.get(fqn)
+            if s is not None and self._main[s.buffer_index] is not None:  # else fp32: no copy
+                self.state_view("master_param", s).copy_(self.buffers.shard_params(s))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state keyed by FQN, values viewing the live state

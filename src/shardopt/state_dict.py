@@ -64,10 +64,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _own_shards(opt: DistributedOptimizer) -> dict[str, ParamShard]:
-    return {s.fqn: s for s in opt.shards}
-
-
 def _numel(opt: DistributedOptimizer, fqn: str) -> int:
     return math.prod(opt.layout.slots[fqn].shape)
 
@@ -127,12 +123,11 @@ def state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
 
 def _build(opt: DistributedOptimizer) -> dict[str, Any]:
     opt.finish_param_sync()
-    shards = _own_shards(opt)
     state: dict[str, dict[str, Any]] = {}
     for fqn in opt.fqn_of.values():
         entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
         for name in _names(opt):
-            entry[name] = _value(opt, name, fqn, shards.get(fqn))
+            entry[name] = _value(opt, name, fqn, opt.shard_of.get(fqn))
         entry["param_dtype"] = _dtype_name(opt.layout.buffers[
             opt.layout.slots[fqn].buffer_index].dtype)
         state[fqn] = entry
@@ -155,7 +150,7 @@ class LocalState(defaultdict):
     def _entry(self, fqn: str) -> dict[str, Any]:
         opt = self._opt
         out: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
-        shard = _own_shards(opt).get(fqn)
+        shard = opt.shard_of.get(fqn)
         if shard is not None:
             out["offset"] = shard.range_param.start
             out["master_param"] = opt.state_view("master_param", shard)
@@ -315,7 +310,6 @@ def _check_steps(opt: DistributedOptimizer, state: Mapping) -> dict[str, int]:
 
 def _check_state(opt: DistributedOptimizer, state: Mapping
                  ) -> list[tuple[ParamShard, str, torch.Tensor]]:
-    shards = _own_shards(opt)
     for fqn in state:
         if fqn not in opt.layout.slots:
             raise StateDictError(f"state of param {fqn!r} in the state dict: no trainable "
@@ -329,7 +323,7 @@ def _check_state(opt: DistributedOptimizer, state: Mapping
         if entry.get("param_dtype") != dtype:
             raise StateDictError(f"param {fqn!r} is {dtype} here but was "
                                  f"{entry.get('param_dtype')!r} in the state dict")
-        shard = shards.get(fqn)
+        shard = opt.shard_of.get(fqn)
         for name in _names(opt):
             dtype, numel, offset, size = _expected(opt, name, fqn, shard)
             v = entry.get(name)
