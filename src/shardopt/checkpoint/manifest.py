@@ -22,6 +22,7 @@ import torch
 
 from .. import quant
 from ..config import GROUP_KEYS, INT8
+from ..layout import Range
 from ..moments import NAMES as MOMENT_NAMES
 from ..optimizer import STATE_NAMES
 from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
@@ -84,8 +85,14 @@ class MomentEncoding:
             return x
         if scales is None:
             raise ValueError(f"decoding {dtype_name(self.dtype)} codes needs their scales")
-        block = (torch.arange(values.numel()) + start % self.block) // self.block
-        x = x * scales[block]
+        # In place, by block: a ragged first block, whole blocks, a ragged last block.
+        head = min(x.numel(), -start % self.block)
+        whole = (x.numel() - head) // self.block
+        x[:head].mul_(scales[:1])
+        first = 1 if head else 0
+        x[head:head + whole * self.block].view(whole, self.block).mul_(
+            scales[first:first + whole, None])
+        x[head + whole * self.block:].mul_(scales[first + whole:first + whole + 1])
         return x.square_() if self.sqrt else x
 
     def to_json(self) -> dict[str, Any]:
@@ -105,7 +112,6 @@ class FileRecord:
 
     name: str
     kind: str
-    rank: int
     size: int
     block_bytes: int
     hashes: tuple[str, ...]
@@ -141,7 +147,8 @@ class Manifest:
             for name, enc in self.moments.items():
                 out[f"{fqn}.{name}"] = (p.numel, enc.dtype)
                 if enc.block:
-                    out[f"{fqn}.{name}.scale"] = (-(-p.numel // enc.block), torch.float32)
+                    out[f"{fqn}.{name}.scale"] = (Range(0, p.numel).blocks(enc.block).size,
+                                                  torch.float32)
         return out
 
     def data_files(self) -> list[FileRecord]:
@@ -295,8 +302,8 @@ def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
     if not match:
         raise FormatError(f"{file}: refusing data file name {name!r} (only names like "
                           "model-00000.safetensors inside the checkpoint are allowed)")
-    kind, rank = match.group(1), int(match.group(2))
-    if rank >= dp_size:
+    kind = match.group(1)
+    if int(match.group(2)) >= dp_size:
         raise FormatError(f"{file}: data file {name} belongs to no rank of dp_size {dp_size}")
     if kind == "rng" and match.group(3):
         raise FormatError(f"{file}: a version {FORMAT_VERSION} checkpoint has no file {name}")
@@ -310,7 +317,7 @@ def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
     if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH.fullmatch(h)
                                                for h in hashes):
         raise FormatError(f"{file}: hashes of {name} must be a list of 16-hex-digit strings")
-    if len(hashes) != -(-size // block_bytes):
+    if len(hashes) != Range(0, size).blocks(block_bytes).size:
         raise FormatError(f"{file}: {name} has {len(hashes)} block hashes for {size} bytes "
                           f"in blocks of {block_bytes}")
     chunks: list[tuple[str, int, int]] = []
@@ -323,7 +330,7 @@ def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
                 raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
             chunks.append((c[0], _int(c[1], f"chunk offset in {name}", file),
                            _int(c[2], f"chunk length in {name}", file)))
-    return FileRecord(name, kind, rank, size, block_bytes, tuple(hashes), tuple(chunks))
+    return FileRecord(name, kind, size, block_bytes, tuple(hashes), tuple(chunks))
 
 
 def _check_file_set(dp_size: int, files: dict[str, FileRecord], file: Path) -> None:

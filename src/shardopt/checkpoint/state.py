@@ -143,16 +143,11 @@ def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
             if mine[name].block:
                 b = mine[name].block
                 out.append(Destination(
-                    f"{s.fqn}.{name}.scale", _blocks(s.range_param, b), moment=name,
-                    buffer_index=s.buffer_index, range_local=_blocks(s.range_local, b),
+                    f"{s.fqn}.{name}.scale", s.range_param.blocks(b), moment=name,
+                    buffer_index=s.buffer_index, range_local=s.range_local.blocks(b),
                     part="scales"))
     for fqn, t in frozen_tensors(model, opt).items():
         if not t.is_contiguous():
             raise ValueError(f"tensor {fqn!r} is not contiguous and cannot be loaded in place")
         out.append(Destination(fqn, Range(0, t.numel()), tensor=t.detach().view(-1)))
     return out
-
-
-def _blocks(r: Range, block: int) -> Range:
-    """The blocks of ``block`` elements that cover ``r`` (which starts on a block boundary)."""
-    return Range(r.start // block, r.start // block + -(-r.size // block))

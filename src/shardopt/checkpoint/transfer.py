@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
+from ..layout import Range
 from .format import FormatError
 
 # Most threads a rank moves checkpoint data on by default (io_threads()).
@@ -176,6 +177,11 @@ class Part:
         return self.start + self.nbytes
 
 
+def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tuple[int, int, int]]:
+    """``(block, first byte, end byte)`` of each of ``blocks`` of a ``size``-byte file."""
+    return [(b, b * block_bytes, min((b + 1) * block_bytes, size)) for b in blocks]
+
+
 def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
                  scratch: Scratch | None, threads: int) -> list[str]:
     """Write ``parts`` (sorted, contiguous from byte 0) and return the xxh3-64 digest of
@@ -189,8 +195,7 @@ def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
     if any(p.data is not None and p.data.is_cuda for p in parts) and (
             scratch is None or not scratch.cuda):
         raise AssertionError("device parts need a pinned scratch")
-    jobs = [(b, b * block_bytes, min((b + 1) * block_bytes, size))
-            for b in range(-(-size // block_bytes))]
+    jobs = block_ranges(range(Range(0, size).blocks(block_bytes).size), block_bytes, size)
     digests = [""] * len(jobs)
 
     def work(job, slot):
