@@ -50,6 +50,20 @@ def test_second_optimizer_over_the_same_params_is_refused():
     DistributedOptimizer(model, OptimizerConfig())
 
 
+@pytest.mark.parametrize("override, shown", [
+    ({"lr": -1e-3}, "lr=-0.001"), ({"eps": float("nan")}, "eps=nan"),
+    ({"weight_decay": True}, "weight_decay=True"), ({"betas": (0.9, 1.5)}, r"betas=\(0.9, 1.5\)"),
+    ({"betas": (0.9,)}, r"betas=\(0.9,\)"),
+])
+def test_param_group_fn_values_adamw_cannot_take_are_refused(override, shown):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    fn = lambda fqn, p: override if fqn == "1.bias" else {}  # noqa: E731
+    with pytest.raises(ValueError, match=f"{shown}.*'1.bias'"):
+        DistributedOptimizer(model, OptimizerConfig(), param_group_fn=fn)
+    DistributedOptimizer(model, OptimizerConfig(), param_group_fn=lambda f, p: {
+        "lr": 0, "betas": [0, 0.5], "weight_decay": 0})  # the edges are fine
+
+
 def test_add_param_group_points_to_param_group_fn():
     model, opt = build(0)
     with pytest.raises(NotImplementedError, match="param_group_fn"):

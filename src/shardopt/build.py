@@ -13,7 +13,7 @@ import torch
 
 from . import comm, kernels, quant
 from .buffers import FlatBuffers
-from .config import GROUP_KEYS, OptimizerConfig
+from .config import GROUP_KEYS, OptimizerConfig, group_value
 from .layout import Bucket, Layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -96,11 +96,11 @@ def param_groups(
                 f"param_group_fn returned unknown keys {sorted(unknown)} for param {fqn!r}; "
                 f"allowed: {list(GROUP_KEYS)}"
             )
-        if "betas" in overrides:
-            overrides["betas"] = tuple(float(b) for b in overrides["betas"])
         for key, value in overrides.items():
-            if key != "betas" and not (isinstance(value, (int, float)) and math.isfinite(value)):
-                raise ValueError(f"param_group_fn gave {key}={value!r} for param {fqn!r}")
+            overrides[key] = group_value(key, value)
+            if overrides[key] is None:
+                raise ValueError(f"param_group_fn gave {key}={value!r} for param {fqn!r}: "
+                                 "AdamW takes finite numbers >= 0 (betas: two of them below 1)")
         key = tuple(sorted(overrides.items()))
         group = groups.setdefault(key, {"params": [], **overrides})
         group["params"].append(p)

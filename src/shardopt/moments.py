@@ -59,9 +59,7 @@ class Moments:
 def piece(m: quant.Moment, r: Range) -> quant.Moment:
     """Views of the local range ``r`` of ``m`` (``r`` starts on a block boundary where ``m``
     has scales: the layout's ``param_align``): its values and the scales of its blocks."""
-    scales = None
-    if m.scales is not None:
-        scales = m.scales[r.start // quant.QBLOCK:][:quant.num_scales(r.size)]
+    scales = None if m.scales is None else m.scales[r.blocks(quant.QBLOCK).as_slice()]
     return quant.Moment.wrap(m.kind, m.values[r.as_slice()], scales, m.sqrt)
 
 

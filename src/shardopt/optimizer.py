@@ -3,13 +3,11 @@
 Communication schedule of one iteration (``dp_size`` ranks, buckets ``B_0..B_n``
 in launch order, which every rank shares):
 
-* Phase 1, during backward: each param's gradient is added into the fp32
-  grad buffer by a post-accumulate-grad hook and ``param.grad`` is freed.
-  When every param of the next bucket in launch order has reported, that
-  bucket is divided by ``dp_size`` and its reduce-scatter starts
-  asynchronously. Buckets are launched strictly in order, so ranks whose
-  hooks fire in different orders (unused params, MoE experts without
-  tokens) still issue identical collectives.
+* Phase 1, during backward (:mod:`.grad_sync`): each param's gradient is added
+  into the grad buffer and ``param.grad`` is freed; when every param of the next
+  bucket in launch order has reported, that bucket's reduce-scatter (average)
+  starts asynchronously. Buckets launch strictly in order, so every rank issues
+  identical collectives whatever order its hooks fire in.
 * Phase 2, ``step()``: re-seed the fp32 main params of params the user wrote
   since the last step (:mod:`.param_watch`), launch whatever was not launched
   (a param without a gradient on this rank counts as zero in the average),
@@ -19,8 +17,8 @@ in launch order, which every rank shares):
   ``torch.optim.AdamW``: :mod:`.step_plan`), run fused AdamW on the local
   shard (fp32 main params, lazily allocated moments) and copy the result into
   the rank's shard of the model-dtype param buffer.
-* Phase 3, still in ``step()``: all-gather every param bucket, so each rank
-  again holds the full updated params.
+* Phase 3, still in ``step()`` (:mod:`.param_sync`): all-gather every param
+  bucket, so each rank again holds the full updated params.
 
 With ``dp_size == 1`` every collective is skipped and the same code runs.
 The optimizer holds state and returns it on request; it never does file I/O
@@ -114,9 +112,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # A param lies in one bucket, so this rank holds at most one shard of it.
         self.shard_of: dict[str, ParamShard] = {s.fqn: s for s in self.shards}
 
+    def _init_groups(self, named: list[tuple[str, torch.nn.Parameter]],
+                     param_group_fn: ParamGroupFn | None) -> None:
+        defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
+                    "weight_decay": self.config.weight_decay}
+        super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
+        self._groups_final = True
+        self.state = state_dicts.LocalState(self)  # torch's defaultdict, computed on access
+        self.group_of = {
+            self.fqn_of[p]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]
+        }
+        self._group_fqns = [[self.fqn_of[p] for p in g["params"]] for g in self.param_groups]
+        # Per param group, the indices into ``shards`` of its params' shards.
+        self.group_shards = [
+            [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
+            for gi in range(len(self.param_groups))]
+
     def _init_state(self, model: torch.nn.Module,
                     named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        self._main = build.main_params(self.layout, self.buffers, self.dp, self.device)
+        # Per layout buffer, this rank's fp32 main params (None for an fp32 buffer, whose
+        # param buffer is its main param).
+        self.main_params = build.main_params(self.layout, self.buffers, self.dp, self.device)
         self._moments: Moments | None = None  # allocated lazily (first step or a load)
         # Host copies: offload()/onload() and the moments a low_memory_resume load stages.
         self._host = HostState(self, model, lambda: self._watch.rebase())
@@ -138,26 +154,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = build.grad_hooks(self, named)
         self._norm = GradNorm(self.dp, self.buffers, self.layout, self.config, self._fqns,
                               self.grad_sync.written)
-        self.param_sync = ParamSync(self.dp, self.buffers, self.layout, self._main,
+        self.param_sync = ParamSync(self.dp, self.buffers, self.layout, self.main_params,
                                     self.grad_sync.launch_order)
         self._hooks += self.param_sync.register_hooks(model, self.config, self.fqn_of)
 
-    def _init_groups(self, named: list[tuple[str, torch.nn.Parameter]],
-                     param_group_fn: ParamGroupFn | None) -> None:
-        defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
-                    "weight_decay": self.config.weight_decay}
-        super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
-        self._groups_final = True
-        self.state = state_dicts.LocalState(self)  # torch's defaultdict, computed on access
-        self.group_of = {
-            self.fqn_of[p]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]
-        }
-        self._group_fqns = [[self.fqn_of[p] for p in g["params"]] for g in self.param_groups]
-        self._group_shards = [
-            [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
-            for gi in range(len(self.param_groups))]
-
-    # ------------------------------------------------------------------ grads
+    # ------------------------------------------------------------------- sync
     def finish_param_sync(self) -> None:
         """Wait for every param all-gather still in flight (only ``overlap_param_gather``
         leaves any): after it every param holds its updated value. Forward pre-hooks do
@@ -245,17 +246,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Whether the moments exist (on the device or staged on the host by a load)."""
         return self._moments is not None or self._host.staged is not None
 
-    @property
-    def main_params(self) -> list[torch.Tensor | None]:
-        """Per layout buffer, this rank's fp32 main params (None for an fp32 buffer, whose
-        param buffer is its main param)."""
-        return self._main
-
-    @property
-    def group_shards(self) -> list[list[int]]:
-        """Per param group, the indices into :attr:`shards` of its params' shards."""
-        return self._group_shards
-
     def allocate_moments(self, on_host: bool = False) -> Moments:
         """New moments in this optimizer's storage format for a load to fill: params' parts
         uninitialised, padding and scales zero; ``on_host``: in (page-locked) host memory."""
@@ -264,7 +254,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_view(self, name: str, shard: ParamShard) -> torch.Tensor:
         """1-D fp32 view of state ``name`` for ``shard`` (a record of this rank's); while
         offloaded, of its host copy."""
-        if name == "master_param" and self._main[shard.buffer_index] is None:
+        if name == "master_param" and self.main_params[shard.buffer_index] is None:
             return self.buffers.shard_params(shard)
         if name != "master_param" and self.config.lowprec_moments:
             raise LowPrecisionStateError(moments_.no_fp32_view(self, name))
@@ -349,7 +339,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Copy the model-dtype params of ``fqns`` into this rank's fp32 main params."""
         for fqn in fqns:
             s = self.shard_of.get(fqn)
-            if s is not None and self._main[s.buffer_index] is not None:  # else fp32: no copy
+            if s is not None and self.main_params[s.buffer_index] is not None:  # fp32: no copy
                 self.state_view("master_param", s).copy_(self.buffers.shard_params(s))
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import dtype_name
 from ..layout import ParamShard
 from ..moments import NAMES, Moments
 from ..optimizer import DistributedOptimizer
@@ -87,5 +88,5 @@ def apply(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], pieces: l
 
 def _describe(enc: MomentEncoding) -> str:
     if not enc.block:
-        return str(enc.dtype).removeprefix("torch.")
+        return dtype_name(enc.dtype)
     return f"int8 ({'sqrt' if enc.sqrt else 'linear'}, blocks of {enc.block})"

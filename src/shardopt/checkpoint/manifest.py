@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import quant
-from ..config import GROUP_KEYS, INT8
+from ..config import GROUP_KEYS, INT8, group_value
 from ..layout import Range
 from ..moments import NAMES as MOMENT_NAMES
 from ..optimizer import STATE_NAMES
@@ -224,10 +224,6 @@ def _int(value: Any, what: str, file: Path, minimum: int = 0) -> int:
     return value
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_optimizer(saved: Any, file: Path) -> dict[str, MomentEncoding]:
     """The stored state must mean what this optimizer's does; returns how each moment is
     stored (fp32 where the manifest does not say)."""
@@ -281,19 +277,11 @@ def _hyper(fqn: str, group: Any, file: Path) -> dict[str, Any]:
     """A trainable param's saved hyperparameters, each in the range AdamW accepts."""
     if not isinstance(group, dict):
         raise FormatError(f"{file}: param {fqn!r} lacks its hyperparameters ('group')")
-    out: dict[str, Any] = {}
-    for key in GROUP_KEYS:
-        v = group.get(key)
-        if key == "betas":
-            ok = (isinstance(v, list) and len(v) == 2
-                  and all(_number(b) and 0 <= b < 1 for b in v))
-            v = tuple(float(b) for b in v) if ok else None
-        elif not (_number(v) and v >= 0):
-            v = None
+    out = {key: group_value(key, group.get(key)) for key in GROUP_KEYS}
+    for key, v in out.items():
         if v is None:
             raise FormatError(f"{file}: param group value {key}={group.get(key)!r} of {fqn!r} "
                               "is malformed")
-        out[key] = v
     return out
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import moments as moments_
-from .. import quant
 from ..config import GROUP_KEYS
 from ..layout import Range
 from ..moments import NAMES as MOMENT_NAMES
@@ -117,8 +116,8 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
         out.append(WriteEntry(f"{s.fqn}.{name}", enc.dtype, r.size, r.start,
                               None if m is None else m.values))
         if enc.block:  # the piece starts on a block boundary (param_align): whole blocks
-            out.append(WriteEntry(f"{s.fqn}.{name}.scale", torch.float32,
-                                  quant.num_scales(r.size), r.start // enc.block,
+            b = r.blocks(enc.block)
+            out.append(WriteEntry(f"{s.fqn}.{name}.scale", torch.float32, b.size, b.start,
                                   None if m is None else m.scales))
     return out
 
