@@ -14,7 +14,7 @@ from torch import nn
 
 from _dist import run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
-from shardopt.grad_sync import GradientOrderError
+from shardopt.sync import GradientOrderError
 from shardopt.guards import UsageError
 from test_checkpoint import MixedLM, build, snapshot, train
 

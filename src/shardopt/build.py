@@ -18,9 +18,10 @@ from .layout import Bucket, Layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ParamGroupFn = Callable[[str, torch.nn.Parameter], dict[str, Any]]
+Named = list[tuple[str, torch.nn.Parameter]]  # (FQN, param) of the trainable params, in order
 
 
-def trainable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], torch.device]:
+def trainable(model: torch.nn.Module) -> tuple[Named, torch.device]:
     """The params that require grad, by FQN, and the one device they are all on."""
     named = [(fqn, p) for fqn, p in model.named_parameters() if p.requires_grad]
     if not named:
@@ -83,7 +84,7 @@ def alignment(config: OptimizerConfig) -> tuple[int, int]:
 
 
 def param_groups(
-    named: list[tuple[str, torch.nn.Parameter]],
+    named: Named,
     defaults: dict[str, Any],
     param_group_fn: ParamGroupFn | None,
 ) -> list[dict[str, Any]]:
@@ -117,7 +118,7 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
-def launch_order(layout: Layout, named: list[tuple[str, torch.nn.Parameter]]) -> list[Bucket]:
+def launch_order(layout: Layout, named: Named) -> list[Bucket]:
     """Buckets in the order backward completes them: by the earliest-registered param, last first."""
     position = {fqn: i for i, (fqn, _) in enumerate(named)}
     buckets = [b for buf in layout.buffers for b in buf.buckets]
@@ -127,7 +128,7 @@ def launch_order(layout: Layout, named: list[tuple[str, torch.nn.Parameter]]) ->
     )
 
 
-def grad_hooks(opt: Any, named: list[tuple[str, torch.nn.Parameter]]) -> list[Any]:
+def grad_hooks(opt: Any, named: Named) -> list[Any]:
     """Register ``opt.grad_sync.on_grad_ready`` on every param, holding ``opt`` weakly: a
     tensor's hooks live where Python's garbage collector cannot see them, so a hook holding
     the optimizer would keep it (and through it the model) alive for good. Removed when

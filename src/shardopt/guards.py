@@ -107,14 +107,12 @@ _SETTINGS = "(bucket_numel, align_numel, param_align), grad_dtype"
 
 
 def _first_difference(lists: list[Any]) -> str:
-    ref = {fqn: (shape, dtype) for fqn, shape, dtype in lists[0]}
-    for r, other in enumerate(lists[1:], start=1):
-        theirs = {fqn: (shape, dtype) for fqn, shape, dtype in other}
+    ref, *others = [{fqn: (shape, dtype) for fqn, shape, dtype in rows} for rows in lists]
+    for r, theirs in enumerate(others, start=1):
         if theirs[_SETTINGS] != ref[_SETTINGS]:
             return (f"optimizer settings {_SETTINGS} are {ref[_SETTINGS]} on dp rank 0 but "
                     f"{theirs[_SETTINGS]} on dp rank {r}")
-    for r, other in enumerate(lists[1:], start=1):
-        theirs = {fqn: (shape, dtype) for fqn, shape, dtype in other}
+    for r, (other, theirs) in enumerate(zip(lists[1:], others), start=1):
         for fqn, shape, dtype in other:
             if fqn not in ref:
                 return f"param {fqn!r} exists on dp rank {r} but not on dp rank 0"

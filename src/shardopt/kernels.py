@@ -258,7 +258,8 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
     ``sum_sq`` (fp32, ``table.num_blocks`` elements) receives each block's sum of squared
     grads (before ``grad_scale``), for the grad norm at no extra memory traffic.
     """
-    (m, m_scales), (v, v_scales) = (_storage(t) for t in (exp_avg, exp_avg_sq))
+    (m, m_scales), (v, v_scales) = ((t.values, t.scales) if isinstance(t, Moment) else (t, None)
+                                    for t in (exp_avg, exp_avg_sq))
     bc1 = 1.0 - beta1 ** step
     bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
     first = 0
@@ -279,8 +280,3 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
             QBLOCK=QBLOCK, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
         first += n
-
-
-def _storage(t: torch.Tensor | Moment) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return (t.values, t.scales) if isinstance(t, Moment) else (t, None)
-

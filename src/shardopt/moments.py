@@ -105,6 +105,22 @@ def allocate(opt: DistributedOptimizer, on_host: bool) -> Moments:
     return Moments(out[0], out[1], tuple(pinned))
 
 
+def load_target(opt: DistributedOptimizer, on_host: bool) -> tuple[Moments, bool]:
+    """Where loaded moments go (with the page-locked memory behind them), and whether
+    they are new.
+
+    New tensors let ``checkpoint.load`` read the moments in one verifying pass before
+    the ranks agree (a failed load just drops them): for ``on_host``
+    (``low_memory_resume``: host memory, page-locked at its exact size when the optimizer
+    is on CUDA) and for an optimizer that has not stepped yet (a resume). Existing
+    moments are reused in place (verified first, read after the agreement): a second
+    copy of the optimizer state is what a resume must never hold, on the GPU least of all.
+    """
+    if on_host or opt.moments is None:
+        return allocate(opt, on_host), True
+    return opt.moments, False
+
+
 def _zero_padding(opt: DistributedOptimizer, t: torch.Tensor, bi: int) -> None:
     """Zero what no param shard of buffer ``bi`` covers in local tensor ``t``."""
     covered = sorted((s.range_local for s in opt.shards if s.buffer_index == bi),

@@ -3,7 +3,7 @@
 Communication schedule of one iteration (``dp_size`` ranks, buckets ``B_0..B_n``
 in launch order, which every rank shares):
 
-* Phase 1, during backward (:mod:`.grad_sync`): each param's gradient is added
+* Phase 1, during backward (:mod:`.sync`): each param's gradient is added
   into the grad buffer and ``param.grad`` is freed; when every param of the next
   bucket in launch order has reported, that bucket's reduce-scatter (average)
   starts asynchronously. Buckets launch strictly in order, so every rank issues
@@ -17,7 +17,7 @@ in launch order, which every rank shares):
   ``torch.optim.AdamW``: :mod:`.step_plan`), run fused AdamW on the local
   shard (fp32 main params, lazily allocated moments) and copy the result into
   the rank's shard of the model-dtype param buffer.
-* Phase 3, still in ``step()`` (:mod:`.param_sync`): all-gather every param
+* Phase 3, still in ``step()`` (:mod:`.sync`): all-gather every param
   bucket, so each rank again holds the full updated params.
 
 With ``dp_size == 1`` every collective is skipped and the same code runs.
@@ -36,16 +36,15 @@ import torch
 from . import build, comm, guards, quant, step_plan
 from . import moments as moments_
 from . import state_dict as state_dicts
-from .build import SUPPORTED_DTYPES, ParamGroupFn
+from .build import SUPPORTED_DTYPES, Named, ParamGroupFn
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .grad_norm import GradNorm
-from .grad_sync import GradientOrderError, GradSync
 from .host_state import KINDS, HostState
 from .layout import Layout, ParamShard, ParamSpec, build_layout
 from .moments import Moments
-from .param_sync import ParamSync
 from .param_watch import ParamWatch
+from .sync import GradientOrderError, GradSync, ParamSync
 from .update import STATE_NAMES, Update
 
 __all__ = ["SUPPORTED_DTYPES", "STATE_NAMES", "DistributedOptimizer", "GradientOrderError",
@@ -96,8 +95,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._init_state(model, named)
         self._init_sync(model, named)
 
-    def _init_layout(self, model: torch.nn.Module,
-                     named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    def _init_layout(self, model: torch.nn.Module, named: Named) -> None:
         """Collective: the ranks agree on params and settings, then lay the params out."""
         self.aliases = build.tied_aliases(model)
         specs = [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named]
@@ -112,8 +110,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # A param lies in one bucket, so this rank holds at most one shard of it.
         self.shard_of: dict[str, ParamShard] = {s.fqn: s for s in self.shards}
 
-    def _init_groups(self, named: list[tuple[str, torch.nn.Parameter]],
-                     param_group_fn: ParamGroupFn | None) -> None:
+    def _init_groups(self, named: Named, param_group_fn: ParamGroupFn | None) -> None:
         defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
                     "weight_decay": self.config.weight_decay}
         super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
@@ -128,8 +125,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
             for gi in range(len(self.param_groups))]
 
-    def _init_state(self, model: torch.nn.Module,
-                    named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    def _init_state(self, model: torch.nn.Module, named: Named) -> None:
         # Per layout buffer, this rank's fp32 main params (None for an fp32 buffer, whose
         # param buffer is its main param).
         self.main_params = build.main_params(self.layout, self.buffers, self.dp, self.device)
@@ -146,8 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._watch = ParamWatch(self._fqns, [p for _, p in named],
                                  [(p.dtype, p.device) for _, p in named], self.dp.rank)
 
-    def _init_sync(self, model: torch.nn.Module,
-                   named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    def _init_sync(self, model: torch.nn.Module, named: Named) -> None:
         """Phases 1 and 3 of the schedule (module docstring) and the norm between them."""
         self.grad_sync = GradSync(self.dp, self.buffers, self.layout, self.config, named,
                                   self.fqn_of)

@@ -224,10 +224,7 @@ def _load(opt: DistributedOptimizer, sd: Any) -> None:
         if name == "master_param":
             opt.state_view(name, shard).copy_(src)
     host = opt.config.low_memory_resume
-    if host or opt.moments is None:  # new tensors: low_memory_resume keeps them on the host
-        moments = opt.allocate_moments(on_host=host)
-    else:  # in place: no second copy of the moments on the device
-        moments = opt.moments
+    moments = moments_.load_target(opt, host)[0]
     for shard, name, src in plan.copies:
         if name != "master_param":
             m = moments.of(name.removesuffix(".scale"))[shard.buffer_index]

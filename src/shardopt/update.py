@@ -128,21 +128,10 @@ class Update:
             beta1, beta2 = group["betas"]
             step_of = {n: torch.tensor(float(n), device=opt.device) for n in set(counts)}
             torch._fused_adamw_(
-                main,
-                grad,
-                exp_avg,
-                exp_avg_sq,
-                [],
-                [step_of[n] for n in counts],
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                amsgrad=False,
-                maximize=False,
-                grad_scale=grad_scale,
-            )
+                main, grad, exp_avg, exp_avg_sq, [], [step_of[n] for n in counts],
+                lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+                maximize=False, grad_scale=grad_scale)
         if work is not None:
             for stored, wide in zip((moments.exp_avg, moments.exp_avg_sq), work):
                 for moment, w in zip(stored, wide):

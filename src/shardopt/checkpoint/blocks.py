@@ -126,10 +126,7 @@ def read_blocks(items: list[tuple[BlockFile, list[Segment]]], threads: int) -> l
         if copies:
             scratch.copy(slot, [(out, _typed(staged, dtype)) for out, staged, dtype in copies])
 
-    try:
-        run_parallel(jobs, work, scratch.threads)
-    finally:
-        scratch.drain()
+    run_parallel(jobs, work, scratch.threads, scratch)
     return touched
 
 

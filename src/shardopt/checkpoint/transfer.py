@@ -92,11 +92,12 @@ def _advance(views: list[memoryview], n: int) -> None:
         views[0] = views[0][n:]
 
 
-def run_parallel(jobs: list, work: Callable, threads: int) -> None:
+def run_parallel(jobs: list, work: Callable, threads: int, scratch: Scratch | None = None) -> None:
     """``work(job, slot)`` for every job, on ``threads`` threads; ``slot`` is the thread's
     index (its own scratch). Jobs are dealt round-robin, so the threads move neighbouring
     pieces at the same time. After a failure the threads stop taking jobs; the error of the
-    earliest failed job is raised once every thread has stopped."""
+    earliest failed job is raised once every thread has stopped and the device copies of
+    ``scratch`` are done."""
     threads = max(1, min(threads, len(jobs)))
     errors: dict[int, BaseException] = {}
 
@@ -110,12 +111,16 @@ def run_parallel(jobs: list, work: Callable, threads: int) -> None:
                 errors[i] = e
                 return
 
-    if threads == 1:
-        run(0)
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-io") as pool:
-            for f in [pool.submit(run, slot) for slot in range(threads)]:
-                f.result()
+    try:
+        if threads == 1:
+            run(0)
+        else:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-io") as pool:
+                for f in [pool.submit(run, slot) for slot in range(threads)]:
+                    f.result()
+    finally:
+        if scratch is not None:
+            scratch.drain()
     if errors:
         raise errors[min(errors)]
 
@@ -225,11 +230,7 @@ def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
             pwritev_exact(fd, views, pos, path)
         digests[b] = h.hexdigest()
 
-    try:
-        run_parallel(jobs, work, threads)
-    finally:
-        if scratch is not None:
-            scratch.drain()
+    run_parallel(jobs, work, threads, scratch)
     return digests
 
 
@@ -288,8 +289,4 @@ def read_segments(items: list[FileSegment], scratch: Scratch | None, threads: in
         preadv_exact(it.fd, [host_bytes(buf)], file_start, it.path)
         scratch.copy(slot, [(out, buf.view(dtype))])
 
-    try:
-        run_parallel(jobs, work, threads)
-    finally:
-        if scratch is not None:
-            scratch.drain()
+    run_parallel(jobs, work, threads, scratch)
