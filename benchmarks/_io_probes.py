@@ -457,6 +457,7 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     """
     import importlib
 
+    from shardopt import moments as moments_mod
     from shardopt import optimizer as opt_mod
 
     mods = {}
@@ -492,7 +493,7 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     phase(commit, "begin", "begin", "commit.begin")
     # load (the read engine calls the names it imported)
     phase(load, "_prepare", "prepare", "load._prepare")
-    phase(load, "_moment_tensors", "alloc_moments", "load._moment_tensors")
+    phase(moments_mod, "load_target", "alloc_moments", "moments.load_target")
     phase(read, "verify_blocks", "verify", "read.verify_blocks")
     phase(read, "read_blocks", "read_fresh", "read.read_blocks")
     phase(read, "read_segments", "read_into", "read.read_segments")

@@ -150,7 +150,7 @@ def _step_with_grads(opt: DistributedOptimizer) -> None:
     """``step()`` as after a backward whose hooks wrote every param's gradient: the grads
     were written straight into the buffers, so mark them written (else the optimizer
     takes them for params without a gradient: it zeroes them and skips their update)."""
-    opt._written.update(opt.layout.fqns)
+    opt.grad_sync.mark_written(opt.layout.fqns)
     opt.step()
 
 

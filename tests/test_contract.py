@@ -1,7 +1,7 @@
 """Misuse gets a clear error naming what to do or which param, never a deep TypeError,
 IndexError or a hang: torch.optim-style construction, two optimizers over one model,
 ``add_param_group``, ranks that built different models, and checkpoint calls with a
-model the optimizer does not own."""
+model the optimizer does not own, a second backward without ``zero_grad`` or ``no_sync``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 
 from _dist import run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
+from shardopt.sync import GradientOrderError
 from shardopt.guards import UsageError
 from test_checkpoint import MixedLM, build, snapshot, train
 
@@ -49,10 +50,39 @@ def test_second_optimizer_over_the_same_params_is_refused():
     DistributedOptimizer(model, OptimizerConfig())
 
 
+@pytest.mark.parametrize("override, shown", [
+    ({"lr": -1e-3}, "lr=-0.001"), ({"eps": float("nan")}, "eps=nan"),
+    ({"weight_decay": True}, "weight_decay=True"), ({"betas": (0.9, 1.5)}, r"betas=\(0.9, 1.5\)"),
+    ({"betas": (0.9,)}, r"betas=\(0.9,\)"),
+])
+def test_param_group_fn_values_adamw_cannot_take_are_refused(override, shown):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    fn = lambda fqn, p: override if fqn == "1.bias" else {}  # noqa: E731
+    with pytest.raises(ValueError, match=f"{shown}.*'1.bias'"):
+        DistributedOptimizer(model, OptimizerConfig(), param_group_fn=fn)
+    DistributedOptimizer(model, OptimizerConfig(), param_group_fn=lambda f, p: {
+        "lr": 0, "betas": [0, 0.5], "weight_decay": 0})  # the edges are fine
+
+
 def test_add_param_group_points_to_param_group_fn():
     model, opt = build(0)
     with pytest.raises(NotImplementedError, match="param_group_fn"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+def test_a_second_backward_after_the_reductions_started_is_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-2))
+    x = torch.randn(3, 4)
+    model(x).sum().backward()  # with overlap_grad_reduce every bucket has started its reduction
+    with pytest.raises(GradientOrderError, match=r"\[dp rank 0\] gradient for '1\.\w+' arrived "
+                       r"after its bucket's reduction started; .*no_sync\(\)"):
+        model(x).sum().backward()
+    opt.zero_grad()
+    with opt.no_sync():  # accumulation: no reduction starts, so a second backward may follow
+        model(x).sum().backward()
+    model(x).sum().backward()
+    opt.step()
 
 
 def test_checkpoint_with_a_model_the_optimizer_does_not_own(tmp_path):

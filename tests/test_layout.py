@@ -324,3 +324,9 @@ def test_rank_out_of_range_raises(rank):
 def test_invalid_range_raises(start, end):
     with pytest.raises(ValueError):
         Range(start, end)
+
+
+@given(st.integers(0, 500), st.integers(0, 500), st.integers(1, 70))
+def test_range_blocks_are_the_blocks_it_touches(start, size, block):
+    got = Range(start, start + size).blocks(block)
+    assert list(range(got.start, got.end)) == sorted({i // block for i in range(start, start + size)})

@@ -197,7 +197,8 @@ def test_kernel_packed_moments_match_torch(m_kind, v_kind, grad_dtype):
     dev = KERNEL_DEVICE
     table = kernels.chunk_table([kernels.ChunkPart(*p) for p in parts], dev)
     assert table.full.shape[0] >= 1 and table.partial.shape[0] >= 3
-    packed = [kernels.Packed(mo.values.to(dev), None if mo.scales is None else mo.scales.to(dev))
+    packed = [Moment.wrap(mo.kind, mo.values.to(dev),
+                          None if mo.scales is None else mo.scales.to(dev), mo.sqrt)
               for mo in moments]
     main_dev = main.to(dev)
     kernels.adamw_(table, main_dev, grads.to(dev), *packed,

@@ -124,6 +124,24 @@ def test_manifest_records_each_moments_encoding(tmp_path):
     assert info["moments"] == {k: e.to_json() for k, e in m.moments.items()}
 
 
+@pytest.mark.parametrize("name", ["exp_avg", "exp_avg_sq"])
+def test_decoding_a_stored_piece_at_any_offset_is_the_moments_own_fp32(name):
+    # A piece starts where a shard of the loading optimizer starts: with fp32 or bf16 moments
+    # its layout does not align params, so anywhere inside a block.
+    from shardopt.checkpoint.manifest import MomentEncoding
+    numel = 5 * QBLOCK
+    moment = Moment(INT8, numel, torch.device("cpu"), sqrt=name == "exp_avg_sq")
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3
+    moment.store_(x.square() if moment.sqrt else x)
+    want, codes = moment.to_fp32(), moment.values.clone()
+    enc = MomentEncoding.of(INT8, name)
+    for start, n in [(0, numel), (3, 10), (5, QBLOCK), (QBLOCK - 1, 2 * QBLOCK + 3),
+                     (QBLOCK, QBLOCK), (130, 0), (17, numel - 17), (2 * QBLOCK + 1, QBLOCK - 1)]:
+        got = enc.decode(moment.values[start:start + n], moment.scales[start // QBLOCK:], start)
+        assert torch.equal(got.view(torch.int32), want[start:start + n].view(torch.int32)), start
+    assert torch.equal(moment.values, codes)  # decoding leaves the stored codes alone
+
+
 def _edit_manifest(path: Path, edit) -> None:
     from shardopt.checkpoint.format import manifest_checksum
     file = path / "manifest.json"

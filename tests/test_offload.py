@@ -268,7 +268,7 @@ def test_release_host_memory_reallocates_on_the_next_offload():
     opt.onload()
     kept = opt._host.host_bytes()
     assert kept == sum(t.numel() * t.element_size() for t in
-                       opt.buffers.param_buffers + [m for m in opt._main if m is not None]
+                       opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]
                        + opt.moments.tensors())  # grads were not pending
     opt.release_host_memory()
     assert opt._host.host_bytes() == 0
@@ -349,7 +349,7 @@ def test_offload_returns_device_memory_and_reuses_pinned_host_buffers():
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved() - sum(
         t.untyped_storage().nbytes() for t in opt.buffers.param_buffers + opt.buffers.grad_buffers
-        + [m for m in opt._main if m is not None])
+        + [m for m in opt.main_params if m is not None])
     for cycle in range(3):
         model(x).float().square().mean().backward()
         opt.step()

@@ -570,10 +570,10 @@ def _overlap_rank(rank: int, world_size: int, backend: str, overlap: bool) -> di
         opt.step()
         opt.zero_grad()
         history.append(float(loss))
-    in_flight = len(opt._param_handles)
+    in_flight = len(opt.param_sync.handles)
     with torch.no_grad():  # each module's pre-hook waits for (and drops) its buckets' gathers
         model(tokens[0, 0, rank].to(device), targets[0, 0, rank].to(device), True)
-    after_forward = len(opt._param_handles)
+    after_forward = len(opt.param_sync.handles)
     opt.finish_param_sync()
     return {"losses": history, "params": snapshot(model), "in_flight": in_flight,
             "after_forward": after_forward}

@@ -144,7 +144,7 @@ def write_weights(model: Net, how: str, opt: DistributedOptimizer) -> None:
         opt.reload_model_params()
         return
     model.load_state_dict(fresh.state_dict())
-    assert not opt._param_handles  # it waited for gathers still in flight before writing
+    assert not opt.param_sync.handles  # it waited for gathers still in flight before writing
     ema = {f: p.detach() * 0.5 + 0.25 for f, p in model.c.named_parameters()}
     with torch.no_grad():
         model.a.weight.zero_()
@@ -224,7 +224,7 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     model = Net()
     opt = DistributedOptimizer(model, config("torch"))
     train_step(model, opt, 0, 0, [frozenset()])
-    held = [t.clone() for t in opt.buffers.param_buffers + [m for m in opt._main if m is not None]]
+    held = [t.clone() for t in opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]]
     steps = dict(opt.param_steps)
     {"float": model.float, "double": lambda: model.to(torch.float64), "half": model.half}[move]()
     loss_of(model, 1, 0, 0, frozenset()).backward()
@@ -236,7 +236,7 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     with pytest.raises(ParamMovedError, match=r"'a\.weight'"):
         opt.reload_model_params()
     assert opt.param_steps == steps  # the failed step changed nothing
-    now = opt.buffers.param_buffers + [m for m in opt._main if m is not None]
+    now = opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, now))
 
 

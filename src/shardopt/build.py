@@ -13,14 +13,15 @@ import torch
 
 from . import comm, kernels, quant
 from .buffers import FlatBuffers
-from .config import GROUP_KEYS, OptimizerConfig
+from .config import GROUP_KEYS, OptimizerConfig, group_value
 from .layout import Bucket, Layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ParamGroupFn = Callable[[str, torch.nn.Parameter], dict[str, Any]]
+Named = list[tuple[str, torch.nn.Parameter]]  # (FQN, param) of the trainable params, in order
 
 
-def trainable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], torch.device]:
+def trainable(model: torch.nn.Module) -> tuple[Named, torch.device]:
     """The params that require grad, by FQN, and the one device they are all on."""
     named = [(fqn, p) for fqn, p in model.named_parameters() if p.requires_grad]
     if not named:
@@ -83,7 +84,7 @@ def alignment(config: OptimizerConfig) -> tuple[int, int]:
 
 
 def param_groups(
-    named: list[tuple[str, torch.nn.Parameter]],
+    named: Named,
     defaults: dict[str, Any],
     param_group_fn: ParamGroupFn | None,
 ) -> list[dict[str, Any]]:
@@ -96,11 +97,11 @@ def param_groups(
                 f"param_group_fn returned unknown keys {sorted(unknown)} for param {fqn!r}; "
                 f"allowed: {list(GROUP_KEYS)}"
             )
-        if "betas" in overrides:
-            overrides["betas"] = tuple(float(b) for b in overrides["betas"])
         for key, value in overrides.items():
-            if key != "betas" and not (isinstance(value, (int, float)) and math.isfinite(value)):
-                raise ValueError(f"param_group_fn gave {key}={value!r} for param {fqn!r}")
+            overrides[key] = group_value(key, value)
+            if overrides[key] is None:
+                raise ValueError(f"param_group_fn gave {key}={value!r} for param {fqn!r}: "
+                                 "AdamW takes finite numbers >= 0 (betas: two of them below 1)")
         key = tuple(sorted(overrides.items()))
         group = groups.setdefault(key, {"params": [], **overrides})
         group["params"].append(p)
@@ -117,7 +118,7 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
-def launch_order(layout: Layout, named: list[tuple[str, torch.nn.Parameter]]) -> list[Bucket]:
+def launch_order(layout: Layout, named: Named) -> list[Bucket]:
     """Buckets in the order backward completes them: by the earliest-registered param, last first."""
     position = {fqn: i for i, (fqn, _) in enumerate(named)}
     buckets = [b for buf in layout.buffers for b in buf.buckets]
@@ -127,10 +128,11 @@ def launch_order(layout: Layout, named: list[tuple[str, torch.nn.Parameter]]) ->
     )
 
 
-def grad_hooks(opt: Any, named: list[tuple[str, torch.nn.Parameter]]) -> list[Any]:
-    """Register ``opt._on_grad_ready`` on every param, holding ``opt`` weakly: a tensor's hooks
-    live where Python's garbage collector cannot see them, so a hook holding the optimizer
-    would keep it (and through it the model) alive for good. Removed when ``opt`` is gone."""
+def grad_hooks(opt: Any, named: Named) -> list[Any]:
+    """Register ``opt.grad_sync.on_grad_ready`` on every param, holding ``opt`` weakly: a
+    tensor's hooks live where Python's garbage collector cannot see them, so a hook holding
+    the optimizer would keep it (and through it the model) alive for good. Removed when
+    ``opt`` is gone."""
     on_grad = _WeakGradHook(opt)
     handles = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
     weakref.finalize(opt, _remove_hooks, list(handles))
@@ -138,7 +140,7 @@ def grad_hooks(opt: Any, named: list[tuple[str, torch.nn.Parameter]]) -> list[An
 
 
 class _WeakGradHook:
-    """``opt._on_grad_ready`` through a weak reference (a no-op once ``opt`` is gone)."""
+    """``opt.grad_sync.on_grad_ready`` through a weak reference (a no-op once ``opt`` is gone)."""
 
     def __init__(self, opt: Any) -> None:
         self.owner = weakref.ref(opt)
@@ -146,7 +148,7 @@ class _WeakGradHook:
     def __call__(self, param: torch.nn.Parameter) -> None:
         opt = self.owner()
         if opt is not None:
-            opt._on_grad_ready(param)
+            opt.grad_sync.on_grad_ready(param)
 
 
 def _remove_hooks(handles: list[Any]) -> None:

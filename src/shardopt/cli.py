@@ -46,20 +46,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     from shardopt.recipes.model import PRESETS
 
@@ -98,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global batch in sequences per step, split over ranks (default: 12)")
     t.add_argument("--micro-batch-size", type=_positive_int, default=None,
                    help="sequences per forward/backward on one rank (default: the rank's whole batch)")
-    t.add_argument("--lr", type=_float, default=None, help="peak learning rate (default: 3e-3)")
-    t.add_argument("--warmup-steps", type=_int, default=None, help="default: 10%% of --steps")
-    t.add_argument("--seed", type=_int, default=None,
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 3e-3)")
+    t.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
+    t.add_argument("--seed", type=int, default=None,
                    help="seeds the weights and the data (default: 0)")
     t.add_argument("--ckpt-dir", default=None, help="checkpoint root directory")
-    t.add_argument("--save-every", type=_int, default=0, metavar="N",
+    t.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="save every N steps and at the end (default: only at the end, if --ckpt-dir)")
     t.add_argument("--keep-last", type=_positive_int, default=None, metavar="K",
                    help="keep only the K newest checkpoints")

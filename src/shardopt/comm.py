@@ -83,15 +83,6 @@ def all_reduce_sum_(tensor: torch.Tensor, dp: DPGroup) -> torch.Tensor:
     return tensor
 
 
-def all_true(flag: bool, dp: DPGroup, device: torch.device) -> bool:
-    """Collective. True only if ``flag`` is true on every rank."""
-    if dp.size == 1:
-        return flag
-    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(t, group=dp.group)
-    return int(t.item()) == 0
-
-
 def all_gather_objects(obj: object, dp: DPGroup) -> list[object]:
     """Collective. Every rank's ``obj`` (small, JSON-like values only), in rank order."""
     if dp.size == 1:
@@ -127,16 +118,6 @@ def _ranks(ranks: list[int]) -> str:
         else:
             runs.append([r])
     return ",".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in runs)
-
-
-def broadcast_object(obj: object, dp: DPGroup, src_rank: int = 0) -> object:
-    """Collective. ``obj`` from DP rank ``src_rank`` (small, JSON-like values only)."""
-    if dp.size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(dp.group, src_rank)
-                               if dp.group is not None else src_rank, group=dp.group)
-    return box[0]
 
 
 def barrier(dp: DPGroup) -> None:

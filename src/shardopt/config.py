@@ -103,7 +103,7 @@ class OptimizerConfig:
         out["betas"] = list(self.betas)
         for key in ("grad_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
             value = out[key]
-            out[key] = value if isinstance(value, str) else str(value).removeprefix("torch.")
+            out[key] = value if isinstance(value, str) else dtype_name(value)
         return out
 
     @classmethod
@@ -119,6 +119,11 @@ GRAD_DTYPES = (torch.float32, torch.bfloat16)
 _BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, INT8: INT8}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how state dicts, manifests and configs name it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _state_dtype(name: str, value: Any, allowed: tuple) -> torch.dtype | str:
     """``value`` as one of ``allowed``; names (as ``to_dict`` writes them) are accepted."""
     if value == torch.int8:
@@ -132,3 +137,19 @@ def _state_dtype(name: str, value: Any, allowed: tuple) -> torch.dtype | str:
 
 # Hyperparameters a param group may override through ``param_group_fn``.
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def group_value(key: str, value: Any) -> Any:
+    """``value`` as a param group holds hyperparameter ``key`` (betas: a tuple of floats), or
+    None if AdamW cannot take it: numbers finite and >= 0, betas two of them below 1. The one
+    rule for ``param_group_fn``, ``load_state_dict`` and checkpoint manifests."""
+    if key == "betas":
+        ok = (isinstance(value, (list, tuple)) and len(value) == 2
+              and all(_number(b) and b < 1 for b in value))
+        return tuple(float(b) for b in value) if ok else None
+    return value if _number(value) else None
+
+
+def _number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)

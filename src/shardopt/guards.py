@@ -2,7 +2,8 @@
 a ``TypeError`` from deep inside, a silently detached param or a collective that hangs.
 
 Only :func:`check_same_layout` communicates: one all-gather of a digest over the DP
-group (and, only when the digests differ, one of the param lists to name what differs).
+group (and, only when the digests differ, one of the param lists to name what differs);
+none with one rank.
 """
 
 from __future__ import annotations
@@ -83,26 +84,22 @@ def claim(opt: Any, named: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
 
 def check_same_layout(dp: comm.DPGroup, specs: list[ParamSpec], config: OptimizerConfig,
                       local_problem: str | None) -> None:
-    """Collective (none when ``dp.size`` is 1). Raise :class:`UsageError` on every rank if any
-    rank has ``local_problem`` or built a different model (naming the first differing FQN
-    and what differs), rather than letting mismatched collectives abort later."""
-    if dp.size == 1:
-        if local_problem:
-            raise UsageError(local_problem)
-        return
+    """Collective (:func:`~shardopt.comm.agree`). Raise :class:`UsageError` on every rank if
+    any rank has ``local_problem`` (naming the ranks) or built a different model (naming
+    the first differing FQN and what differs), rather than letting mismatched collectives
+    abort later."""
     described = [(s.fqn, tuple(s.shape), str(s.dtype)) for s in specs]
     # Everything else the layout and the collectives depend on: bucket size, alignment (8-bit
     # moments align params), and the grad dtype that the reduce-scatters carry.
     described.append((_SETTINGS, (config.bucket_numel, *alignment(config)), str(config.grad_dtype)))
-    digest = hashlib.sha256(repr(described).encode()).hexdigest()
-    gathered = comm.all_gather_objects((digest, local_problem), dp)
-    problems = [f"[dp rank {r}] {p}" for r, (_, p) in enumerate(gathered) if p]
+    digest = hashlib.sha256(repr(described).encode()).hexdigest() if dp.size > 1 else None
+    error = None if local_problem is None else UsageError(local_problem)
+    digests, problems = comm.agree(dp, error, digest)
     if problems:
-        raise UsageError("; ".join(problems))
-    if len({d for d, _ in gathered}) == 1:
-        return
-    lists = comm.all_gather_objects(described, dp)
-    raise UsageError("DP ranks built different models: " + _first_difference(lists))
+        raise UsageError(problems)
+    if len(set(digests)) > 1:
+        lists = comm.all_gather_objects(described, dp)
+        raise UsageError("DP ranks built different models: " + _first_difference(lists))
 
 
 # The row of the layout digest that holds the settings, not a param.
@@ -110,14 +107,12 @@ _SETTINGS = "(bucket_numel, align_numel, param_align), grad_dtype"
 
 
 def _first_difference(lists: list[Any]) -> str:
-    ref = {fqn: (shape, dtype) for fqn, shape, dtype in lists[0]}
-    for r, other in enumerate(lists[1:], start=1):
-        theirs = {fqn: (shape, dtype) for fqn, shape, dtype in other}
+    ref, *others = [{fqn: (shape, dtype) for fqn, shape, dtype in rows} for rows in lists]
+    for r, theirs in enumerate(others, start=1):
         if theirs[_SETTINGS] != ref[_SETTINGS]:
             return (f"optimizer settings {_SETTINGS} are {ref[_SETTINGS]} on dp rank 0 but "
                     f"{theirs[_SETTINGS]} on dp rank {r}")
-    for r, other in enumerate(lists[1:], start=1):
-        theirs = {fqn: (shape, dtype) for fqn, shape, dtype in other}
+    for r, (other, theirs) in enumerate(zip(lists[1:], others), start=1):
         for fqn, shape, dtype in other:
             if fqn not in ref:
                 return f"param {fqn!r} exists on dp rank {r} but not on dp rank 0"

@@ -36,11 +36,9 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 
-from .quant import QBLOCK
+from .quant import QBLOCK, Moment
 
 try:
     import triton
@@ -53,14 +51,6 @@ NUM_WARPS = 4
 
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 2}
-
-
-class Packed(NamedTuple):
-    """A moment stored in low precision: ``values`` (fp32, bf16, or int8 / uint8 codes) and,
-    for codes, ``scales`` (one fp32 per ``QBLOCK`` elements; uint8 codes hold sqrt(exp_avg_sq))."""
-
-    values: torch.Tensor
-    scales: torch.Tensor | None
 
 
 def available(device: torch.device) -> bool:
@@ -261,7 +251,7 @@ if triton is not None:
 
 
 def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
-           exp_avg: torch.Tensor | Packed, exp_avg_sq: torch.Tensor | Packed,
+           exp_avg: torch.Tensor | Moment, exp_avg_sq: torch.Tensor | Moment,
            out: torch.Tensor | None, *, main_global: bool,
            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
            grad_scale: torch.Tensor | None, sum_sq: torch.Tensor | None = None) -> None:
@@ -269,12 +259,14 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
 
     ``grads`` and ``out`` (model-dtype params, or None) are whole flat buffers indexed
     by the global column; ``exp_avg``/``exp_avg_sq`` are local state tensors indexed by
-    the local column (fp32, or :class:`Packed` low-precision storage); ``main`` is either
+    the local column (fp32, or a :class:`~shardopt.quant.Moment` in its storage form);
+    ``main`` is either
     (``main_global``: the fp32 param buffer itself).
     ``sum_sq`` (fp32, ``table.num_blocks`` elements) receives each block's sum of squared
     grads (before ``grad_scale``), for the grad norm at no extra memory traffic.
     """
-    (m, m_scales), (v, v_scales) = (_packed(t) for t in (exp_avg, exp_avg_sq))
+    (m, m_scales), (v, v_scales) = ((t.values, t.scales) if isinstance(t, Moment) else (t, None)
+                                    for t in (exp_avg, exp_avg_sq))
     bc1 = 1.0 - beta1 ** step
     bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
     first = 0
@@ -295,8 +287,3 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
             QBLOCK=QBLOCK, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
         first += n
-
-
-def _packed(t: torch.Tensor | Packed) -> Packed:
-    return t if isinstance(t, Packed) else Packed(t, None)
-

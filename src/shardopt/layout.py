@@ -58,6 +58,12 @@ class Range:
     def as_slice(self) -> slice:
         return slice(self.start, self.end)
 
+    def blocks(self, block: int) -> Range:
+        """The blocks of ``block`` elements (block ``k`` is ``[k * block, (k + 1) * block)``)
+        that this range touches: none when it is empty."""
+        first = self.start // block
+        return Range(first, -(-self.end // block) if self.size else first)
+
 
 @dataclass(frozen=True)
 class ParamSpec:

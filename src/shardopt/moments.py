@@ -59,9 +59,7 @@ class Moments:
 def piece(m: quant.Moment, r: Range) -> quant.Moment:
     """Views of the local range ``r`` of ``m`` (``r`` starts on a block boundary where ``m``
     has scales: the layout's ``param_align``): its values and the scales of its blocks."""
-    scales = None
-    if m.scales is not None:
-        scales = m.scales[r.start // quant.QBLOCK:][:quant.num_scales(r.size)]
+    scales = None if m.scales is None else m.scales[r.blocks(quant.QBLOCK).as_slice()]
     return quant.Moment.wrap(m.kind, m.values[r.as_slice()], scales, m.sqrt)
 
 
@@ -105,6 +103,22 @@ def allocate(opt: DistributedOptimizer, on_host: bool) -> Moments:
                               if kind == INT8 else None, sqrt)
             for bi, b in enumerate(opt.layout.buffers)))
     return Moments(out[0], out[1], tuple(pinned))
+
+
+def load_target(opt: DistributedOptimizer, on_host: bool) -> tuple[Moments, bool]:
+    """Where loaded moments go (with the page-locked memory behind them), and whether
+    they are new.
+
+    New tensors let ``checkpoint.load`` read the moments in one verifying pass before
+    the ranks agree (a failed load just drops them): for ``on_host``
+    (``low_memory_resume``: host memory, page-locked at its exact size when the optimizer
+    is on CUDA) and for an optimizer that has not stepped yet (a resume). Existing
+    moments are reused in place (verified first, read after the agreement): a second
+    copy of the optimizer state is what a resume must never hold, on the GPU least of all.
+    """
+    if on_host or opt.moments is None:
+        return allocate(opt, on_host), True
+    return opt.moments, False
 
 
 def _zero_padding(opt: DistributedOptimizer, t: torch.Tensor, bi: int) -> None:

@@ -3,13 +3,11 @@
 Communication schedule of one iteration (``dp_size`` ranks, buckets ``B_0..B_n``
 in launch order, which every rank shares):
 
-* Phase 1, during backward: each param's gradient is added into the fp32
-  grad buffer by a post-accumulate-grad hook and ``param.grad`` is freed.
-  When every param of the next bucket in launch order has reported, that
-  bucket is divided by ``dp_size`` and its reduce-scatter starts
-  asynchronously. Buckets are launched strictly in order, so ranks whose
-  hooks fire in different orders (unused params, MoE experts without
-  tokens) still issue identical collectives.
+* Phase 1, during backward (:mod:`.sync`): each param's gradient is added
+  into the grad buffer and ``param.grad`` is freed; when every param of the next
+  bucket in launch order has reported, that bucket's reduce-scatter (average)
+  starts asynchronously. Buckets launch strictly in order, so every rank issues
+  identical collectives whatever order its hooks fire in.
 * Phase 2, ``step()``: re-seed the fp32 main params of params the user wrote
   since the last step (:mod:`.param_watch`), launch whatever was not launched
   (a param without a gradient on this rank counts as zero in the average),
@@ -19,8 +17,8 @@ in launch order, which every rank shares):
   ``torch.optim.AdamW``: :mod:`.step_plan`), run fused AdamW on the local
   shard (fp32 main params, lazily allocated moments) and copy the result into
   the rank's shard of the model-dtype param buffer.
-* Phase 3, still in ``step()``: all-gather every param bucket, so each rank
-  again holds the full updated params.
+* Phase 3, still in ``step()`` (:mod:`.sync`): all-gather every param
+  bucket, so each rank again holds the full updated params.
 
 With ``dp_size == 1`` every collective is skipped and the same code runs.
 The optimizer holds state and returns it on request; it never does file I/O
@@ -38,22 +36,19 @@ import torch
 from . import build, comm, guards, quant, step_plan
 from . import moments as moments_
 from . import state_dict as state_dicts
-from .build import SUPPORTED_DTYPES, ParamGroupFn
+from .build import SUPPORTED_DTYPES, Named, ParamGroupFn
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .grad_norm import GradNorm
 from .host_state import KINDS, HostState
-from .layout import Bucket, Layout, ParamShard, ParamSpec, build_layout
+from .layout import Layout, ParamShard, ParamSpec, build_layout
 from .moments import Moments
 from .param_watch import ParamWatch
+from .sync import GradientOrderError, GradSync, ParamSync
 from .update import STATE_NAMES, Update
 
 __all__ = ["SUPPORTED_DTYPES", "STATE_NAMES", "DistributedOptimizer", "GradientOrderError",
            "LowPrecisionStateError", "ParamGroupFn"]
-
-
-class GradientOrderError(RuntimeError):
-    """A gradient arrived for a bucket whose reduction had already started."""
 
 
 class LowPrecisionStateError(ValueError):
@@ -95,6 +90,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.config = config if config is not None else OptimizerConfig()
         self.dp = comm.DPGroup.resolve(process_group)
         named, self.device = build.trainable(model)
+        self._init_layout(model, named)
+        self._init_groups(named, param_group_fn)
+        self._init_state(model, named)
+        self._init_sync(model, named)
+
+    def _init_layout(self, model: torch.nn.Module, named: Named) -> None:
+        """Collective: the ranks agree on params and settings, then lay the params out."""
         self.aliases = build.tied_aliases(model)
         specs = [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named]
         guards.check_same_layout(self.dp, specs, self.config, guards.ownership_problem(named))
@@ -103,28 +105,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                            *build.alignment(self.config))
         self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_dtype)
         self.fqn_of = {p: fqn for fqn, p in named}
-        self.shards: tuple[ParamShard, ...] = self.layout.shards(self.dp.rank)
-        self._init_groups(named, param_group_fn)
-        self._main = build.main_params(self.layout, self.buffers, self.dp, self.device)
-        self._moments: Moments | None = None  # allocated lazily (first step or a load)
-        # Host copies: offload()/onload() and the moments a low_memory_resume load stages.
-        self._host = HostState(self, model, lambda: self._watch.rebase())
-        # Updates applied to each param (torch's state[p]["step"]): a param that got no
-        # gradient on any rank in a step is not updated and its count stays.
-        self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
         self._fqns = tuple(fqn for fqn, _ in named)
-        self._init_grad_sync(named)
-        self._norm = GradNorm(self.dp, self.buffers, self.layout, self.config, self._fqns,
-                              self._written)
-        self._grad_norm: torch.Tensor | None = None
-        self.step_kernel = build.choose_kernel(self.config, self.device)
-        self._update = Update(self)
-        self._init_param_sync(model)
-        self._watch = ParamWatch(self._fqns, [p for _, p in named],
-                                 [(p.dtype, p.device) for _, p in named], self.dp.rank)
+        self.shards: tuple[ParamShard, ...] = self.layout.shards(self.dp.rank)
+        # A param lies in one bucket, so this rank holds at most one shard of it.
+        self.shard_of: dict[str, ParamShard] = {s.fqn: s for s in self.shards}
 
-    def _init_groups(self, named: list[tuple[str, torch.nn.Parameter]],
-                     param_group_fn: ParamGroupFn | None) -> None:
+    def _init_groups(self, named: Named, param_group_fn: ParamGroupFn | None) -> None:
         defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
                     "weight_decay": self.config.weight_decay}
         super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
@@ -134,138 +120,66 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.fqn_of[p]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]
         }
         self._group_fqns = [[self.fqn_of[p] for p in g["params"]] for g in self.param_groups]
-        self._group_shards = [
+        # Per param group, the indices into ``shards`` of its params' shards.
+        self.group_shards = [
             [i for i, s in enumerate(self.shards) if self.group_of[s.fqn] == gi]
             for gi in range(len(self.param_groups))]
-        self._shards_of: dict[str, list[int]] = {}
-        for i, s in enumerate(self.shards):
-            self._shards_of.setdefault(s.fqn, []).append(i)
 
-    def _init_grad_sync(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        self._launch_order = build.launch_order(self.layout, named)
-        position = {(b.buffer_index, b.index): i for i, b in enumerate(self._launch_order)}
-        self._launch_pos = {
-            fqn: position[(slot.buffer_index, slot.bucket_index)]
-            for fqn, slot in self.layout.slots.items()
-        }
-        self._bucket_pending: list[int] = []
-        # Params that got a gradient on this rank since the last step or zero_grad (their
-        # grad-buffer region holds it); the others hold stale values and are overwritten by
-        # their first gradient or zeroed when their bucket launches.
-        self._written: set[str] = set()
-        self._next_launch = 0
-        self._handles: list[object] = []
+    def _init_state(self, model: torch.nn.Module, named: Named) -> None:
+        # Per layout buffer, this rank's fp32 main params (None for an fp32 buffer, whose
+        # param buffer is its main param).
+        self.main_params = build.main_params(self.layout, self.buffers, self.dp, self.device)
+        self._moments: Moments | None = None  # allocated lazily (first step or a load)
+        # Host copies: offload()/onload() and the moments a low_memory_resume load stages.
+        self._host = HostState(self, model, lambda: self._watch.rebase())
+        # Updates applied to each param (torch's state[p]["step"]): a param that got no
+        # gradient on any rank in a step is not updated and its count stays.
+        self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
         self._save_fence: torch.cuda.Event | None = None  # checkpoint.snapshot's copies
-        self._sync_enabled = True
-        self._reset_readiness()
+        self._grad_norm: torch.Tensor | None = None
+        self.step_kernel = build.choose_kernel(self.config, self.device)
+        self._update = Update(self)
+        self._watch = ParamWatch(self._fqns, [p for _, p in named],
+                                 [(p.dtype, p.device) for _, p in named], self.dp.rank)
+
+    def _init_sync(self, model: torch.nn.Module, named: Named) -> None:
+        """Phases 1 and 3 of the schedule (module docstring) and the norm between them."""
+        self.grad_sync = GradSync(self.dp, self.buffers, self.layout, self.config, named,
+                                  self.fqn_of)
         self._hooks = build.grad_hooks(self, named)
+        self._norm = GradNorm(self.dp, self.buffers, self.layout, self.config, self._fqns,
+                              self.grad_sync.written)
+        self.param_sync = ParamSync(self.dp, self.buffers, self.layout, self.main_params,
+                                    self.grad_sync.launch_order)
+        self._hooks += self.param_sync.register_hooks(model, self.config, self.fqn_of)
 
-    def _init_param_sync(self, model: torch.nn.Module) -> None:
-        # overlap_param_gather: all-gathers in flight, keyed (buffer index, bucket index); each
-        # module's forward waits for the buckets of its own params.
-        self._param_handles: dict[tuple[int, int], object] = {}
-        if not (self.config.overlap_param_gather and self.dp.size > 1):
-            return
-        for module in model.modules():
-            keys = sorted({(self.layout.slots[self.fqn_of[p]].buffer_index,
-                            self.layout.slots[self.fqn_of[p]].bucket_index)
-                           for p in module.parameters(recurse=False) if p in self.fqn_of})
-            if keys:
-                self._hooks.append(module.register_forward_pre_hook(
-                    lambda _m, _args, keys=tuple(keys): self._wait_params(keys)))
-        # model.load_state_dict writes the params: no gather may still be writing them.
-        self._hooks.append(model.register_load_state_dict_pre_hook(
-            lambda *_: self.finish_param_sync()))
-
-    # ------------------------------------------------------------------ grads
-    def _reset_readiness(self) -> None:
-        self._bucket_pending = [len(b.param_fqns) for b in self._launch_order]
-        self._next_launch = 0
-
-    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        fqn = self.fqn_of[param]
-        pos = self._launch_pos[fqn]
-        if pos < self._next_launch:
-            raise GradientOrderError(
-                f"[dp rank {self.dp.rank}] gradient for {fqn!r} arrived after its bucket's "
-                "reduction started; run accumulation micro-batches under optimizer.no_sync() "
-                "and call step() or zero_grad() between iterations"
-            )
-        with torch.no_grad():
-            view = self.buffers.grad_views[fqn]
-            if fqn in self._written:
-                view.add_(param.grad)
-            else:  # first gradient since the last step or zero_grad: no memset, no read
-                view.copy_(param.grad)
-                self._written.add(fqn)
-        param.grad = None
-        if not (self._sync_enabled and self.config.overlap_grad_reduce):
-            return
-        self._bucket_pending[pos] -= 1
-        while (
-            self._next_launch < len(self._launch_order)
-            and self._bucket_pending[self._next_launch] <= 0
-        ):
-            self._launch_next()
-
-    def _launch_next(self) -> None:
-        bucket = self._launch_order[self._next_launch]
-        for fqn in bucket.param_fqns:
-            if fqn not in self._written:  # no gradient here this iteration: it counts as zero
-                self.buffers.grad_views[fqn].zero_()
-        self._handles.append(
-            comm.reduce_scatter_avg_(self.buffers.bucket_grads(bucket), self.dp, async_op=True)
-        )
-        self._next_launch += 1
-
-    def _wait_params(self, keys: tuple[tuple[int, int], ...]) -> None:
-        if self._param_handles:
-            for key in keys:
-                handle = self._param_handles.pop(key, None)
-                if handle is not None:
-                    handle.wait()
-
+    # ------------------------------------------------------------------- sync
     def finish_param_sync(self) -> None:
         """Wait for every param all-gather still in flight (only ``overlap_param_gather``
         leaves any): after it every param holds its updated value. Forward pre-hooks do
         this per module; call it before reading params any other way after ``step()``."""
-        for handle in self._param_handles.values():
-            handle.wait()
-        self._param_handles.clear()
+        self.param_sync.finish()
 
     def finish_grad_sync(self) -> None:
         """Collective. Reduce every bucket not yet launched (missing grads count as zero) and wait."""
-        while self._next_launch < len(self._launch_order):
-            self._launch_next()
-        self.wait_grad_reductions()
+        self.grad_sync.finish()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for micro-batches inside the block."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
-            self._reset_readiness()
+        return self.grad_sync.no_sync()
 
     def wait_grad_reductions(self) -> bool:
         """Wait for the gradient reductions in flight (starts none). Returns whether a
         backward since the last ``step()`` or ``zero_grad()`` left gradients in the grad
         buffers (in ``no_sync`` accumulation, or before ``step()``)."""
-        for h in self._handles:
-            h.wait()
-        self._handles.clear()
-        return bool(self._written)
+        return self.grad_sync.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.wait_grad_reductions()
-        self._written.clear()  # the next gradient overwrites: the buffer needs no memset
+        self.grad_sync.wait()
+        self.grad_sync.clear()  # the next gradient overwrites: the buffer needs no memset
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
-        self._reset_readiness()
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -297,11 +211,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._update.torch(grad_scale, steps, got)
         step_plan.advance(self.param_steps, self._group_fqns, got, steps)
-        self._publish_params(own_written=self.step_kernel == "triton",
-                             wait=not self.config.overlap_param_gather)
+        self.param_sync.publish(own_written=self.step_kernel == "triton",
+                                wait=not self.config.overlap_param_gather)
         self._watch.record()  # the update's own writes are not the user's
-        self._reset_readiness()
-        self._written.clear()  # step() consumes the gradients
+        self.grad_sync.clear()  # step() consumes the gradients
         self._host.after_step()
         return loss
 
@@ -310,28 +223,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Global gradient norm before clipping of the last ``step()`` (syncs when read)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
-    def _publish_params(self, own_written: bool = False, wait: bool = True) -> None:
-        """Collective. Copy main shards into the model-dtype buffer (unless the update wrote
-        them: ``own_written``), then all-gather every bucket, in the order forward uses them.
-        Without ``wait`` the all-gathers stay in flight (see :meth:`finish_param_sync`)."""
-        self.finish_param_sync()
-        for bucket in reversed(self._launch_order):
-            full = self.buffers.bucket_params(bucket)
-            main = self._main[bucket.buffer_index]
-            if main is not None and not own_written:
-                own = full.narrow(0, self.dp.rank * bucket.shard_numel, bucket.shard_numel)
-                own.copy_(self._local_bucket(main, bucket))
-            handle = comm.all_gather_(full, self.dp, async_op=True)
-            if handle is not comm.DONE:
-                self._param_handles[(bucket.buffer_index, bucket.index)] = handle
-        if wait:
-            self.finish_param_sync()
-
     # ------------------------------------------------------------------ state
-    def _local_bucket(self, local: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        offset = self.layout.buffers[bucket.buffer_index].local_offset(bucket.index)
-        return local.narrow(0, offset, bucket.shard_numel)
-
     def _ensure_moments(self) -> None:
         staged = self._host.bring_staged()  # low_memory_resume: moments waited until now
         if staged is not None or self._moments is None:
@@ -349,17 +241,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Whether the moments exist (on the device or staged on the host by a load)."""
         return self._moments is not None or self._host.staged is not None
 
-    @property
-    def main_params(self) -> list[torch.Tensor | None]:
-        """Per layout buffer, this rank's fp32 main params (None for an fp32 buffer, whose
-        param buffer is its main param)."""
-        return self._main
-
-    @property
-    def group_shards(self) -> list[list[int]]:
-        """Per param group, the indices into :attr:`shards` of its params' shards."""
-        return self._group_shards
-
     def allocate_moments(self, on_host: bool = False) -> Moments:
         """New moments in this optimizer's storage format for a load to fill: params' parts
         uninitialised, padding and scales zero; ``on_host``: in (page-locked) host memory."""
@@ -368,7 +249,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_view(self, name: str, shard: ParamShard) -> torch.Tensor:
         """1-D fp32 view of state ``name`` for ``shard`` (a record of this rank's); while
         offloaded, of its host copy."""
-        if name == "master_param" and self._main[shard.buffer_index] is None:
+        if name == "master_param" and self.main_params[shard.buffer_index] is None:
             return self.buffers.shard_params(shard)
         if name != "master_param" and self.config.lowprec_moments:
             raise LowPrecisionStateError(moments_.no_fp32_view(self, name))
@@ -389,7 +270,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._moments = self._host.adopt(moments, on_host)
         self.param_steps.update(param_steps)
         self._update.views = None
-        self._publish_params()
+        self.param_sync.publish()
         self._watch.record()  # the loaded weights replace whatever the user wrote before
 
     # ---------------------------------------------------------------- offload
@@ -452,10 +333,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _reseed(self, fqns: Iterable[str]) -> None:
         """Copy the model-dtype params of ``fqns`` into this rank's fp32 main params."""
         for fqn in fqns:
-            for i in self._shards_of.get(fqn, ()):
-                s = self.shards[i]
-                if self._main[s.buffer_index] is not None:  # fp32: the param is the main
-                    self.state_view("master_param", s).copy_(self.buffers.shard_params(s))
+            s = self.shard_of.get(fqn)
+            if s is not None and self.main_params[s.buffer_index] is not None:  # fp32: no copy
+                self.state_view("master_param", s).copy_(self.buffers.shard_params(s))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state keyed by FQN, values viewing the live state

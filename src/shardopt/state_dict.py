@@ -46,9 +46,9 @@ import torch
 
 from . import comm, quant
 from . import moments as moments_
-from .config import GROUP_KEYS, INT8
+from .config import GROUP_KEYS, INT8, dtype_name, group_value
 from .flat_shard import FlatShard
-from .layout import ParamShard
+from .layout import ParamShard, Range
 
 if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
@@ -58,14 +58,6 @@ MOMENTS = moments_.NAMES
 
 class StateDictError(ValueError):
     """An optimizer state dict does not fit this optimizer; names the FQN and rank."""
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _own_shards(opt: DistributedOptimizer) -> dict[str, ParamShard]:
-    return {s.fqn: s for s in opt.shards}
 
 
 def _numel(opt: DistributedOptimizer, fqn: str) -> int:
@@ -85,15 +77,14 @@ def _expected(opt: DistributedOptimizer, name: str, fqn: str, shard: ParamShard 
               ) -> tuple[torch.dtype, int, int, int]:
     """dtype, global numel, offset and local numel of entry ``name`` of ``fqn`` on this rank."""
     numel = _numel(opt, fqn)
-    start, size = (shard.range_param.start, shard.range_param.size) if shard else (0, 0)
-    base = name.removesuffix(".scale")
-    if base != name:  # a piece starts on a block boundary (the layout's param_align)
-        return (torch.float32, quant.num_scales(numel), start // quant.QBLOCK,
-                quant.num_scales(size))
+    r = shard.range_param if shard else Range(0, 0)
+    if name.endswith(".scale"):  # a piece starts on a block boundary (the layout's param_align)
+        r = r.blocks(quant.QBLOCK)
+        return torch.float32, quant.num_scales(numel), r.start, r.size
     if name == "master_param":
-        return torch.float32, numel, start, size
+        return torch.float32, numel, r.start, r.size
     kind = moments_.kinds(opt)[name]
-    return quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, start, size
+    return quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, r.start, r.size
 
 
 def _view(m: quant.Moment, name: str) -> torch.Tensor:
@@ -127,13 +118,12 @@ def state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
 
 def _build(opt: DistributedOptimizer) -> dict[str, Any]:
     opt.finish_param_sync()
-    shards = _own_shards(opt)
     state: dict[str, dict[str, Any]] = {}
     for fqn in opt.fqn_of.values():
         entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
         for name in _names(opt):
-            entry[name] = _value(opt, name, fqn, shards.get(fqn))
-        entry["param_dtype"] = _dtype_name(opt.layout.buffers[
+            entry[name] = _value(opt, name, fqn, opt.shard_of.get(fqn))
+        entry["param_dtype"] = dtype_name(opt.layout.buffers[
             opt.layout.slots[fqn].buffer_index].dtype)
         state[fqn] = entry
     groups = [{**{k: v for k, v in g.items() if k != "params"},
@@ -155,7 +145,7 @@ class LocalState(defaultdict):
     def _entry(self, fqn: str) -> dict[str, Any]:
         opt = self._opt
         out: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
-        shard = _own_shards(opt).get(fqn)
+        shard = opt.shard_of.get(fqn)
         if shard is not None:
             out["offset"] = shard.range_param.start
             out["master_param"] = opt.state_view("master_param", shard)
@@ -234,10 +224,7 @@ def _load(opt: DistributedOptimizer, sd: Any) -> None:
         if name == "master_param":
             opt.state_view(name, shard).copy_(src)
     host = opt.config.low_memory_resume
-    if host or opt.moments is None:  # new tensors: low_memory_resume keeps them on the host
-        moments = opt.allocate_moments(on_host=host)
-    else:  # in place: no second copy of the moments on the device
-        moments = opt.moments
+    moments = moments_.load_target(opt, host)[0]
     for shard, name, src in plan.copies:
         if name != "master_param":
             m = moments.of(name.removesuffix(".scale"))[shard.buffer_index]
@@ -288,14 +275,9 @@ def _check_groups(opt: DistributedOptimizer, groups: list) -> list[dict[str, Any
         values = {k: v for k, v in g.items() if k != "params"}
         first = opt.fqn_of[opt.param_groups[gi]["params"][0]]
         for key in GROUP_KEYS:
-            v = values.get(key)
-            ok = (isinstance(v, (list, tuple)) and len(v) == 2
-                  and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v)
-                  if key == "betas" else isinstance(v, (int, float)) and not isinstance(v, bool)
-                  and math.isfinite(v) and v >= 0)
-            if not ok:
-                raise StateDictError(f"param group {gi} (with {first!r}) has {key}={v!r}")
-        values["betas"] = tuple(float(b) for b in values["betas"])
+            v = values[key] = group_value(key, g.get(key))
+            if v is None:
+                raise StateDictError(f"param group {gi} (with {first!r}) has {key}={g.get(key)!r}")
         out.append(values)
     return out
 
@@ -315,7 +297,6 @@ def _check_steps(opt: DistributedOptimizer, state: Mapping) -> dict[str, int]:
 
 def _check_state(opt: DistributedOptimizer, state: Mapping
                  ) -> list[tuple[ParamShard, str, torch.Tensor]]:
-    shards = _own_shards(opt)
     for fqn in state:
         if fqn not in opt.layout.slots:
             raise StateDictError(f"state of param {fqn!r} in the state dict: no trainable "
@@ -325,11 +306,11 @@ def _check_state(opt: DistributedOptimizer, state: Mapping
         entry = state.get(fqn)
         if not isinstance(entry, Mapping):
             raise StateDictError(f"param {fqn!r} of the model has no state in the state dict")
-        dtype = _dtype_name(opt.layout.buffers[opt.layout.slots[fqn].buffer_index].dtype)
+        dtype = dtype_name(opt.layout.buffers[opt.layout.slots[fqn].buffer_index].dtype)
         if entry.get("param_dtype") != dtype:
             raise StateDictError(f"param {fqn!r} is {dtype} here but was "
                                  f"{entry.get('param_dtype')!r} in the state dict")
-        shard = shards.get(fqn)
+        shard = opt.shard_of.get(fqn)
         for name in _names(opt):
             dtype, numel, offset, size = _expected(opt, name, fqn, shard)
             v = entry.get(name)

@@ -60,9 +60,7 @@ class Update:
             params = opt.buffers.param_buffers[bi]
             kernels.adamw_(
                 table, params if main is None else main, opt.buffers.grad_buffers[bi],
-                *(kernels.Packed(m.values, m.scales)
-                  for m in (moments.exp_avg[bi], moments.exp_avg_sq[bi])),
-                None if main is None else params,
+                moments.exp_avg[bi], moments.exp_avg_sq[bi], None if main is None else params,
                 main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
                 beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
                 step=count, grad_scale=grad_scale,
@@ -130,21 +128,10 @@ class Update:
             beta1, beta2 = group["betas"]
             step_of = {n: torch.tensor(float(n), device=opt.device) for n in set(counts)}
             torch._fused_adamw_(
-                main,
-                grad,
-                exp_avg,
-                exp_avg_sq,
-                [],
-                [step_of[n] for n in counts],
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                amsgrad=False,
-                maximize=False,
-                grad_scale=grad_scale,
-            )
+                main, grad, exp_avg, exp_avg_sq, [], [step_of[n] for n in counts],
+                lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+                maximize=False, grad_scale=grad_scale)
         if work is not None:
             for stored, wide in zip((moments.exp_avg, moments.exp_avg_sq), work):
                 for moment, w in zip(stored, wide):

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from ..layout import Range
 from .format import FormatError
-from .transfer import PIECE_BYTES, Scratch, Segment, host_bytes, preadv_exact, run_parallel
+from .transfer import (PIECE_BYTES, Scratch, Segment, block_ranges, host_bytes, preadv_exact,
+                       run_parallel)
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,6 @@ class BlockFile:
 def _mismatch(path: str, start: int, end: int) -> FormatError:
     return FormatError(f"{path}: content hash mismatch in bytes [{start}, {end}) "
                        "(the file is damaged)")
-
-
-def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tuple[int, int, int]]:
-    return [(b, b * block_bytes, min((b + 1) * block_bytes, size)) for b in blocks]
 
 
 def verify_blocks(items: list[tuple[BlockFile, Iterable[int]]], threads: int) -> None:
@@ -86,7 +84,8 @@ def read_blocks(items: list[tuple[BlockFile, list[Segment]]], threads: int) -> l
         segs = sorted((s for s in segs if s.out.numel()), key=lambda s: s.file_start)
         by_block: dict[int, list[Segment]] = {}
         for s in segs:
-            for b in range(s.file_start // f.block_bytes, (s.file_end - 1) // f.block_bytes + 1):
+            blocks = Range(s.file_start, s.file_end).blocks(f.block_bytes)
+            for b in range(blocks.start, blocks.end):
                 by_block.setdefault(b, []).append(s)
         jobs += [(f, by_block[b], b, start, end)
                  for b, start, end in block_ranges(sorted(by_block), f.block_bytes, f.size)]
@@ -127,10 +126,7 @@ def read_blocks(items: list[tuple[BlockFile, list[Segment]]], threads: int) -> l
         if copies:
             scratch.copy(slot, [(out, _typed(staged, dtype)) for out, staged, dtype in copies])
 
-    try:
-        run_parallel(jobs, work, scratch.threads)
-    finally:
-        scratch.drain()
+    run_parallel(jobs, work, scratch.threads, scratch)
     return touched
 
 

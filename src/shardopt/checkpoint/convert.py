@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import ParamShard, Range
+from ..config import dtype_name
+from ..layout import ParamShard
 from ..moments import NAMES, Moments
 from ..optimizer import DistributedOptimizer
 from .manifest import MomentEncoding
@@ -57,7 +58,7 @@ def plan(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], files: Dat
             reads += files.reads(f"{s.fqn}.{name}", r, values, in_place=False)
             scales = None
             if enc.block:
-                blocks = Range(r.start // enc.block, -(-r.end // enc.block))
+                blocks = r.blocks(enc.block)
                 scales = torch.empty(blocks.size, dtype=torch.float32)
                 reads += files.reads(f"{s.fqn}.{name}.scale", blocks, scales, in_place=False)
             pieces.append(Piece(s, name, values, scales))
@@ -87,5 +88,5 @@ def apply(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], pieces: l
 
 def _describe(enc: MomentEncoding) -> str:
     if not enc.block:
-        return str(enc.dtype).removeprefix("torch.")
+        return dtype_name(enc.dtype)
     return f"int8 ({'sqrt' if enc.sqrt else 'linear'}, blocks of {enc.block})"

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from ..config import dtype_name
+
 FORMAT_NAME = "shardopt"
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
@@ -52,11 +54,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
-TORCH_DTYPE_NAMES = {str(v).removeprefix("torch."): v for v in DTYPES.values()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+TORCH_DTYPE_NAMES = {dtype_name(v): v for v in DTYPES.values()}
 
 
 def step_dir_name(step: int) -> str:

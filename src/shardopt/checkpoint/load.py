@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import moments as moments_
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
 from . import background, convert, state
@@ -134,7 +135,7 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     _check_compatible(m, model, opt)
     steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
     hparams = _group_hyperparameters(m, opt)
-    moments, fresh = _moment_tensors(opt, host)
+    moments, fresh = moments_.load_target(opt, host)
     rng_file = data_file_name("rng", opt.dp.rank) if m.dp_size == opt.dp.size else None
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
     try:
@@ -179,22 +180,6 @@ def _check_rng(rng: dict[str, torch.Tensor], path: str) -> None:
                 raise CheckpointError(f"{path}: invalid {key} RNG state ({e})") from None
             finally:
                 put(current)
-
-
-def _moment_tensors(opt: DistributedOptimizer, host: bool) -> tuple[Moments, bool]:
-    """Where loaded moments go (with the page-locked memory behind them), and whether
-    they are new.
-
-    New tensors let the load read the moments in one verifying pass before the
-    ranks agree (a failed load just drops them): for ``low_memory_resume``
-    (host memory, page-locked at its exact size when the optimizer is on CUDA)
-    and for an optimizer that has not stepped yet (a resume). Existing moments
-    are reused in place (verified first, read after the agreement): a second copy
-    of the optimizer state is what a resume must never hold, on the GPU least of all.
-    """
-    if host or opt.moments is None:
-        return opt.allocate_moments(on_host=host), True
-    return opt.moments, False
 
 
 def _group_hyperparameters(m: Manifest, opt: DistributedOptimizer) -> list[dict[str, Any]]:

@@ -21,7 +21,8 @@ from typing import Any, Mapping
 import torch
 
 from .. import quant
-from ..config import GROUP_KEYS, INT8
+from ..config import GROUP_KEYS, INT8, group_value
+from ..layout import Range
 from ..moments import NAMES as MOMENT_NAMES
 from ..optimizer import STATE_NAMES
 from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
@@ -84,8 +85,14 @@ class MomentEncoding:
             return x
         if scales is None:
             raise ValueError(f"decoding {dtype_name(self.dtype)} codes needs their scales")
-        block = (torch.arange(values.numel()) + start % self.block) // self.block
-        x = x * scales[block]
+        # In place, by block: a ragged first block, whole blocks, a ragged last block.
+        head = min(x.numel(), -start % self.block)
+        whole = (x.numel() - head) // self.block
+        x[:head].mul_(scales[:1])
+        first = 1 if head else 0
+        x[head:head + whole * self.block].view(whole, self.block).mul_(
+            scales[first:first + whole, None])
+        x[head + whole * self.block:].mul_(scales[first + whole:first + whole + 1])
         return x.square_() if self.sqrt else x
 
     def to_json(self) -> dict[str, Any]:
@@ -105,7 +112,6 @@ class FileRecord:
 
     name: str
     kind: str
-    rank: int
     size: int
     block_bytes: int
     hashes: tuple[str, ...]
@@ -141,7 +147,8 @@ class Manifest:
             for name, enc in self.moments.items():
                 out[f"{fqn}.{name}"] = (p.numel, enc.dtype)
                 if enc.block:
-                    out[f"{fqn}.{name}.scale"] = (-(-p.numel // enc.block), torch.float32)
+                    out[f"{fqn}.{name}.scale"] = (Range(0, p.numel).blocks(enc.block).size,
+                                                  torch.float32)
         return out
 
     def data_files(self) -> list[FileRecord]:
@@ -217,10 +224,6 @@ def _int(value: Any, what: str, file: Path, minimum: int = 0) -> int:
     return value
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_optimizer(saved: Any, file: Path) -> dict[str, MomentEncoding]:
     """The stored state must mean what this optimizer's does; returns how each moment is
     stored (fp32 where the manifest does not say)."""
@@ -274,19 +277,11 @@ def _hyper(fqn: str, group: Any, file: Path) -> dict[str, Any]:
     """A trainable param's saved hyperparameters, each in the range AdamW accepts."""
     if not isinstance(group, dict):
         raise FormatError(f"{file}: param {fqn!r} lacks its hyperparameters ('group')")
-    out: dict[str, Any] = {}
-    for key in GROUP_KEYS:
-        v = group.get(key)
-        if key == "betas":
-            ok = (isinstance(v, list) and len(v) == 2
-                  and all(_number(b) and 0 <= b < 1 for b in v))
-            v = tuple(float(b) for b in v) if ok else None
-        elif not (_number(v) and v >= 0):
-            v = None
+    out = {key: group_value(key, group.get(key)) for key in GROUP_KEYS}
+    for key, v in out.items():
         if v is None:
             raise FormatError(f"{file}: param group value {key}={group.get(key)!r} of {fqn!r} "
                               "is malformed")
-        out[key] = v
     return out
 
 
@@ -295,8 +290,8 @@ def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
     if not match:
         raise FormatError(f"{file}: refusing data file name {name!r} (only names like "
                           "model-00000.safetensors inside the checkpoint are allowed)")
-    kind, rank = match.group(1), int(match.group(2))
-    if rank >= dp_size:
+    kind = match.group(1)
+    if int(match.group(2)) >= dp_size:
         raise FormatError(f"{file}: data file {name} belongs to no rank of dp_size {dp_size}")
     if kind == "rng" and match.group(3):
         raise FormatError(f"{file}: a version {FORMAT_VERSION} checkpoint has no file {name}")
@@ -310,7 +305,7 @@ def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
     if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH.fullmatch(h)
                                                for h in hashes):
         raise FormatError(f"{file}: hashes of {name} must be a list of 16-hex-digit strings")
-    if len(hashes) != -(-size // block_bytes):
+    if len(hashes) != Range(0, size).blocks(block_bytes).size:
         raise FormatError(f"{file}: {name} has {len(hashes)} block hashes for {size} bytes "
                           f"in blocks of {block_bytes}")
     chunks: list[tuple[str, int, int]] = []
@@ -323,7 +318,7 @@ def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
                 raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
             chunks.append((c[0], _int(c[1], f"chunk offset in {name}", file),
                            _int(c[2], f"chunk length in {name}", file)))
-    return FileRecord(name, kind, rank, size, block_bytes, tuple(hashes), tuple(chunks))
+    return FileRecord(name, kind, size, block_bytes, tuple(hashes), tuple(chunks))
 
 
 def _check_file_set(dp_size: int, files: dict[str, FileRecord], file: Path) -> None:

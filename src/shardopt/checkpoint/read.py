@@ -95,8 +95,8 @@ def _touched(f: FileReader, spans: Iterable[tuple[int, int]]) -> set[int]:
     bb = f.record.block_bytes
     out: set[int] = set()
     for start, end in [(0, f.header_bytes), *spans]:
-        if end > start:
-            out.update(range(start // bb, (end - 1) // bb + 1))
+        blocks = Range(start, end).blocks(bb)
+        out.update(range(blocks.start, blocks.end))
     return out
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import moments as moments_
-from .. import quant
 from ..config import GROUP_KEYS
 from ..layout import Range
 from ..moments import NAMES as MOMENT_NAMES
@@ -117,8 +116,8 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
         out.append(WriteEntry(f"{s.fqn}.{name}", enc.dtype, r.size, r.start,
                               None if m is None else m.values))
         if enc.block:  # the piece starts on a block boundary (param_align): whole blocks
-            out.append(WriteEntry(f"{s.fqn}.{name}.scale", torch.float32,
-                                  quant.num_scales(r.size), r.start // enc.block,
+            b = r.blocks(enc.block)
+            out.append(WriteEntry(f"{s.fqn}.{name}.scale", torch.float32, b.size, b.start,
                                   None if m is None else m.scales))
     return out
 
@@ -143,16 +142,11 @@ def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
             if mine[name].block:
                 b = mine[name].block
                 out.append(Destination(
-                    f"{s.fqn}.{name}.scale", _blocks(s.range_param, b), moment=name,
-                    buffer_index=s.buffer_index, range_local=_blocks(s.range_local, b),
+                    f"{s.fqn}.{name}.scale", s.range_param.blocks(b), moment=name,
+                    buffer_index=s.buffer_index, range_local=s.range_local.blocks(b),
                     part="scales"))
     for fqn, t in frozen_tensors(model, opt).items():
         if not t.is_contiguous():
             raise ValueError(f"tensor {fqn!r} is not contiguous and cannot be loaded in place")
         out.append(Destination(fqn, Range(0, t.numel()), tensor=t.detach().view(-1)))
     return out
-
-
-def _blocks(r: Range, block: int) -> Range:
-    """The blocks of ``block`` elements that cover ``r`` (which starts on a block boundary)."""
-    return Range(r.start // block, r.start // block + -(-r.size // block))

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
+from ..layout import Range
 from .format import FormatError
 
 # Most threads a rank moves checkpoint data on by default (io_threads()).
@@ -91,11 +92,12 @@ def _advance(views: list[memoryview], n: int) -> None:
         views[0] = views[0][n:]
 
 
-def run_parallel(jobs: list, work: Callable, threads: int) -> None:
+def run_parallel(jobs: list, work: Callable, threads: int, scratch: Scratch | None = None) -> None:
     """``work(job, slot)`` for every job, on ``threads`` threads; ``slot`` is the thread's
     index (its own scratch). Jobs are dealt round-robin, so the threads move neighbouring
     pieces at the same time. After a failure the threads stop taking jobs; the error of the
-    earliest failed job is raised once every thread has stopped."""
+    earliest failed job is raised once every thread has stopped and the device copies of
+    ``scratch`` are done."""
     threads = max(1, min(threads, len(jobs)))
     errors: dict[int, BaseException] = {}
 
@@ -109,12 +111,16 @@ def run_parallel(jobs: list, work: Callable, threads: int) -> None:
                 errors[i] = e
                 return
 
-    if threads == 1:
-        run(0)
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-io") as pool:
-            for f in [pool.submit(run, slot) for slot in range(threads)]:
-                f.result()
+    try:
+        if threads == 1:
+            run(0)
+        else:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-io") as pool:
+                for f in [pool.submit(run, slot) for slot in range(threads)]:
+                    f.result()
+    finally:
+        if scratch is not None:
+            scratch.drain()
     if errors:
         raise errors[min(errors)]
 
@@ -176,6 +182,11 @@ class Part:
         return self.start + self.nbytes
 
 
+def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tuple[int, int, int]]:
+    """``(block, first byte, end byte)`` of each of ``blocks`` of a ``size``-byte file."""
+    return [(b, b * block_bytes, min((b + 1) * block_bytes, size)) for b in blocks]
+
+
 def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
                  scratch: Scratch | None, threads: int) -> list[str]:
     """Write ``parts`` (sorted, contiguous from byte 0) and return the xxh3-64 digest of
@@ -189,8 +200,7 @@ def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
     if any(p.data is not None and p.data.is_cuda for p in parts) and (
             scratch is None or not scratch.cuda):
         raise AssertionError("device parts need a pinned scratch")
-    jobs = [(b, b * block_bytes, min((b + 1) * block_bytes, size))
-            for b in range(-(-size // block_bytes))]
+    jobs = block_ranges(range(Range(0, size).blocks(block_bytes).size), block_bytes, size)
     digests = [""] * len(jobs)
 
     def work(job, slot):
@@ -220,11 +230,7 @@ def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
             pwritev_exact(fd, views, pos, path)
         digests[b] = h.hexdigest()
 
-    try:
-        run_parallel(jobs, work, threads)
-    finally:
-        if scratch is not None:
-            scratch.drain()
+    run_parallel(jobs, work, threads, scratch)
     return digests
 
 
@@ -283,8 +289,4 @@ def read_segments(items: list[FileSegment], scratch: Scratch | None, threads: in
         preadv_exact(it.fd, [host_bytes(buf)], file_start, it.path)
         scratch.copy(slot, [(out, buf.view(dtype))])
 
-    try:
-        run_parallel(jobs, work, threads)
-    finally:
-        if scratch is not None:
-            scratch.drain()
+    run_parallel(jobs, work, threads, scratch)

@@ -1,0 +1,183 @@
+"""Phases 1 and 3 of the optimizer's schedule (:mod:`.optimizer`).
+
+:class:`GradSync`: gradients into the grad buffers and their reduce-scatters, bucket by
+bucket in a launch order every rank shares, so ranks whose hooks fire in different orders
+(unused params, MoE experts without tokens) still issue identical collectives.
+:class:`ParamSync`: each rank's updated shard into the model-dtype param buffers and the
+all-gathers that give every rank the full params, in flight after ``step()`` with
+``overlap_param_gather`` (:meth:`ParamSync.register_hooks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from . import build, comm
+from .buffers import FlatBuffers
+from .config import OptimizerConfig
+from .layout import Bucket, Layout
+
+
+class GradientOrderError(RuntimeError):
+    """A gradient arrived for a bucket whose reduction had already started."""
+
+
+class GradSync:
+    """The readiness of each bucket, the reductions in flight, and which params' grad-buffer
+    regions hold a gradient of this rank. Owned by one optimizer."""
+
+    def __init__(self, dp: comm.DPGroup, buffers: FlatBuffers, layout: Layout,
+                 config: OptimizerConfig, named: build.Named,
+                 fqn_of: Mapping[torch.nn.Parameter, str]) -> None:
+        self.dp, self.buffers, self.config, self.fqn_of = dp, buffers, config, fqn_of
+        self.launch_order = build.launch_order(layout, named)
+        position = {(b.buffer_index, b.index): i for i, b in enumerate(self.launch_order)}
+        self._launch_pos = {fqn: position[(slot.buffer_index, slot.bucket_index)]
+                            for fqn, slot in layout.slots.items()}
+        # Params that got a gradient on this rank since the last step or zero_grad (their
+        # grad-buffer region holds it); the others hold stale values and are overwritten by
+        # their first gradient or zeroed when their bucket launches.
+        self.written: set[str] = set()
+        self._handles: list[object] = []
+        self._enabled = True
+        self.reset()
+
+    def reset(self) -> None:
+        """Every bucket waits for all of its params again (a new backward)."""
+        self._bucket_pending: list[int] = [len(b.param_fqns) for b in self.launch_order]
+        self._next_launch = 0
+
+    def clear(self) -> None:
+        """The gradients are consumed: each param's next one overwrites it (no memset)."""
+        self.written.clear()
+        self.reset()
+
+    def mark_written(self, fqns: Iterable[str]) -> None:
+        """Take the grad-buffer regions of ``fqns`` as written by a backward on this rank
+        (for callers that fill the grad buffers directly, as benchmarks do)."""
+        self.written.update(fqns)
+
+    def on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """The post-accumulate-grad hook of every param (through :func:`.build.grad_hooks`)."""
+        fqn = self.fqn_of[param]
+        pos = self._launch_pos[fqn]
+        if pos < self._next_launch:
+            raise GradientOrderError(
+                f"[dp rank {self.dp.rank}] gradient for {fqn!r} arrived after its bucket's "
+                "reduction started; run accumulation micro-batches under optimizer.no_sync() "
+                "and call step() or zero_grad() between iterations"
+            )
+        with torch.no_grad():
+            view = self.buffers.grad_views[fqn]
+            if fqn in self.written:
+                view.add_(param.grad)
+            else:  # first gradient since the last step or zero_grad: no memset, no read
+                view.copy_(param.grad)
+                self.written.add(fqn)
+        param.grad = None
+        if not (self._enabled and self.config.overlap_grad_reduce):
+            return
+        self._bucket_pending[pos] -= 1
+        while (
+            self._next_launch < len(self.launch_order)
+            and self._bucket_pending[self._next_launch] <= 0
+        ):
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        bucket = self.launch_order[self._next_launch]
+        for fqn in bucket.param_fqns:
+            if fqn not in self.written:  # no gradient here this iteration: it counts as zero
+                self.buffers.grad_views[fqn].zero_()
+        self._handles.append(
+            comm.reduce_scatter_avg_(self.buffers.bucket_grads(bucket), self.dp, async_op=True)
+        )
+        self._next_launch += 1
+
+    def finish(self) -> None:
+        """Collective. Reduce every bucket not yet launched (missing grads count as zero) and wait."""
+        while self._next_launch < len(self.launch_order):
+            self._launch_next()
+        self.wait()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) for micro-batches inside the block."""
+        previous = self._enabled
+        self._enabled = False
+        try:
+            yield
+        finally:
+            self._enabled = previous
+            self.reset()
+
+    def wait(self) -> bool:
+        """Wait for the reductions in flight; whether the grad buffers hold gradients."""
+        for h in self._handles:
+            h.wait()
+        self._handles.clear()
+        return bool(self.written)
+
+
+class ParamSync:
+    """The param all-gathers of one optimizer, and those still in flight."""
+
+    def __init__(self, dp: comm.DPGroup, buffers: FlatBuffers, layout: Layout,
+                 main: Sequence[torch.Tensor | None], launch_order: Sequence[Bucket]) -> None:
+        self.dp, self.buffers, self.layout, self.main = dp, buffers, layout, main
+        self.launch_order = launch_order
+        # overlap_param_gather: all-gathers in flight, keyed (buffer index, bucket index).
+        self.handles: dict[tuple[int, int], object] = {}
+
+    def register_hooks(self, model: torch.nn.Module, config: OptimizerConfig,
+                       fqn_of: Mapping[torch.nn.Parameter, str]) -> list[object]:
+        """With ``overlap_param_gather`` and several ranks: a forward pre-hook on each module
+        that waits for the buckets of its own params, and a ``load_state_dict`` pre-hook that
+        waits for all; the caller keeps them."""
+        if not (config.overlap_param_gather and self.dp.size > 1):
+            return []
+        hooks = []
+        for module in model.modules():
+            keys = sorted({(self.layout.slots[fqn_of[p]].buffer_index,
+                            self.layout.slots[fqn_of[p]].bucket_index)
+                           for p in module.parameters(recurse=False) if p in fqn_of})
+            if keys:
+                hooks.append(module.register_forward_pre_hook(
+                    lambda _m, _args, keys=tuple(keys): self._wait(keys)))
+        # model.load_state_dict writes the params: no gather may still be writing them.
+        hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.finish()))
+        return hooks
+
+    def _wait(self, keys: tuple[tuple[int, int], ...]) -> None:
+        if self.handles:
+            for key in keys:
+                handle = self.handles.pop(key, None)
+                if handle is not None:
+                    handle.wait()
+
+    def finish(self) -> None:
+        """Wait for every all-gather still in flight."""
+        for handle in self.handles.values():
+            handle.wait()
+        self.handles.clear()
+
+    def publish(self, own_written: bool = False, wait: bool = True) -> None:
+        """Collective. Copy main shards into the model-dtype buffer (unless the update wrote
+        them: ``own_written``), then all-gather every bucket, in the order forward uses them.
+        Without ``wait`` the all-gathers stay in flight (see :meth:`finish`)."""
+        self.finish()
+        for bucket in reversed(self.launch_order):
+            full = self.buffers.bucket_params(bucket)
+            main = self.main[bucket.buffer_index]
+            if main is not None and not own_written:
+                own = full.narrow(0, self.dp.rank * bucket.shard_numel, bucket.shard_numel)
+                offset = self.layout.buffers[bucket.buffer_index].local_offset(bucket.index)
+                own.copy_(main.narrow(0, offset, bucket.shard_numel))
+            handle = comm.all_gather_(full, self.dp, async_op=True)
+            if handle is not comm.DONE:
+                self.handles[(bucket.buffer_index, bucket.index)] = handle
+        if wait:
+            self.finish()
