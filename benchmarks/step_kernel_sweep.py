@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 kernels.BLOCK, kernels.NUM_WARPS = block, warps
                 table = kernels.chunk_table([kernels.ChunkPart(0, 0, 0, n)], device)
                 r = _time_ms(lambda t=table: kernels.adamw_(
-                    t, main_, grads, kernels.Packed(m.values, m.scales),
-                    kernels.Packed(v.values, v.scales), out, main_global=False, lr=1e-4,
+                    t, main_, grads, m, v, out, main_global=False, lr=1e-4,
                     beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3,
                     grad_scale=None), args.repeats)
                 gbps = per_elem * n / r["median"] / 1e6

@@ -347,3 +347,18 @@ def test_failure_nobody_waited_for_is_logged_at_exit(tmp_path):
     assert p.returncode == 0, err
     assert "asynchronous checkpoint save failed" in err and "I/O error (simulated)" in err
     assert checkpoint.latest(root) == str(root / "step_00000001")
+
+
+def test_save_in_flight_when_the_script_ends_is_committed(tmp_path):
+    """The script ends while its background write is still going (each file takes a
+    second): the interpreter waits for it and it commits, with its files written on threads
+    started during shutdown."""
+    root = tmp_path / "root"
+    p = _child(root, "time.sleep(1)")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert out.index("trained") < out.rindex("wrote"), out  # the script ended first
+    assert "failed" not in err, err
+    assert checkpoint.latest(root) == str(root / "step_00000002")
+    model, opt = build(1)
+    assert checkpoint.load(root, model, opt).step == 2

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -115,9 +115,14 @@ def run_parallel(jobs: list, work: Callable, threads: int, scratch: Scratch | No
         if threads == 1:
             run(0)
         else:
-            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-io") as pool:
-                for f in [pool.submit(run, slot) for slot in range(threads)]:
-                    f.result()
+            # Plain threads, not an executor: an asynchronous save still running when the
+            # script ends must finish, and executors refuse work once shutdown has begun.
+            pool = [threading.Thread(target=run, args=(slot,), name=f"ckpt-io-{slot}")
+                    for slot in range(threads)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
     finally:
         if scratch is not None:
             scratch.drain()
