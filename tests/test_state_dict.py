@@ -291,3 +291,35 @@ def test_flat_shard_round_trips_and_refuses_arithmetic(tmp_path):
         shard.sum()
     with pytest.raises(ValueError, match="not within"):
         FlatShard(torch.zeros(3), 5, 7)
+
+
+def test_optimizer_state_writes_take_effect_or_raise():
+    """As ``torch.optim.AdamW``: writing into a state tensor changes the state. Replacing or
+    removing an entry, or writing into ``step`` (a copy), cannot reach the sharded state: it
+    raises instead of being silently dropped."""
+    from shardopt.state_dict import StateWriteError
+
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    p = model.up.weight
+    before = everything(model, opt)
+    entry = opt.state[p]
+    with pytest.raises(StateWriteError, match="up.weight"):
+        entry["exp_avg"] = torch.zeros_like(entry["exp_avg"])
+    with pytest.raises(StateWriteError, match="up.weight"):
+        entry["step"] = torch.tensor(0.0)
+    for write in (lambda e: e.update(step=0), lambda e: e.pop("exp_avg"),
+                  lambda e: e.clear(), lambda e: e.setdefault("x", 1)):
+        with pytest.raises(StateWriteError, match="up.weight"):
+            write(entry)
+    with pytest.raises(RuntimeError):  # torch keeps step a tensor; this one is a copy
+        entry["step"].zero_()
+    for write in (lambda s: s.__setitem__(p, {}), lambda s: s.__delitem__(p),
+                  lambda s: s.update({p: {}}), lambda s: s.pop(p)):
+        with pytest.raises(StateWriteError, match="up.weight"):
+            write(opt.state)
+    with pytest.raises(StateWriteError, match="in place"):  # a reset that would be lost
+        opt.state.clear()
+    assert_tensors_equal(everything(model, opt), before, "after refused writes")
+    assert dict(copy.deepcopy(entry)).keys() == entry.keys()  # copies are plain dicts
+    opt.state[torch.zeros(1)]["k"] = 1  # tensors the optimizer does not own: as in torch

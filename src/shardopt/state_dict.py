@@ -60,6 +60,38 @@ class StateDictError(ValueError):
     """An optimizer state dict does not fit this optimizer; names the FQN and rank."""
 
 
+class StateWriteError(ValueError):
+    """A write to ``optimizer.state`` that could not reach the sharded state (replacing or
+    removing an entry); names the FQN and rank."""
+
+
+def _refuse_write(opt: DistributedOptimizer, fqn: str) -> StateWriteError:
+    return StateWriteError(
+        f"[dp rank {opt.dp.rank}] optimizer.state[{fqn!r}] is computed from the sharded "
+        "state on each access, so replacing or removing its entries would be lost: write "
+        "into its tensors in place (state['exp_avg'].copy_(x), .zero_()) and set step "
+        f"counts in optimizer.param_steps[{fqn!r}], on every rank")
+
+
+class _Entry(dict):
+    """``optimizer.state[param]``: its tensors view the live state (in-place writes reach
+    it); replacing or removing a key raises instead of being silently dropped. Copies and
+    pickles are plain dicts."""
+
+    def __init__(self, opt: DistributedOptimizer, fqn: str, values: dict[str, Any]) -> None:
+        super().__init__(values)
+        self._opt, self._fqn = opt, fqn
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse_write(self._opt, self._fqn)
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    update = pop = popitem = setdefault = clear = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
+
+
 def _numel(opt: DistributedOptimizer, fqn: str) -> int:
     return math.prod(opt.layout.slots[fqn].shape)
 
@@ -136,7 +168,9 @@ class LocalState(defaultdict):
     computed on access from this rank's live state: ``step`` (a tensor), and for the
     part of the param this rank holds, ``master_param`` (fp32) and, once they exist,
     ``exp_avg`` and ``exp_avg_sq``, all 1-D views starting at element ``offset`` of the
-    flattened param. Writing into the views changes the optimizer's state."""
+    flattened param. Writing into the views changes the optimizer's state; ``step`` is a
+    copy that refuses in-place writes, and replacing or removing an entry (of a param or
+    of the mapping) raises :class:`StateWriteError`: it could not reach the state."""
 
     def __init__(self, opt: DistributedOptimizer) -> None:
         super().__init__(dict)
@@ -144,7 +178,9 @@ class LocalState(defaultdict):
 
     def _entry(self, fqn: str) -> dict[str, Any]:
         opt = self._opt
-        out: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
+        with torch.inference_mode():  # an in-place write to this copy raises, not lost
+            step = torch.tensor(float(opt.param_steps[fqn]))
+        out: dict[str, Any] = {"step": step}
         shard = opt.shard_of.get(fqn)
         if shard is not None:
             out["offset"] = shard.range_param.start
@@ -152,11 +188,41 @@ class LocalState(defaultdict):
             if opt.has_moments:
                 out.update({name: _view(opt.moment_view(name.removesuffix(".scale"), shard),
                                         name) for name in _names(opt)[:-1]})
-        return out
+        return _Entry(opt, fqn, out)
 
     def __getitem__(self, param: Any) -> Any:
         fqn = self._opt.fqn_of.get(param)
         return self._entry(fqn) if fqn is not None else super().__getitem__(param)
+
+    def _check_not_owned(self, params: Any) -> None:
+        for param in params:
+            fqn = self._opt.fqn_of.get(param)
+            if fqn is not None:
+                raise _refuse_write(self._opt, fqn)
+
+    def __setitem__(self, param: Any, value: Any) -> None:
+        self._check_not_owned([param])
+        super().__setitem__(param, value)
+
+    def __delitem__(self, param: Any) -> None:
+        self._check_not_owned([param])
+        super().__delitem__(param)
+
+    def pop(self, param: Any, *default: Any) -> Any:  # type: ignore[override]
+        self._check_not_owned([param])
+        return super().pop(param, *default)
+
+    def setdefault(self, param: Any, default: Any = None) -> Any:  # type: ignore[override]
+        self._check_not_owned([param])
+        return super().setdefault(param, default)
+
+    def update(self, other: Any = (), **kwargs: Any) -> None:  # type: ignore[override]
+        items = dict(other, **kwargs)
+        self._check_not_owned(items)
+        super().update(items)
+
+    def clear(self) -> None:
+        self._check_not_owned(self._opt.fqn_of)  # resetting the state this way would be lost
 
     def get(self, param: Any, default: Any = None) -> Any:
         return self[param] if param in self else default
