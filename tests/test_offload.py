@@ -388,3 +388,35 @@ def test_load_state_dict_while_offloaded_is_refused_and_changes_nothing():
         opt.load_state_dict(sd)
     opt.onload()
     assert_same(state_of(model, opt), before)
+
+
+def test_weights_written_while_params_are_offloaded_are_an_error_not_lost():
+    """A write to a param while the params are offloaded lands in storage that onload()
+    overwrites (on a GPU there is no storage at all): onload() restores the params as
+    offload() found them and raises naming the param, and training goes on exactly as
+    without the write. With the params on the device the write is kept."""
+    model, opt = make()
+    ref_losses = train(model, opt, 4)
+    ref = state_of(model, opt)
+    model, opt = make()
+    train(model, opt, 2)
+    written = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    opt.offload()
+    model.load_state_dict(written)
+    with pytest.raises(OffloadError, match=r"'up.weight'.*written.*offloaded"):
+        opt.onload()
+    assert opt.offloaded == ()
+    losses = []
+    for i in (2, 3):  # as if nothing had been written
+        x, y = batch(i)
+        losses.append(F.mse_loss(model(x), y))
+        losses[-1].backward()
+        opt.step()
+        opt.zero_grad()
+    assert [loss.item() for loss in losses] == ref_losses[2:]
+    assert_same(state_of(model, opt), ref)
+
+    opt.offload(("moments", "main_params"))
+    model.load_state_dict(written)
+    opt.onload()
+    assert all(bool((p == 0.5).all()) for p in model.parameters())

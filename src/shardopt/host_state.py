@@ -58,6 +58,8 @@ class HostState:
                  on_realloc: Callable[[], None]) -> None:
         self.opt = opt
         self._on_realloc = on_realloc  # told when onload gave the params new storage
+        # The params' version counters at offload(), to find writes that onload() undoes.
+        self._versions: list[int] | None = None
         self.cuda = opt.device.type == "cuda"
         # The root too: its forward may use a child's weight before that child runs.
         self._modules = [(name, m) for name, m in model.named_modules() if m is model
@@ -118,6 +120,7 @@ class HostState:
         self._moved, self._dropped, self.offloaded = moved, dropped, kinds
         if "params" in kinds:
             opt.buffers.host_params = self._copies["params"]
+            self._versions = opt._watch.versions()
         if "params" in kinds or "grads" in kinds:
             self._guards = [m.register_forward_pre_hook(self._refuse_forward(name))
                             for name, m in self._modules]
@@ -140,6 +143,15 @@ class HostState:
         self.opt.buffers.host_params = None
         self._on_realloc()  # the params' storage was re-allocated: new addresses
         self.offloaded = ()
+        versions, self._versions = self._versions, None
+        lost = [] if versions is None else self.opt._watch.undone(versions)
+        if lost:
+            raise OffloadError(
+                f"[dp rank {self.opt.dp.rank}] param{'s' if len(lost) > 1 else ''} "
+                f"{', '.join(map(repr, lost[:5]))}{' and more' if len(lost) > 5 else ''} "
+                "written in place while the params were offloaded (model.load_state_dict, "
+                "p.copy_(...)): the write went to storage that onload() has replaced, so the "
+                "params are back as offload() found them. Write weights after onload().")
 
     def release(self) -> None:
         """Drop the host copies kept for the next offload (their pages unlocked)."""

@@ -64,6 +64,24 @@ class ParamWatch:
         so a write the user made before the offload is still found."""
         self._ptrs = list(map(_data_ptr, self.params))
 
+    def versions(self) -> list[int]:
+        """The params' version counters now, for :meth:`undone`."""
+        return list(map(_version, self.params))
+
+    def undone(self, before: list[int]) -> list[str]:
+        """FQNs of the params written in place since ``before`` (:meth:`versions`), whose
+        writes the optimizer has since undone (``onload()`` restored them). Those not
+        written between :meth:`record` and ``before`` are in sync again, so the next
+        ``step()`` does not re-seed their main params from the restored values."""
+        now = self.versions()
+        out = []
+        for i, (fqn, a, b) in enumerate(zip(self.fqns, now, before)):
+            if a != b:
+                out.append(fqn)
+                if self._versions[i] == b:
+                    self._versions[i] = a
+        return out
+
     def written(self) -> list[str]:
         """FQNs of the params written in place since :meth:`record`; raises
         :class:`ParamMovedError` if a param was moved out of the buffer. Records the
