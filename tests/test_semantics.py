@@ -260,6 +260,39 @@ def test_fp32_model_float_is_a_no_op_and_keeps_training():
     assert not torch.equal(model.weight.detach(), before)
 
 
+def test_param_frozen_at_construction_then_unfrozen_is_a_clear_error():
+    """``torch.optim.AdamW(model.parameters())`` trains a param unfrozen later; this optimizer
+    laid out only the params trainable at construction and would silently never train it
+    (its grad piling up in ``param.grad``). ``step()`` raises naming it, changing nothing."""
+    torch.manual_seed(0)
+    model = Net()
+    model.b.weight.requires_grad_(False)
+    opt = DistributedOptimizer(model, config("torch"))
+    train_step(model, opt, 0, 0, [frozenset()])
+    model.b.weight.requires_grad_(True)
+    held = [t.clone() for t in opt.buffers.param_buffers]
+    steps = dict(opt.param_steps)
+    loss_of(model, 1, 0, 0, frozenset()).backward()
+    with pytest.raises(ValueError, match=r"param 'b\.weight' was frozen .* built"):
+        opt.step()
+    assert opt.param_steps == steps
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, opt.buffers.param_buffers))
+    model.b.weight.requires_grad_(False)  # frozen again: fine
+    model.b.weight.grad = None
+    opt.step()
+    assert all(n == 2 for f, n in opt.param_steps.items())
+    # Unfrozen for an optimizer of its own: not this one's to train.
+    for p in model.parameters():
+        p.requires_grad_(p is model.b.weight)
+    other = DistributedOptimizer(model, config("torch"))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    loss_of(model, 2, 0, 0, frozenset()).backward()
+    opt.step()
+    other.step()
+    assert other.param_steps == {"b.weight": 1}
+
+
 # ---------------------------------------------------------- params without grads
 
 STEPS = 5

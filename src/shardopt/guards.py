@@ -74,6 +74,12 @@ def ownership_problem(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | 
     return None
 
 
+def unowned_trainable(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | None:
+    """Coordinator-free. The FQN of the first param that requires grad but belongs to no
+    DistributedOptimizer (nothing would train it), or None."""
+    return next((fqn for fqn, p in named if p.requires_grad and _owner(p) is None), None)
+
+
 def claim(opt: Any, named: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
     """Coordinator-free. Record ``opt`` as the owner of these params."""
     owner = weakref.ref(opt)

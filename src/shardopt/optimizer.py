@@ -140,7 +140,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.step_kernel = build.choose_kernel(self.config, self.device)
         self._update = Update(self)
         self._watch = ParamWatch(self._fqns, [p for _, p in named],
-                                 [(p.dtype, p.device) for _, p in named], self.dp.rank)
+                                 [(p.dtype, p.device) for _, p in named], self.dp.rank,
+                                 [(f, p) for f, p in model.named_parameters()
+                                  if not p.requires_grad])
 
     def _init_sync(self, model: torch.nn.Module, named: Named) -> None:
         """Phases 1 and 3 of the schedule (module docstring) and the norm between them."""
