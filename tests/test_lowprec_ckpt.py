@@ -376,3 +376,40 @@ def test_state_dict_holds_moments_as_stored_and_resumes_bitwise(m, v):
     other = make(FP32, FP32)[1]
     with pytest.raises(StateDictError, match="exp_avg.*this optimizer keeps"):
         other.load_state_dict(copy)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("src,dst,into", [
+    ((INT8, INT8), (FP32, FP32), "fresh"), ((INT8, BF16), (BF16, BF16), "stepped"),
+    ((BF16, BF16), (FP32, BF16), "stepped")])
+def test_dcp_load_across_moment_dtypes_refuses_codes_read_as_values(src, dst, into, tmp_path,
+                                                                     caplog):
+    """torch.distributed.checkpoint casts whatever is stored into the state dict's tensors:
+    8-bit codes land in fp32 or bf16 moments as if they were values. The state dict records
+    each moment's dtype, so load_state_dict refuses that, naming the param; a cast between
+    float dtypes is the conversion checkpoint.load makes, and it says so."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardopt.state_dict import StateDictError
+
+    model, opt = make(*src)
+    train(model, opt, 0, 3)
+    saved = assemble([pieces(opt)])
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "dcp")
+    model2, opt2 = make(*dst)
+    if into == "stepped":
+        train(model2, opt2, 5, 6)
+    sd = {"optim": opt2.state_dict()}
+    dcp.load(sd, checkpoint_id=tmp_path / "dcp")
+    if INT8 not in src:
+        with caplog.at_level(logging.INFO, logger="shardopt"):
+            opt2.load_state_dict(sd["optim"])
+        assert any("exp_avg bfloat16 -> float32" in r.getMessage() for r in caplog.records)
+        got = assemble([pieces(opt2)])
+        for key, want in saved.items():
+            assert torch.equal(got[key], want.to(got[key].dtype)), key
+        return
+    steps = dict(opt2.param_steps)
+    with pytest.raises(StateDictError, match=r"param 'a.weight'.*exp_avg.*int8"):
+        opt2.load_state_dict(sd["optim"])
+    assert opt2.param_steps == steps

@@ -25,7 +25,13 @@ stored, never widened: ``exp_avg`` is a FlatShard of bf16 values or int8 codes
 per 64-element block of the flattened param (offset ``offset // 64``), the keys
 and encoding of a checkpoint (docs/lowprec.md). ``load_state_dict`` takes a dict
 of the same dtypes only (same DP size and layout, as for fp32 state); converting
-between formats is ``shardopt.checkpoint.load``'s.
+between formats is ``shardopt.checkpoint.load``'s. Each entry also names how the
+moments were kept (``"exp_avg_dtype"``, ``"exp_avg_sq_dtype"``: ``"float32"``,
+``"bfloat16"``, ``"int8"``): ``torch.distributed.checkpoint`` casts what is stored into
+the tensors it loads into, which for 8-bit codes read into another format gives codes
+as values, so ``load_state_dict`` refuses a dict whose moments were kept otherwise; a
+cast between float dtypes is the conversion ``checkpoint.load`` would make, and is
+logged.
 
 ``load_state_dict`` is collective: every rank validates its own dict, the ranks
 agree, and only then is anything written (master params and moments, step
@@ -36,6 +42,7 @@ naming the FQN and nothing has changed. No file I/O here.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
@@ -54,6 +61,7 @@ if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
 
 MOMENTS = moments_.NAMES
+log = logging.getLogger("shardopt.state_dict")
 
 
 class StateDictError(ValueError):
@@ -119,6 +127,32 @@ def _expected(opt: DistributedOptimizer, name: str, fqn: str, shard: ParamShard 
     return quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, r.start, r.size
 
 
+def _kind_names(opt: DistributedOptimizer) -> dict[str, str]:
+    """How ``opt`` keeps each moment, by config name (``"float32"``, ``"bfloat16"``,
+    ``"int8"``)."""
+    return {name: kind if isinstance(kind, str) else dtype_name(kind)
+            for name, kind in moments_.kinds(opt).items()}
+
+
+def _check_kinds(opt: DistributedOptimizer, fqn: str, entry: Mapping, cast: set[str]) -> None:
+    """Refuse moments kept in another format where one of them is 8-bit (a load that cast
+    codes into values, or values into codes); collect float-to-float casts in ``cast``.
+    Entries without the dtypes (state dicts older than them) are taken as they are."""
+    for name, mine in _kind_names(opt).items():
+        saved = entry.get(f"{name}_dtype")
+        if saved is None or saved == mine:
+            continue
+        if INT8 in (saved, mine):
+            raise StateDictError(
+                f"param {fqn!r}: {name} was kept as {saved} in the state dict but this "
+                f"optimizer keeps it as {mine}; an 8-bit moment is codes and scales, which a "
+                "torch.distributed.checkpoint load casts into other tensors as if they were "
+                "values (if dcp.load filled this optimizer's state_dict(), its moments now "
+                "hold them). Load with matching exp_avg_dtype / exp_avg_sq_dtype, or convert "
+                "with shardopt.checkpoint.load")
+        cast.add(f"{name} {saved} -> {mine}")
+
+
 def _view(m: quant.Moment, name: str) -> torch.Tensor:
     return m.scales if name.endswith(".scale") else m.values  # type: ignore[return-value]
 
@@ -157,6 +191,7 @@ def _build(opt: DistributedOptimizer) -> dict[str, Any]:
             entry[name] = _value(opt, name, fqn, opt.shard_of.get(fqn))
         entry["param_dtype"] = dtype_name(opt.layout.buffers[
             opt.layout.slots[fqn].buffer_index].dtype)
+        entry.update({f"{name}_dtype": kind for name, kind in _kind_names(opt).items()})
         state[fqn] = entry
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [opt.fqn_of[p] for p in g["params"]]} for g in opt.param_groups]
@@ -259,6 +294,7 @@ class _Plan:
     copies: list[tuple[ParamShard, str, torch.Tensor]]
     steps: dict[str, int]
     groups: list[dict[str, Any]]
+    cast: set[str]  # moments a DCP load cast from another float dtype
 
 
 def load_state_dict(opt: DistributedOptimizer, sd: Any) -> None:
@@ -286,6 +322,9 @@ def _load(opt: DistributedOptimizer, sd: Any) -> None:
             opt.param_steps.update(old_steps)
         raise StateDictError(f"load_state_dict failed: {problems}") from error
     assert plan is not None
+    if plan.cast:  # the tensors already hold this optimizer's dtypes: a DCP load cast them
+        log.info("load_state_dict: Adam moments kept in another float dtype, cast on "
+                 "loading: %s", ", ".join(sorted(plan.cast)))
     for shard, name, src in plan.copies:
         if name == "master_param":
             opt.state_view(name, shard).copy_(src)
@@ -314,7 +353,8 @@ def _check(opt: DistributedOptimizer, sd: Any) -> _Plan:
         raise StateDictError(f"state is keyed by {positional[0]!r}: this is a positional "
                              "torch.optim state dict; DistributedOptimizer keys state by FQN")
     hparams = _check_groups(opt, groups)  # which params first, then their state
-    return _Plan(_check_state(opt, state), _check_steps(opt, state), hparams)
+    cast: set[str] = set()
+    return _Plan(_check_state(opt, state, cast), _check_steps(opt, state), hparams, cast)
 
 
 def _check_groups(opt: DistributedOptimizer, groups: list) -> list[dict[str, Any]]:
@@ -361,7 +401,7 @@ def _check_steps(opt: DistributedOptimizer, state: Mapping) -> dict[str, int]:
     return steps
 
 
-def _check_state(opt: DistributedOptimizer, state: Mapping
+def _check_state(opt: DistributedOptimizer, state: Mapping, cast: set[str]
                  ) -> list[tuple[ParamShard, str, torch.Tensor]]:
     for fqn in state:
         if fqn not in opt.layout.slots:
@@ -372,6 +412,7 @@ def _check_state(opt: DistributedOptimizer, state: Mapping
         entry = state.get(fqn)
         if not isinstance(entry, Mapping):
             raise StateDictError(f"param {fqn!r} of the model has no state in the state dict")
+        _check_kinds(opt, fqn, entry, cast)
         dtype = dtype_name(opt.layout.buffers[opt.layout.slots[fqn].buffer_index].dtype)
         if entry.get("param_dtype") != dtype:
             raise StateDictError(f"param {fqn!r} is {dtype} here but was "
