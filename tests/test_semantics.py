@@ -216,6 +216,49 @@ def test_weights_written_after_construction_are_kept(world_size, kernel, how, tm
                                        msg=lambda m, f=fqn, s=step: f"{f} after step {s}: {m}")
 
 
+def saved_after_write_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, config("torch"))
+    for step in range(2):
+        train_step(model, opt, step, rank, [frozenset()])
+    write_weights(model, "inplace", opt)  # and save before the next step
+    checkpoint.save(root, model, opt, step=2)
+    torch.save(opt.state_dict(), f"{root}-sd-{rank}.pt")
+    written = snapshot(model)
+    for step in range(2, 4):
+        train_step(model, opt, step, rank, [frozenset()])
+    resumed = {}
+    for how in ("checkpoint", "state_dict"):
+        torch.manual_seed(0)
+        model2 = Net()
+        opt2 = DistributedOptimizer(model2, config("torch"))
+        if how == "checkpoint":
+            checkpoint.load(root, model2, opt2)
+        else:
+            model2.load_state_dict(written)
+            opt2.load_state_dict(torch.load(f"{root}-sd-{rank}.pt", weights_only=True))
+        at_load = snapshot(model2)
+        for step in range(2, 4):
+            train_step(model2, opt2, step, rank, [frozenset()])
+        resumed[how] = (at_load, snapshot(model2))
+    return {"written": written, "after": snapshot(model), "resumed": resumed}
+
+
+def test_weights_written_then_saved_before_the_next_step_are_what_resumes(tmp_path):
+    """Weights written after the last step (pretrained weights loaded after building the
+    optimizer, say) and saved before the next one: the checkpoint and ``state_dict()``
+    hold them as main params (not the stale ones), so a resume starts from them and
+    continues bit for bit."""
+    results = run_distributed(saved_after_write_rank, 2, str(tmp_path), tmp_path=tmp_path)
+    for res in results:
+        for how, (at_load, after) in res["resumed"].items():
+            for fqn, want in res["written"].items():
+                assert torch.equal(bits(at_load[fqn]), bits(want)), (how, fqn)
+            for fqn, want in res["after"].items():
+                assert torch.equal(bits(after[fqn]), bits(want)), (how, fqn)
+
+
 # ----------------------------------------------------------------- moved model
 
 @pytest.mark.parametrize("move", ["float", "double", "half"])

@@ -192,9 +192,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._host.check_onloaded("step()")
-        self.wait_for_save_copies(host=False)  # before the first write (the re-seed below)
         self.finish_param_sync()  # the update writes into the param buffers
-        self._reseed(self._watch.written())  # before any collective: a moved param raises
+        self.reseed_written()  # before any collective: a moved param raises
         self.finish_grad_sync()
         # Clipping needs the norm before the update; otherwise the Triton update computes
         # it from the grads it reads anyway.
@@ -331,6 +330,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.wait_for_save_copies()
         self._watch.written()  # only to raise if a param was moved out of the buffer
         self._reseed(self._fqns)
+
+    def reseed_written(self) -> None:
+        """Re-seed the fp32 main params of the params written in place since the optimizer
+        last wrote them (:meth:`reload_model_params` says which writes count). ``step()``
+        does it first; ``state_dict()`` and ``checkpoint.save`` too, so that what they hold,
+        and what a resume rebuilds the params from, are the weights the user wrote."""
+        self.wait_for_save_copies(host=False)  # before the first write into the state
+        self._reseed(self._watch.written())
 
     def _reseed(self, fqns: Iterable[str]) -> None:
         """Copy the model-dtype params of ``fqns`` into this rank's fp32 main params."""

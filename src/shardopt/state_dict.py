@@ -184,6 +184,7 @@ def state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
 
 def _build(opt: DistributedOptimizer) -> dict[str, Any]:
     opt.finish_param_sync()
+    opt.reseed_written()  # weights written since the last step are what the dict holds
     state: dict[str, dict[str, Any]] = {}
     for fqn in opt.fqn_of.values():
         entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}

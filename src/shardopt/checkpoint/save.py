@@ -119,6 +119,7 @@ def save(
             error = background.settle(cfg.if_busy)
             if error is None:
                 optimizer.check_model(model)
+                optimizer.reseed_written()  # saved main params are the weights written since
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
                 contents = _rank_contents(model, optimizer)
