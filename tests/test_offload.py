@@ -420,3 +420,25 @@ def test_weights_written_while_params_are_offloaded_are_an_error_not_lost():
     model.load_state_dict(written)
     opt.onload()
     assert all(bool((p == 0.5).all()) for p in model.parameters())
+
+
+def test_reload_model_params_while_params_are_offloaded_is_refused():
+    """It would re-seed the main params from the host copies, not from weights written
+    through ``p.data`` meanwhile (which onload() overwrites): refused, changing nothing."""
+    model, opt = make()
+    train(model, opt, 2)
+    before = state_of(model, opt)
+    opt.offload()
+    for p in model.parameters():
+        p.data.fill_(0.5)
+    with pytest.raises(OffloadError, match=r"reload_model_params\(\).*params"):
+        opt.reload_model_params()
+    opt.onload()
+    assert_same(state_of(model, opt), before)
+    opt.offload(("moments", "main_params"))  # the params are on the device: fine
+    for p in model.parameters():
+        p.data.fill_(0.5)
+    opt.reload_model_params()
+    opt.onload()
+    for s in opt.shards:
+        assert bool((opt.state_view("master_param", s) == 0.5).all())

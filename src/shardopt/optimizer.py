@@ -326,6 +326,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rank re-seeds the part it owns and the next ``step()`` all-gathers them. The
         fp32 digits below the model dtype's precision are dropped for every param.
         """
+        # Offloaded params: it would read their host copies, not what was written meanwhile.
+        self._host.check_onloaded("reload_model_params()", ("params",))
         self.finish_param_sync()  # an all-gather in flight would overwrite the user's weights
         self.wait_for_save_copies()
         self._watch.written()  # only to raise if a param was moved out of the buffer
