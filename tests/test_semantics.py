@@ -303,6 +303,51 @@ def test_fp32_model_float_is_a_no_op_and_keeps_training():
     assert not torch.equal(model.weight.detach(), before)
 
 
+def assigned_grads_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, config("torch"))
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        for p in model.parameters():
+            if not (step == 1 and p is model.c.weight):  # no grad anywhere: left alone
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+        assert all(p.grad is None for p in model.parameters())  # taken, as backward's are
+        opt.zero_grad()
+    return snapshot(model)
+
+
+def test_grads_assigned_by_hand_are_stepped_with_as_torch_does(tmp_path):
+    """``p.grad = g`` (grads from ``torch.autograd.grad`` or ``torch.func``, gradient
+    surgery) bypasses the backward hooks that fill the grad buffer; ``step()`` takes them
+    as a backward's, averaged over the ranks, instead of silently ignoring them."""
+    results = run_distributed(assigned_grads_rank, 2, tmp_path=tmp_path)
+    torch.manual_seed(0)
+    model = Net()
+    params = dict(model.named_parameters())
+    masters = {f: p.detach().float().clone().requires_grad_(True) for f, p in params.items()}
+    ref = torch.optim.AdamW(list(masters.values()), lr=2e-2, betas=(0.9, 0.95),
+                            weight_decay=0.1)
+    for step in range(3):
+        grads: dict[str, torch.Tensor] = {}
+        for rank in range(2):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            for f, p in params.items():
+                if not (step == 1 and p is model.c.weight):
+                    one = torch.randn(p.shape, generator=g).to(p.dtype).float()
+                    grads[f] = grads.get(f, 0) + one / 2
+        for f, m in masters.items():
+            m.grad = grads.get(f)
+        ref.step()
+        with torch.no_grad():
+            for f, p in params.items():
+                p.copy_(masters[f])
+    for res in results:
+        for f, p in params.items():
+            torch.testing.assert_close(res[f], p.detach(), **TOL)
+
+
 def test_param_frozen_at_construction_then_unfrozen_is_a_clear_error():
     """``torch.optim.AdamW(model.parameters())`` trains a param unfrozen later; this optimizer
     laid out only the params trainable at construction and would silently never train it

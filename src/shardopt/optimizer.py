@@ -194,6 +194,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._host.check_onloaded("step()")
         self.finish_param_sync()  # the update writes into the param buffers
         self.reseed_written()  # before any collective: a moved param raises
+        self.grad_sync.take_assigned()
         self.finish_grad_sync()
         # Clipping needs the norm before the update; otherwise the Triton update computes
         # it from the grads it reads anyway.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from operator import attrgetter
 
 import torch
 
@@ -19,6 +20,9 @@ from . import build, comm
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .layout import Bucket, Layout
+
+
+_grad = attrgetter("grad")
 
 
 class GradientOrderError(RuntimeError):
@@ -33,6 +37,7 @@ class GradSync:
                  config: OptimizerConfig, named: build.Named,
                  fqn_of: Mapping[torch.nn.Parameter, str]) -> None:
         self.dp, self.buffers, self.config, self.fqn_of = dp, buffers, config, fqn_of
+        self._params = list(fqn_of)
         self.launch_order = build.launch_order(layout, named)
         position = {(b.buffer_index, b.index): i for i, b in enumerate(self.launch_order)}
         self._launch_pos = {fqn: position[(slot.buffer_index, slot.bucket_index)]
@@ -86,6 +91,18 @@ class GradSync:
             and self._bucket_pending[self._next_launch] <= 0
         ):
             self._launch_next()
+
+    def take_assigned(self) -> None:
+        """Grads set by hand (``p.grad = g``: ``torch.autograd.grad``, ``torch.func``,
+        gradient surgery) bypass the hooks that take a backward's grads at once; torch's
+        optimizers step with whatever ``p.grad`` holds, so they are taken here, before
+        ``step()`` reduces, as a backward's would be."""
+        grads = list(map(_grad, self._params))
+        if grads.count(None) == len(grads):
+            return
+        for p, g in zip(self._params, grads):
+            if g is not None:
+                self.on_grad_ready(p)
 
     def _launch_next(self) -> None:
         bucket = self.launch_order[self._next_launch]
