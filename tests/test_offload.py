@@ -241,8 +241,11 @@ def test_low_memory_resume_then_offload_continues_bitwise(tmp_path):
     assert_same(state_of(model2, opt2), state_of(model, opt))
 
 
-def test_iter_param_buckets_concatenate_to_every_param():
-    model, opt = make()
+@pytest.mark.parametrize("moments", [torch.float32, "int8"])
+def test_iter_param_buckets_concatenate_to_every_param(moments):
+    """Back to back, also where 8-bit moments start every param on a 64-element block
+    (gaps in the buffer): there the bucket comes packed, a copy instead of a view."""
+    model, opt = make(exp_avg_dtype=moments)
     train(model, opt, 1)
     seen = {}
     for fqns, flat in opt.iter_param_buckets():
@@ -251,7 +254,8 @@ def test_iter_param_buckets_concatenate_to_every_param():
         for fqn in fqns:
             p = dict(model.named_parameters())[fqn]
             assert p.dtype == flat.dtype
-            assert flat.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()  # views
+            if moments != "int8":  # the params lie back to back: views
+                assert flat.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
             seen[fqn] = flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
         assert offset == flat.numel()

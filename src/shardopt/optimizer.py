@@ -302,15 +302,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._host.offloaded
 
     def iter_param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
-        """``(fqns, flat)`` per bucket: ``flat`` is a view (model dtype) of the bucket's
-        params, in ``fqns`` order, each ``numel`` elements, back to back, without
-        padding. Buckets come by buffer (one per model dtype, in ``layout.buffers``
-        order), then by bucket index. Waits for param all-gathers still in flight;
-        refused while params are offloaded."""
+        """``(fqns, flat)`` per bucket: ``flat`` (model dtype) holds the bucket's params, in
+        ``fqns`` order, each ``numel`` elements, back to back, without padding: a view of
+        the param buffer, or, where 8-bit moments start each param on a block boundary
+        (gaps between params), a packed copy. Buckets come by buffer (one per model dtype,
+        in ``layout.buffers`` order), then by bucket index. Waits for param all-gathers
+        still in flight; refused while params are offloaded."""
         self._host.check_onloaded("iter_param_buckets()", ("params",))
         self.finish_param_sync()
-        return ((b.param_fqns, self.buffers.bucket_params(b).narrow(0, 0, b.numel_unpadded))
+        return ((b.param_fqns, self._bucket_flat(b))
                 for buf in self.layout.buffers for b in buf.buckets)
+
+    def _bucket_flat(self, bucket: Any) -> torch.Tensor:
+        slots = [self.layout.slots[fqn] for fqn in bucket.param_fqns]
+        numel = sum(s.range_global.size for s in slots)
+        if slots[-1].range_global.end - bucket.range_global.start == numel:  # back to back
+            return self.buffers.bucket_params(bucket).narrow(0, 0, numel)
+        return torch.cat([self.buffers.param_views[s.fqn] for s in slots])
 
     def reload_model_params(self) -> None:
         """Re-seed every fp32 main param this rank holds from the model's current params.
