@@ -294,9 +294,10 @@ def test_flat_shard_round_trips_and_refuses_arithmetic(tmp_path):
 
 
 def test_optimizer_state_writes_take_effect_or_raise():
-    """As ``torch.optim.AdamW``: writing into a state tensor changes the state. Replacing or
-    removing an entry, or writing into ``step`` (a copy), cannot reach the sharded state: it
-    raises instead of being silently dropped."""
+    """As ``torch.optim.AdamW``: writing into a state tensor, or assigning one like it,
+    changes the state (a framework moving the state between devices assigns each tensor
+    back). Removing an entry, assigning something else, or writing into ``step`` (a copy)
+    cannot reach the sharded state: it raises instead of being silently dropped."""
     from shardopt.state_dict import StateWriteError
 
     model, opt = build(0)
@@ -304,10 +305,10 @@ def test_optimizer_state_writes_take_effect_or_raise():
     p = model.up.weight
     before = everything(model, opt)
     entry = opt.state[p]
-    with pytest.raises(StateWriteError, match="up.weight"):
-        entry["exp_avg"] = torch.zeros_like(entry["exp_avg"])
-    with pytest.raises(StateWriteError, match="up.weight"):
-        entry["step"] = torch.tensor(0.0)
+    for key, value in (("exp_avg", torch.zeros(3)), ("exp_avg", entry["exp_avg"].double()),
+                       ("step", torch.tensor(0.0)), ("offset", 5)):
+        with pytest.raises(StateWriteError, match="up.weight"):
+            entry[key] = value
     for write in (lambda e: e.update(step=0), lambda e: e.pop("exp_avg"),
                   lambda e: e.clear(), lambda e: e.setdefault("x", 1)):
         with pytest.raises(StateWriteError, match="up.weight"):
@@ -318,8 +319,15 @@ def test_optimizer_state_writes_take_effect_or_raise():
                   lambda s: s.update({p: {}}), lambda s: s.pop(p)):
         with pytest.raises(StateWriteError, match="up.weight"):
             write(opt.state)
-    with pytest.raises(StateWriteError, match="in place"):  # a reset that would be lost
+    with pytest.raises(StateWriteError, match="removing"):  # a reset that would be lost
         opt.state.clear()
+    for v in opt.state.values():  # as Lightning's _optimizer_to_device does
+        for key, t in v.items():
+            if key != "step":
+                v[key] = t.to("cpu") if isinstance(t, torch.Tensor) else t
     assert_tensors_equal(everything(model, opt), before, "after refused writes")
     assert dict(copy.deepcopy(entry)).keys() == entry.keys()  # copies are plain dicts
+    entry["exp_avg"] = torch.zeros_like(entry["exp_avg"])  # copied in, as torch takes it
+    entry.update(exp_avg_sq=torch.ones_like(entry["exp_avg_sq"]))
+    assert not opt.state[p]["exp_avg"].any() and bool((opt.state[p]["exp_avg_sq"] == 1).all())
     opt.state[torch.zeros(1)]["k"] = 1  # tensors the optimizer does not own: as in torch

@@ -69,32 +69,54 @@ class StateDictError(ValueError):
 
 
 class StateWriteError(ValueError):
-    """A write to ``optimizer.state`` that could not reach the sharded state (replacing or
-    removing an entry); names the FQN and rank."""
+    """A write to ``optimizer.state`` that could not reach the sharded state (removing an
+    entry, replacing one by something else than a tensor like it); names the FQN and rank."""
 
 
-def _refuse_write(opt: DistributedOptimizer, fqn: str) -> StateWriteError:
+def _refuse_write(opt: DistributedOptimizer, fqn: str, what: str) -> StateWriteError:
     return StateWriteError(
-        f"[dp rank {opt.dp.rank}] optimizer.state[{fqn!r}] is computed from the sharded "
-        "state on each access, so replacing or removing its entries would be lost: write "
-        "into its tensors in place (state['exp_avg'].copy_(x), .zero_()) and set step "
-        f"counts in optimizer.param_steps[{fqn!r}], on every rank")
+        f"[dp rank {opt.dp.rank}] {what} optimizer.state[{fqn!r}]: its entries are computed "
+        "from the sharded state on each access, so the change would be lost. Write into its "
+        "tensors in place (state['exp_avg'].zero_()) or assign a tensor of the same shape and "
+        f"dtype (copied in); set step counts in optimizer.param_steps[{fqn!r}], on every rank")
 
 
 class _Entry(dict):
-    """``optimizer.state[param]``: its tensors view the live state (in-place writes reach
-    it); replacing or removing a key raises instead of being silently dropped. Copies and
-    pickles are plain dicts."""
+    """``optimizer.state[param]``: its tensors view the live state, so in-place writes reach
+    it, and assigning a tensor of the same shape and dtype to one of them copies it in (torch's
+    optimizers take the new tensor; frameworks moving state between devices do this).
+    Anything else that would replace or remove an entry raises instead of being silently
+    dropped. Copies and pickles are plain dicts."""
 
     def __init__(self, opt: DistributedOptimizer, fqn: str, values: dict[str, Any]) -> None:
         super().__init__(values)
         self._opt, self._fqn = opt, fqn
 
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise _refuse_write(self._opt, self._fqn)
+    def __setitem__(self, key: str, value: Any) -> None:
+        current = dict.get(self, key)
+        if value is current:
+            return
+        if (key != "step" and isinstance(current, torch.Tensor)
+                and isinstance(value, torch.Tensor) and value.shape == current.shape
+                and value.dtype == current.dtype):
+            current.copy_(value)
+            return
+        shown = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                 if isinstance(value, torch.Tensor) else type(value).__name__)
+        raise _refuse_write(self._opt, self._fqn, f"setting {key!r} to {shown} in")
 
-    __setitem__ = __delitem__ = __ior__ = _refuse
-    update = pop = popitem = setdefault = clear = _refuse  # type: ignore[assignment]
+    def update(self, other: Any = (), **kwargs: Any) -> None:  # type: ignore[override]
+        for key, value in dict(other, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other: Any) -> _Entry:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse_write(self._opt, self._fqn, "removing entries of")
+
+    __delitem__ = pop = popitem = setdefault = clear = _refuse  # type: ignore[assignment]
 
     def __reduce__(self) -> Any:
         return dict, (dict(self),)
@@ -204,9 +226,10 @@ class LocalState(defaultdict):
     computed on access from this rank's live state: ``step`` (a tensor), and for the
     part of the param this rank holds, ``master_param`` (fp32) and, once they exist,
     ``exp_avg`` and ``exp_avg_sq``, all 1-D views starting at element ``offset`` of the
-    flattened param. Writing into the views changes the optimizer's state; ``step`` is a
-    copy that refuses in-place writes, and replacing or removing an entry (of a param or
-    of the mapping) raises :class:`StateWriteError`: it could not reach the state."""
+    flattened param. Writing into the views changes the optimizer's state, and so does
+    assigning a tensor like one of them (copied in); ``step`` is a copy that refuses
+    in-place writes, and any other replacing or removing of an entry (of a param or of
+    the mapping) raises :class:`StateWriteError`: it could not reach the state."""
 
     def __init__(self, opt: DistributedOptimizer) -> None:
         super().__init__(dict)
@@ -234,7 +257,7 @@ class LocalState(defaultdict):
         for param in params:
             fqn = self._opt.fqn_of.get(param)
             if fqn is not None:
-                raise _refuse_write(self._opt, fqn)
+                raise _refuse_write(self._opt, fqn, "replacing or removing")
 
     def __setitem__(self, param: Any, value: Any) -> None:
         self._check_not_owned([param])
