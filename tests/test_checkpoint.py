@@ -580,3 +580,13 @@ def test_latest_and_retention(tmp_path):
     assert checkpoint.latest(root) == newest
     with pytest.raises(CheckpointError):
         checkpoint.load(tmp_path / "nowhere", model, opt)
+
+
+def test_extra_whose_json_would_change_its_keys_is_refused(tmp_path):
+    """JSON keys are strings: ``{0: 5}`` would resume as ``{"0": 5}``, so a lookup by the
+    int finds nothing (or a ``.get`` default) without an error. Refused, naming where."""
+    model, opt = build(0)
+    with pytest.raises(CheckpointError, match=r"extra\['data'\]\['pos'\].*key 0 \(int\)"):
+        checkpoint.save(tmp_path, model, opt, step=1, extra={"data": {"pos": {0: 5}}})
+    assert checkpoint.latest(tmp_path) is None
+    checkpoint.save(tmp_path, model, opt, step=1, extra={"data": {"pos": {"0": 5}}, "t": (1, 2)})

@@ -57,9 +57,31 @@ def _rng_entries() -> list[WriteEntry]:
     return out
 
 
+def _non_str_key(obj: Any, where: str = "extra") -> str | None:
+    """Where ``obj`` has a dict key JSON would turn into a string (``{0: 5}`` comes back as
+    ``{"0": 5}``), or None."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                return f"{where} has key {key!r} ({type(key).__name__})"
+            found = _non_str_key(value, f"{where}[{key!r}]")
+            if found:
+                return found
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            found = _non_str_key(value, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def _check_save_args(step: Any, extra: Any) -> dict[str, Any]:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+    bad_key = _non_str_key(extra)
+    if bad_key:
+        raise CheckpointError(f"extra is stored as JSON, whose keys are strings: {bad_key}, "
+                              "which would come back as a string; use string keys")
     try:
         extra = json.loads(json.dumps(extra if extra is not None else {}))
     except (TypeError, ValueError) as e:
