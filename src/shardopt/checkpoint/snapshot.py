@@ -16,6 +16,13 @@ power-of-two rounding). ``snapshot="device"``: spare GPU memory, a device-to-dev
 writer then streams it to the files through the save's small pinned staging buffers
 (``staging_bytes``), so the host holds no copy of the state.
 
+What is copied: runs of adjacent elements of the few flat tensors the state lives in (a
+rank's shard of each bucket is contiguous), not one copy per param and state. A later save
+whose state lives in tensors of the same names, sizes and dtypes (after steps, offload, a
+load) repeats those copies from wherever the tensors are now (:meth:`Snapshot.retake`) and
+builds no per-param views at all; anything else (a frozen tensor added, the moments
+allocated) plans anew.
+
 Copies (CUDA): queued on a side stream behind the work already queued on the current
 stream, so the call returns at once. One event covers all of them: the optimizer's
 :meth:`~shardopt.optimizer.DistributedOptimizer.wait_for_save_copies` makes the current
