@@ -218,13 +218,15 @@ class System:
 
 
 def setup_shardopt(model, hp: Hyper, device: torch.device,
-                   overlap_param_gather: bool = False) -> System:
+                   overlap_param_gather: bool = False, **state_dtypes: str) -> System:
+    """``state_dtypes``: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` / ``grad_dtype`` of
+    :class:`shardopt.OptimizerConfig` (default fp32)."""
     import shardopt
     from shardopt.recipes.model import no_decay
 
     config = shardopt.OptimizerConfig(lr=hp.lr, betas=hp.betas, eps=hp.eps,
                                       weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm,
-                                      overlap_param_gather=overlap_param_gather)
+                                      overlap_param_gather=overlap_param_gather, **state_dtypes)
     opt = shardopt.DistributedOptimizer(model, config, param_group_fn=no_decay)
 
     def step(x, y):
@@ -235,7 +237,7 @@ def setup_shardopt(model, hp: Hyper, device: torch.device,
         return loss.detach()
 
     return System("shardopt_overlap" if overlap_param_gather else "shardopt", step, model, opt,
-                  notes={"bucket_numel": config.bucket_numel, "grad_accum_fp32": True,
+                  notes={"bucket_numel": config.bucket_numel, "state_dtypes": state_dtypes,
                          "step_kernel": opt.step_kernel,
                          "overlap_param_gather": overlap_param_gather})
 

@@ -17,7 +17,8 @@ side streams are waited for only where training itself waits for them) and is ti
   the one before): throughput against ``none``.
 
 DCP is used as torchtitan does: ``DefaultStager(StagingOptions(pinned memory, async
-staging, non-blocking copies))`` where torch has it; the step after a save waits for its
+staging, non-blocking copies))`` where torch has it, a new one per save (see
+``DcpSaver._new_stager``); the step after a save waits for its
 staging, a save waits for the previous upload. Host RSS is sampled during each phase.
 No iteration of a phase starts after ``--phase-cap-s`` seconds (the number run is
 recorded), and a time budget (``--budget-s``) skips phases that would not fit, from the
@@ -87,21 +88,29 @@ class DcpSaver:
         import torch.distributed.checkpoint as dcp
         self.dcp, self.model, self.opt, self.root = dcp, model, opt, root
         self.stager, self.notes = None, {"staging": "default (none)"}
-        try:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            gpu = torch.cuda.is_available()  # pinned and non-blocking copies need one
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=gpu,
-                                                       use_shared_memory=False,
-                                                       use_async_staging=True,
-                                                       use_non_blocking_copy=gpu))
-            self.notes = {"staging": f"DefaultStager(pinned={gpu}, async, non-blocking={gpu})"}
-        except ImportError:
-            pass
         self.staging = self.upload = None
         self.kept: list[Path] = []
 
+    def _new_stager(self):
+        """A DefaultStager for one save. On the GPU host (torch 2.11) a DefaultStager staged
+        a first state dict and raised KeyError(<class 'type'>) on the second, in each of
+        three StagingOptions tried: its close() after every stage empties its copy dispatch
+        table (a torch bug; 2.13 stages twice on CPU). A fresh one per save avoids that, and
+        loses no reuse: that close() also drops its pinned copies."""
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:
+            return None
+        gpu = torch.cuda.is_available()  # pinned and non-blocking copies need one
+        self.notes = {"staging": f"DefaultStager(pinned={gpu}, async, non-blocking={gpu}), "
+                                 "one per save"}
+        return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                            use_async_staging=True, use_non_blocking_copy=gpu))
+
     def save(self, step: int) -> None:
         self.finish()  # one save in flight, as shardopt
+        self.close()
+        self.stager = self._new_stager()
         path = self.root / f"step_{step:08d}"
         kw = {"async_stager": self.stager} if self.stager is not None else {}
         state = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
@@ -120,9 +129,10 @@ class DcpSaver:
     def busy(self) -> bool:
         return self.upload is not None and not self.upload.done()
 
-    def close(self) -> None:  # its pinned staging memory, before the next phase
+    def close(self) -> None:  # its pinned staging memory
         if self.stager is not None:
             self.stager.close()
+            self.stager = None
 
     def finish(self) -> None:
         self.before_step()

@@ -43,6 +43,8 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
     t0 = time.perf_counter()
     model = _peers.build_gpt(a["preset"], device, seed=0, **a["overrides"])
     kwargs = {}
+    if system.startswith("shardopt"):
+        kwargs.update(a["state_dtypes"])
     if system == "megatron":
         kwargs["overlap_param_gather"] = a["megatron_overlap_param_gather"]
     sys_ = _peers.SETUP[system](model, _peers.Hyper(), device, **kwargs)
@@ -82,6 +84,8 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
     a = {k: getattr(args, k) for k in ("device", "preset", "micro_batch", "warmup", "iters",
                                        "cpu_threads", "megatron_overlap_param_gather")}
     a["overrides"] = {"num_layers": args.num_layers} if args.num_layers else {}
+    a["state_dtypes"] = {k: getattr(args, k) for k in ("exp_avg_dtype", "exp_avg_sq_dtype",
+                                                         "grad_dtype") if getattr(args, k)}
     t0 = time.perf_counter()
     try:
         ranks = _peers.spawn(_worker, args.nproc, system, a, device=args.device,
@@ -168,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank on CPU")
     p.add_argument("--megatron-overlap-param-gather", action="store_true",
                    help="let megatron overlap its param all-gather with the next forward")
+    for name in ("exp-avg-dtype", "exp-avg-sq-dtype", "grad-dtype"):
+        p.add_argument(f"--{name}", default=None,
+                       help="shardopt's state setting (float32, bfloat16; int8 for moments)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args(argv)

@@ -264,6 +264,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return moments_.piece(self._host.local_moment(name, shard.buffer_index),
                               shard.range_local)
 
+    def state_sources(self) -> dict[str, torch.Tensor]:
+        """The flat tensors this rank's state is read from now, named alike across offload,
+        load and onload: ``params.i``, ``master_param.i`` (not for fp32 params) and, once
+        the moments exist, ``exp_avg.i``, ``exp_avg_sq.i`` and int8 ``{name}.scale.i`` for
+        buffer ``i``. The views :meth:`state_view`, :meth:`moment_view` and
+        ``buffers.shard_params`` return are views of them."""
+        params = self.buffers.host_params or self.buffers.param_buffers
+        out: dict[str, torch.Tensor] = {}
+        for i in range(len(self.layout.buffers)):
+            out[f"params.{i}"] = params[i]
+            if self.main_params[i] is not None:
+                out[f"master_param.{i}"] = self._host.local("master_param", i)
+            for name in moments_.NAMES if self.has_moments else ():
+                m = self._host.local_moment(name, i)
+                out[f"{name}.{i}"] = m.values
+                if m.scales is not None:
+                    out[f"{name}.scale.{i}"] = m.scales
+        return out
+
     def adopt_state(self, moments: Moments, param_steps: dict[str, int],
                     on_host: bool = False) -> None:
         """Collective. Take loaded moments (``on_host``: kept there until the first step,

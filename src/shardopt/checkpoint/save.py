@@ -144,10 +144,10 @@ def save(
                 optimizer.reseed_written()  # saved main params are the weights written since
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
-                contents = _rank_contents(model, optimizer)
-                if not cfg.blocking:  # split into files later, in the background
-                    contents, event = _snapshot(optimizer).take(contents,
-                                                                cfg.snapshot == "device")
+                if cfg.blocking:
+                    contents = _rank_contents(model, optimizer)
+                else:  # split into files later, in the background
+                    contents, event = _take_snapshot(model, optimizer, cfg.snapshot == "device")
                     optimizer.set_save_fence(event)
                 if dp.rank == 0:
                     base = _manifest_base(model, optimizer, step, extra_obj)
@@ -228,10 +228,30 @@ def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
 
 def _rank_contents(model: torch.nn.Module, opt: DistributedOptimizer) -> list[Job]:
     """Coordinator-free. What this rank writes, by file kind (``rng`` under its file name)."""
+    return [_rng_job(opt), *_state_contents(model, opt)]
+
+
+def _rng_job(opt: DistributedOptimizer) -> Job:
+    return (data_file_name("rng", opt.dp.rank), _rng_entries())  # new tensors: no snapshot
+
+
+def _state_contents(model: torch.nn.Module, opt: DistributedOptimizer) -> list[Job]:
     contents = {"model": state.model_entries(model, opt)}
     for name in STATE_NAMES:
         contents.setdefault(state_file_kind(name), []).extend(state.optim_entries(opt, name))
-    return [(data_file_name("rng", opt.dp.rank), _rng_entries()), *contents.items()]
+    return list(contents.items())
+
+
+def _take_snapshot(model: torch.nn.Module, opt: DistributedOptimizer, on_device: bool
+                   ) -> tuple[list[Job], torch.cuda.Event | None]:
+    """Coordinator-free. :func:`_rank_contents` with its state copied into the optimizer's
+    snapshot: a repeat of the previous save's copies where the state lives in tensors of
+    the same sizes (:meth:`.Snapshot.retake`), else built and copied afresh."""
+    snap, sources = _snapshot(opt), state.sources(model, opt)
+    again = snap.retake(sources, on_device)
+    jobs, event = again if again is not None else \
+        snap.take(_state_contents(model, opt), on_device, sources)
+    return [_rng_job(opt), *jobs], event
 
 
 def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:

@@ -16,6 +16,13 @@ power-of-two rounding). ``snapshot="device"``: spare GPU memory, a device-to-dev
 writer then streams it to the files through the save's small pinned staging buffers
 (``staging_bytes``), so the host holds no copy of the state.
 
+What is copied: runs of adjacent elements of the few flat tensors the state lives in (a
+rank's shard of each bucket is contiguous), not one copy per param and state. A later save
+whose state lives in tensors of the same names, sizes and dtypes (after steps, offload, a
+load) repeats those copies from wherever the tensors are now (:meth:`Snapshot.retake`) and
+builds no per-param views at all; anything else (a frozen tensor added, the moments
+allocated) plans anew.
+
 Copies (CUDA): queued on a side stream behind the work already queued on the current
 stream, so the call returns at once. One event covers all of them: the optimizer's
 :meth:`~shardopt.optimizer.DistributedOptimizer.wait_for_save_copies` makes the current
@@ -46,6 +53,7 @@ class Snapshot:
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._pinned: dict[torch.dtype, PinnedBuffer] = {}
         self._stream: torch.cuda.Stream | None = None
+        self._plan: _Plan | None = None  # the last take, to repeat with the same buffers
 
     def nbytes(self) -> int:
         """Memory the snapshot holds (kept between saves), on the device or the host."""
@@ -54,9 +62,25 @@ class Snapshot:
     def release(self) -> None:
         for buf in self._pinned.values():
             buf.release()
-        self._buffers, self._pinned = {}, {}
+        self._buffers, self._pinned, self._plan = {}, {}, None
 
-    def take(self, jobs: Sequence[Job], on_device: bool = False
+    def retake(self, sources: dict[str, torch.Tensor], on_device: bool = False
+               ) -> tuple[list[Job], torch.cuda.Event | None] | None:
+        """Coordinator-free. The jobs of the last :meth:`take` again, with its copies queued
+        anew from ``sources`` (the flat tensors the state lives in now, by name; see
+        :meth:`~shardopt.optimizer.DistributedOptimizer.state_sources`), when they have
+        the names, sizes and dtypes they had then; else None. The entries' pieces of the
+        sources depend on the layout alone, so they are where they were: this builds no
+        per-param views, which keeps the call of a repeated save to a few copies."""
+        plan = self._plan
+        if plan is None or plan.key != _key(sources, on_device and self.cuda):
+            return None
+        pairs = [(self._buffers[dtype][pos:pos + n], sources[name].narrow(0, rel, n))
+                 for name, rel, n, dtype, pos in plan.runs]
+        return plan.jobs, self._copy(pairs)
+
+    def take(self, jobs: Sequence[Job], on_device: bool = False,
+             sources: dict[str, torch.Tensor] | None = None
              ) -> tuple[list[Job], torch.cuda.Event | None]:
         """Coordinator-free. Queue copies of every entry's source into the buffers (in
         device memory with ``on_device`` and a GPU, else on the host); return the jobs with
@@ -66,7 +90,8 @@ class Snapshot:
         The sources are mostly adjacent views of a few flat buffers (a rank's shard of each
         bucket): each run of adjacent or overlapping elements of one storage is copied at
         once, a few large copies instead of one per param and state, which keeps the call
-        short."""
+        short. With ``sources``, the runs are also recorded as pieces of them, for
+        :meth:`retake`."""
         unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         for _, entries in jobs:
             for e in entries:
@@ -92,6 +117,8 @@ class Snapshot:
                        WriteEntry(e.key, e.dtype, e.numel, e.offset, copies[_identity(e.source)])
                        for e in entries])
                for name, entries in jobs]
+        self._plan = None if sources is None else _Plan.of(runs, sources, out,
+                                                           self.on_device)
         return out, event
 
     def _allocate(self, sizes: dict[torch.dtype, int], on_device: bool) -> None:
@@ -128,6 +155,36 @@ class Snapshot:
 
 def _identity(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
     return (t.data_ptr(), t.numel(), t.dtype)
+
+
+class _Plan:
+    """A take's runs as pieces of named sources, its buffer positions and its jobs."""
+
+    def __init__(self, key, runs, jobs) -> None:
+        self.key, self.runs, self.jobs = key, runs, jobs
+
+    @classmethod
+    def of(cls, runs: list[_Run], sources: dict[str, torch.Tensor], jobs: list[Job],
+           on_device: bool) -> _Plan | None:
+        """None when a run is not inside one source (e.g. a copy made for a
+        non-contiguous frozen tensor): such a take is not repeated."""
+        where = {(t.untyped_storage().data_ptr(), t.dtype): (name, t)
+                 for name, t in sources.items() if t.dim() == 1 and t.is_contiguous()}
+        pos: dict[torch.dtype, int] = {}
+        out = []
+        for run in runs:
+            name, t = where.get((run.storage.data_ptr(), run.dtype), (None, None))
+            at = pos.get(run.dtype, 0)
+            pos[run.dtype] = at + run.numel
+            if t is None or not (t.storage_offset() <= run.start
+                                 and run.start + run.numel <= t.storage_offset() + t.numel()):
+                return None
+            out.append((name, run.start - t.storage_offset(), run.numel, run.dtype, at))
+        return cls(_key(sources, on_device), out, jobs)
+
+
+def _key(sources: dict[str, torch.Tensor], on_device: bool) -> tuple:
+    return (on_device, tuple((name, t.numel(), t.dtype) for name, t in sources.items()))
 
 
 class _Run:

@@ -83,6 +83,17 @@ def describe(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, dic
     return table
 
 
+def sources(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
+    """The flat tensors everything :func:`model_entries` and :func:`optim_entries` write
+    is a view of: the optimizer's :meth:`~DistributedOptimizer.state_sources` and, on rank
+    0, the frozen tensors flattened (a view where they are contiguous)."""
+    out = opt.state_sources()
+    if opt.dp.rank == 0:
+        out.update({f"frozen.{fqn}": t.detach().reshape(-1)
+                    for fqn, t in frozen_tensors(model, opt).items()})
+    return out
+
+
 def model_entries(model: torch.nn.Module, opt: DistributedOptimizer) -> list[WriteEntry]:
     """Model weights this rank writes: its shards of trainable params, and (rank 0) the rest."""
     out = [
