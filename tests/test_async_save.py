@@ -338,13 +338,13 @@ _CHILD = textwrap.dedent("""
     real = save_module.write_file
     def write_file(path, *args, **kwargs):
         out = real(path, *args, **kwargs)
-        print("wrote", path, flush=True)
+        sys.stdout.write(f"wrote {{path}}\\n"); sys.stdout.flush()
         {after_write}
         return out
     save_module.write_file = write_file
     handle = checkpoint.save({root!r}, model, opt, step=2, blocking=False)
     train(model, opt, range(2, 4), 0, 1)
-    print("trained; save done:", handle.done(), flush=True)
+    sys.stdout.write(f"trained; save done: {{handle.done()}}\\n"); sys.stdout.flush()
 """)
 
 
