@@ -331,3 +331,26 @@ def test_optimizer_state_writes_take_effect_or_raise():
     entry.update(exp_avg_sq=torch.ones_like(entry["exp_avg_sq"]))
     assert not opt.state[p]["exp_avg"].any() and bool((opt.state[p]["exp_avg_sq"] == 1).all())
     opt.state[torch.zeros(1)]["k"] = 1  # tensors the optimizer does not own: as in torch
+
+
+def test_weights_written_back_unchanged_keep_the_main_params():
+    """Loading the optimizer before the model (or writing the weights back unchanged, as
+    ``model.load_state_dict(model.state_dict())``) writes each param its own value: the fp32
+    main params keep their digits and the resume is still bitwise. A param written with
+    another value is re-seeded from it."""
+    model, opt = build(0)
+    train(model, opt, range(SAVE_STEP), 0, 1)
+    saved = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
+    train(model, opt, range(SAVE_STEP, END_STEP), 0, 1)
+    reference = everything(model, opt)
+    model, opt = build(10)
+    opt.load_state_dict(saved["optim"])
+    model.load_state_dict(saved["model"])  # after the optimizer: the same values
+    model.load_state_dict(model.state_dict())
+    train(model, opt, range(SAVE_STEP, END_STEP), 0, 1)
+    assert_tensors_equal(everything(model, opt), reference, "optimizer loaded first")
+    with torch.no_grad():
+        model.up.weight[0, 0] = 0.5
+    opt.reseed_written()
+    shard = opt.shard_of["up.weight"]
+    assert float(opt.state_view("master_param", shard)[0]) == 0.5

@@ -58,6 +58,15 @@ class FlatBuffers:
     def bucket_grads(self, bucket: Bucket) -> torch.Tensor:
         return self.grad_buffers[bucket.buffer_index][bucket.range_global.as_slice()]
 
+    def packed_params(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's params back to back: a view where they lie so in the buffer, else
+        (8-bit moments start each param on a block boundary, leaving gaps) a copy."""
+        slots = [self.layout.slots[fqn] for fqn in bucket.param_fqns]
+        numel = sum(s.range_global.size for s in slots)
+        if slots[-1].range_global.end - bucket.range_global.start == numel:
+            return self.bucket_params(bucket).narrow(0, 0, numel)
+        return torch.cat([self.param_views[s.fqn] for s in slots])
+
     def shard_params(self, shard: ParamShard) -> torch.Tensor:
         source = self.param_buffers if self.host_params is None else self.host_params
         return source[shard.buffer_index][shard.range_global.as_slice()]

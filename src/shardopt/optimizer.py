@@ -321,23 +321,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._host.offloaded
 
     def iter_param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
-        """``(fqns, flat)`` per bucket: ``flat`` (model dtype) holds the bucket's params, in
-        ``fqns`` order, each ``numel`` elements, back to back, without padding: a view of
-        the param buffer, or, where 8-bit moments start each param on a block boundary
-        (gaps between params), a packed copy. Buckets come by buffer (one per model dtype,
-        in ``layout.buffers`` order), then by bucket index. Waits for param all-gathers
+        """``(fqns, flat)`` per bucket: ``flat`` (model dtype) holds the bucket's params in
+        ``fqns`` order, back to back (:meth:`FlatBuffers.packed_params`). Buckets come by
+        buffer (``layout.buffers`` order), then bucket index. Waits for param all-gathers
         still in flight; refused while params are offloaded."""
         self._host.check_onloaded("iter_param_buckets()", ("params",))
         self.finish_param_sync()
-        return ((b.param_fqns, self._bucket_flat(b))
+        return ((b.param_fqns, self.buffers.packed_params(b))
                 for buf in self.layout.buffers for b in buf.buckets)
-
-    def _bucket_flat(self, bucket: Any) -> torch.Tensor:
-        slots = [self.layout.slots[fqn] for fqn in bucket.param_fqns]
-        numel = sum(s.range_global.size for s in slots)
-        if slots[-1].range_global.end - bucket.range_global.start == numel:  # back to back
-            return self.buffers.bucket_params(bucket).narrow(0, 0, numel)
-        return torch.cat([self.buffers.param_views[s.fqn] for s in slots])
 
     def reload_model_params(self) -> None:
         """Re-seed every fp32 main param this rank holds from the model's current params.
@@ -352,29 +343,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Call it on every rank, after every rank set the same weights (as with DDP); each
         rank re-seeds the part it owns and the next ``step()`` all-gathers them. The
-        fp32 digits below the model dtype's precision are dropped for every param.
+        fp32 digits below the model dtype's precision are dropped where a value changed.
         """
-        # Offloaded params: it would read their host copies, not what was written meanwhile.
-        self._host.check_onloaded("reload_model_params()", ("params",))
+        self._host.check_onloaded("reload_model_params()", ("params",))  # not the writes
         self.finish_param_sync()  # an all-gather in flight would overwrite the user's weights
         self.wait_for_save_copies()
         self._watch.written()  # only to raise if a param was moved out of the buffer
         self._reseed(self._fqns)
 
     def reseed_written(self) -> None:
-        """Re-seed the fp32 main params of the params written in place since the optimizer
-        last wrote them (:meth:`reload_model_params` says which writes count). ``step()``
-        does it first; ``state_dict()`` and ``checkpoint.save`` too, so that what they hold,
-        and what a resume rebuilds the params from, are the weights the user wrote."""
+        """Re-seed the main params of params written in place since the optimizer last wrote
+        them, as ``step()``, ``state_dict()`` and ``checkpoint.save`` do first."""
         self.wait_for_save_copies(host=False)  # before the first write into the state
         self._reseed(self._watch.written())
 
     def _reseed(self, fqns: Iterable[str]) -> None:
-        """Copy the model-dtype params of ``fqns`` into this rank's fp32 main params."""
+        """Copy the params of ``fqns`` into this rank's fp32 main params where they differ
+        from them rounded: an element written back unchanged keeps its fp32 digits."""
         for fqn in fqns:
             s = self.shard_of.get(fqn)
             if s is not None and self.main_params[s.buffer_index] is not None:  # fp32: no copy
-                self.state_view("master_param", s).copy_(self.buffers.shard_params(s))
+                main, param = self.state_view("master_param", s), self.buffers.shard_params(s)
+                main.copy_(torch.where(param != main.to(param.dtype), param.float(), main))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state keyed by FQN, values viewing the live state
