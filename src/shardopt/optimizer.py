@@ -20,9 +20,7 @@ in launch order, which every rank shares):
 * Phase 3, still in ``step()`` (:mod:`.sync`): all-gather every param
   bucket, so each rank again holds the full updated params.
 
-With ``dp_size == 1`` every collective is skipped and the same code runs.
-The optimizer holds state and returns it on request; it never does file I/O
-(that is :mod:`shardopt.checkpoint`'s job).
+At ``dp_size == 1`` the collectives are skipped. No file I/O here (:mod:`shardopt.checkpoint`).
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from . import moments as moments_
 from . import state_dict as state_dicts
 from .build import SUPPORTED_DTYPES, Named, ParamGroupFn
 from .buffers import FlatBuffers
+from .local_state import LocalState
 from .config import OptimizerConfig
 from .grad_norm import GradNorm
 from .host_state import KINDS, HostState
@@ -115,7 +114,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "weight_decay": self.config.weight_decay}
         super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
         self._groups_final = True
-        self.state = state_dicts.LocalState(self)  # torch's defaultdict, computed on access
+        self.state = LocalState(self)  # torch's defaultdict, computed on access
         self.group_of = {
             self.fqn_of[p]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]
         }
@@ -321,10 +320,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._host.offloaded
 
     def iter_param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
-        """``(fqns, flat)`` per bucket: ``flat`` (model dtype) holds the bucket's params in
-        ``fqns`` order, back to back (:meth:`FlatBuffers.packed_params`). Buckets come by
-        buffer (``layout.buffers`` order), then bucket index. Waits for param all-gathers
-        still in flight; refused while params are offloaded."""
+        """``(fqns, flat)`` per bucket (by buffer, then bucket index): ``flat`` (model dtype)
+        holds its params back to back in ``fqns`` order (:meth:`FlatBuffers.packed_params`).
+        Waits for param all-gathers in flight; refused while params are offloaded."""
         self._host.check_onloaded("iter_param_buckets()", ("params",))
         self.finish_param_sync()
         return ((b.param_fqns, self.buffers.packed_params(b))
@@ -333,18 +331,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def reload_model_params(self) -> None:
         """Re-seed every fp32 main param this rank holds from the model's current params.
 
-        ``step()`` notices in-place writes to params by their version counters and
-        re-seeds those params itself: ``model.load_state_dict``, ``p.zero_()``,
-        ``p.copy_(x)``, ``nn.init.*`` and every other in-place op on the param or on
-        ``p.detach()``. Writes that bypass the counter need this call before the next
-        ``step()``: through ``p.data`` (``p.data.copy_(x)``), through another tensor
-        that shares the storage, or from outside PyTorch (DLPack, CUDA kernels).
-        fp32 params need neither: their main param is the param.
-
-        Call it on every rank, after every rank set the same weights (as with DDP); each
-        rank re-seeds the part it owns and the next ``step()`` all-gathers them. The
-        fp32 digits below the model dtype's precision are dropped where a value changed.
-        """
+        In-place writes (``load_state_dict``, ``p.copy_``, ``nn.init.*``, ...) bump the
+        params' version counters and are re-seeded by ``step()`` itself; writes that bypass
+        the counter (``p.data``, a tensor sharing the storage, DLPack, CUDA kernels) need
+        this call, on every rank after every rank set the same weights, before the next
+        ``step()``. fp32 params need neither: their main param is the param."""
         self._host.check_onloaded("reload_model_params()", ("params",))  # not the writes
         self.finish_param_sync()  # an all-gather in flight would overwrite the user's weights
         self.wait_for_save_copies()
@@ -391,8 +382,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         moments_.wait(event, self.device, host)
 
     def check_model(self, model: torch.nn.Module) -> None:
-        """Raise a ``ValueError`` naming the first param unless ``model`` is the one this
-        optimizer was built over."""
+        """Raise a ``ValueError`` naming a param unless ``model`` is the one built over."""
         guards.check_model(self, model)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:  # noqa: D102

@@ -44,8 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,60 +72,11 @@ class StateWriteError(ValueError):
     entry, replacing one by something else than a tensor like it); names the FQN and rank."""
 
 
-def _refuse_write(opt: DistributedOptimizer, fqn: str, what: str) -> StateWriteError:
-    return StateWriteError(
-        f"[dp rank {opt.dp.rank}] {what} optimizer.state[{fqn!r}]: its entries are computed "
-        "from the sharded state on each access, so the change would be lost. Write into its "
-        "tensors in place (state['exp_avg'].zero_()) or assign a tensor of the same shape and "
-        f"dtype (copied in); set step counts in optimizer.param_steps[{fqn!r}], on every rank")
-
-
-class _Entry(dict):
-    """``optimizer.state[param]``: its tensors view the live state, so in-place writes reach
-    it, and assigning a tensor of the same shape and dtype to one of them copies it in (torch's
-    optimizers take the new tensor; frameworks moving state between devices do this).
-    Anything else that would replace or remove an entry raises instead of being silently
-    dropped. Copies and pickles are plain dicts."""
-
-    def __init__(self, opt: DistributedOptimizer, fqn: str, values: dict[str, Any]) -> None:
-        super().__init__(values)
-        self._opt, self._fqn = opt, fqn
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        current = dict.get(self, key)
-        if value is current:
-            return
-        if (key != "step" and isinstance(current, torch.Tensor)
-                and isinstance(value, torch.Tensor) and value.shape == current.shape
-                and value.dtype == current.dtype):
-            current.copy_(value)
-            return
-        shown = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-                 if isinstance(value, torch.Tensor) else type(value).__name__)
-        raise _refuse_write(self._opt, self._fqn, f"setting {key!r} to {shown} in")
-
-    def update(self, other: Any = (), **kwargs: Any) -> None:  # type: ignore[override]
-        for key, value in dict(other, **kwargs).items():
-            self[key] = value
-
-    def __ior__(self, other: Any) -> _Entry:  # type: ignore[override,misc]
-        self.update(other)
-        return self
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise _refuse_write(self._opt, self._fqn, "removing entries of")
-
-    __delitem__ = pop = popitem = setdefault = clear = _refuse  # type: ignore[assignment]
-
-    def __reduce__(self) -> Any:
-        return dict, (dict(self),)
-
-
 def _numel(opt: DistributedOptimizer, fqn: str) -> int:
     return math.prod(opt.layout.slots[fqn].shape)
 
 
-def _names(opt: DistributedOptimizer) -> list[str]:
+def names(opt: DistributedOptimizer) -> list[str]:
     """The state entries of each param: moments (with ``".scale"`` entries for 8-bit ones),
     then the master param."""
     out = []
@@ -175,7 +125,7 @@ def _check_kinds(opt: DistributedOptimizer, fqn: str, entry: Mapping, cast: set[
         cast.add(f"{name} {saved} -> {mine}")
 
 
-def _view(m: quant.Moment, name: str) -> torch.Tensor:
+def view(m: quant.Moment, name: str) -> torch.Tensor:
     return m.scales if name.endswith(".scale") else m.values  # type: ignore[return-value]
 
 
@@ -188,7 +138,7 @@ def _value(opt: DistributedOptimizer, name: str, fqn: str, shard: ParamShard | N
         return FlatShard(opt.state_view(name, shard), offset, numel)
     if opt.has_moments:
         base = name.removesuffix(".scale")
-        return FlatShard(_view(opt.moment_view(base, shard), name), offset, numel)
+        return FlatShard(view(opt.moment_view(base, shard), name), offset, numel)
     return FlatShard.lazy(lambda: torch.zeros(size, dtype=dtype), offset, numel, size, dtype,
                           torch.device("cpu"))
 
@@ -210,7 +160,7 @@ def _build(opt: DistributedOptimizer) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for fqn in opt.fqn_of.values():
         entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
-        for name in _names(opt):
+        for name in names(opt):
             entry[name] = _value(opt, name, fqn, opt.shard_of.get(fqn))
         entry["param_dtype"] = dtype_name(opt.layout.buffers[
             opt.layout.slots[fqn].buffer_index].dtype)
@@ -219,95 +169,6 @@ def _build(opt: DistributedOptimizer) -> dict[str, Any]:
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [opt.fqn_of[p] for p in g["params"]]} for g in opt.param_groups]
     return {"state": state, "param_groups": groups}
-
-
-class LocalState(defaultdict):
-    """``optimizer.state``: a ``defaultdict`` keyed by param, as torch's, whose entries are
-    computed on access from this rank's live state: ``step`` (a tensor), and for the
-    part of the param this rank holds, ``master_param`` (fp32) and, once they exist,
-    ``exp_avg`` and ``exp_avg_sq``, all 1-D views starting at element ``offset`` of the
-    flattened param. Writing into the views changes the optimizer's state, and so does
-    assigning a tensor like one of them (copied in); ``step`` is a copy that refuses
-    in-place writes, and any other replacing or removing of an entry (of a param or of
-    the mapping) raises :class:`StateWriteError`: it could not reach the state."""
-
-    def __init__(self, opt: DistributedOptimizer) -> None:
-        super().__init__(dict)
-        self._opt = opt
-
-    def _entry(self, fqn: str) -> dict[str, Any]:
-        opt = self._opt
-        with torch.inference_mode():  # an in-place write to this copy raises, not lost
-            step = torch.tensor(float(opt.param_steps[fqn]))
-        out: dict[str, Any] = {"step": step}
-        shard = opt.shard_of.get(fqn)
-        if shard is not None:
-            out["offset"] = shard.range_param.start
-            out["master_param"] = opt.state_view("master_param", shard)
-            if opt.has_moments:
-                out.update({name: _view(opt.moment_view(name.removesuffix(".scale"), shard),
-                                        name) for name in _names(opt)[:-1]})
-        return _Entry(opt, fqn, out)
-
-    def __getitem__(self, param: Any) -> Any:
-        fqn = self._opt.fqn_of.get(param)
-        return self._entry(fqn) if fqn is not None else super().__getitem__(param)
-
-    def _check_not_owned(self, params: Any) -> None:
-        for param in params:
-            fqn = self._opt.fqn_of.get(param)
-            if fqn is not None:
-                raise _refuse_write(self._opt, fqn, "replacing or removing")
-
-    def __setitem__(self, param: Any, value: Any) -> None:
-        self._check_not_owned([param])
-        super().__setitem__(param, value)
-
-    def __delitem__(self, param: Any) -> None:
-        self._check_not_owned([param])
-        super().__delitem__(param)
-
-    def pop(self, param: Any, *default: Any) -> Any:  # type: ignore[override]
-        self._check_not_owned([param])
-        return super().pop(param, *default)
-
-    def setdefault(self, param: Any, default: Any = None) -> Any:  # type: ignore[override]
-        self._check_not_owned([param])
-        return super().setdefault(param, default)
-
-    def update(self, other: Any = (), **kwargs: Any) -> None:  # type: ignore[override]
-        items = dict(other, **kwargs)
-        self._check_not_owned(items)
-        super().update(items)
-
-    def clear(self) -> None:
-        self._check_not_owned(self._opt.fqn_of)  # resetting the state this way would be lost
-
-    def get(self, param: Any, default: Any = None) -> Any:
-        return self[param] if param in self else default
-
-    def __contains__(self, param: object) -> bool:
-        return param in self._opt.fqn_of or super().__contains__(param)
-
-    def __iter__(self) -> Iterator[Any]:
-        yield from self._opt.fqn_of
-        yield from (p for p in super().__iter__() if p not in self._opt.fqn_of)
-
-    def __len__(self) -> int:
-        return len(self._opt.fqn_of) + sum(1 for p in super().__iter__()
-                                           if p not in self._opt.fqn_of)
-
-    def keys(self) -> Any:  # type: ignore[override]
-        return list(self)
-
-    def values(self) -> Any:  # type: ignore[override]
-        return [self[p] for p in self]
-
-    def items(self) -> Any:  # type: ignore[override]
-        return [(p, self[p]) for p in self]
-
-    def __repr__(self) -> str:
-        return f"LocalState({len(self)} params, dp rank {self._opt.dp.rank})"
 
 
 # ---------------------------------------------------------------------------- load
@@ -357,7 +218,7 @@ def _load(opt: DistributedOptimizer, sd: Any) -> None:
     for shard, name, src in plan.copies:
         if name != "master_param":
             m = moments.of(name.removesuffix(".scale"))[shard.buffer_index]
-            _view(moments_.piece(m, shard.range_local), name).copy_(src)
+            view(moments_.piece(m, shard.range_local), name).copy_(src)
     opt.adopt_state(moments, {f: opt.param_steps[f] for f in opt.fqn_of.values()}, on_host=host)
     for group, saved in zip(opt.param_groups, plan.groups):
         group.update(saved)  # as torch's load_state_dict: lr & co. resume as saved
@@ -442,7 +303,7 @@ def _check_state(opt: DistributedOptimizer, state: Mapping, cast: set[str]
             raise StateDictError(f"param {fqn!r} is {dtype} here but was "
                                  f"{entry.get('param_dtype')!r} in the state dict")
         shard = opt.shard_of.get(fqn)
-        for name in _names(opt):
+        for name in names(opt):
             dtype, numel, offset, size = _expected(opt, name, fqn, shard)
             v = entry.get(name)
             where = f"param {fqn!r}: {name} of the state dict"

@@ -1,0 +1,156 @@
+"""``optimizer.state``: torch's per-param state mapping over the sharded state.
+
+Entries are computed on access from this rank's live state (:mod:`.state_dict` builds the
+same views); writes reach the state or raise :class:`StateWriteError`, never vanish.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .state_dict import StateWriteError, names, view
+
+if TYPE_CHECKING:
+    from .optimizer import DistributedOptimizer
+
+
+def _refuse_write(opt: DistributedOptimizer, fqn: str, what: str) -> StateWriteError:
+    return StateWriteError(
+        f"[dp rank {opt.dp.rank}] {what} optimizer.state[{fqn!r}]: its entries are computed "
+        "from the sharded state on each access, so the change would be lost. Write into its "
+        "tensors in place (state['exp_avg'].zero_()) or assign a tensor of the same shape and "
+        f"dtype (copied in); set step counts in optimizer.param_steps[{fqn!r}], on every rank")
+
+
+class _Entry(dict):
+    """``optimizer.state[param]``: its tensors view the live state, so in-place writes reach
+    it, and assigning a tensor of the same shape and dtype to one of them copies it in (torch's
+    optimizers take the new tensor; frameworks moving state between devices do this).
+    Anything else that would replace or remove an entry raises instead of being silently
+    dropped. Copies and pickles are plain dicts."""
+
+    def __init__(self, opt: DistributedOptimizer, fqn: str, values: dict[str, Any]) -> None:
+        super().__init__(values)
+        self._opt, self._fqn = opt, fqn
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        current = dict.get(self, key)
+        if value is current:
+            return
+        if (key != "step" and isinstance(current, torch.Tensor)
+                and isinstance(value, torch.Tensor) and value.shape == current.shape
+                and value.dtype == current.dtype):
+            current.copy_(value)
+            return
+        shown = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                 if isinstance(value, torch.Tensor) else type(value).__name__)
+        raise _refuse_write(self._opt, self._fqn, f"setting {key!r} to {shown} in")
+
+    def update(self, other: Any = (), **kwargs: Any) -> None:  # type: ignore[override]
+        for key, value in dict(other, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other: Any) -> _Entry:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse_write(self._opt, self._fqn, "removing entries of")
+
+    __delitem__ = pop = popitem = setdefault = clear = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
+
+
+class LocalState(defaultdict):
+    """``optimizer.state``: a ``defaultdict`` keyed by param, as torch's, whose entries are
+    computed on access from this rank's live state: ``step`` (a tensor), and for the
+    part of the param this rank holds, ``master_param`` (fp32) and, once they exist,
+    ``exp_avg`` and ``exp_avg_sq``, all 1-D views starting at element ``offset`` of the
+    flattened param. Writing into the views changes the optimizer's state, and so does
+    assigning a tensor like one of them (copied in); ``step`` is a copy that refuses
+    in-place writes, and any other replacing or removing of an entry (of a param or of
+    the mapping) raises :class:`StateWriteError`: it could not reach the state."""
+
+    def __init__(self, opt: DistributedOptimizer) -> None:
+        super().__init__(dict)
+        self._opt = opt
+
+    def _entry(self, fqn: str) -> dict[str, Any]:
+        opt = self._opt
+        with torch.inference_mode():  # an in-place write to this copy raises, not lost
+            step = torch.tensor(float(opt.param_steps[fqn]))
+        out: dict[str, Any] = {"step": step}
+        shard = opt.shard_of.get(fqn)
+        if shard is not None:
+            out["offset"] = shard.range_param.start
+            out["master_param"] = opt.state_view("master_param", shard)
+            if opt.has_moments:
+                out.update({name: view(opt.moment_view(name.removesuffix(".scale"), shard),
+                                        name) for name in names(opt)[:-1]})
+        return _Entry(opt, fqn, out)
+
+    def __getitem__(self, param: Any) -> Any:
+        fqn = self._opt.fqn_of.get(param)
+        return self._entry(fqn) if fqn is not None else super().__getitem__(param)
+
+    def _check_not_owned(self, params: Any) -> None:
+        for param in params:
+            fqn = self._opt.fqn_of.get(param)
+            if fqn is not None:
+                raise _refuse_write(self._opt, fqn, "replacing or removing")
+
+    def __setitem__(self, param: Any, value: Any) -> None:
+        self._check_not_owned([param])
+        super().__setitem__(param, value)
+
+    def __delitem__(self, param: Any) -> None:
+        self._check_not_owned([param])
+        super().__delitem__(param)
+
+    def pop(self, param: Any, *default: Any) -> Any:  # type: ignore[override]
+        self._check_not_owned([param])
+        return super().pop(param, *default)
+
+    def setdefault(self, param: Any, default: Any = None) -> Any:  # type: ignore[override]
+        self._check_not_owned([param])
+        return super().setdefault(param, default)
+
+    def update(self, other: Any = (), **kwargs: Any) -> None:  # type: ignore[override]
+        items = dict(other, **kwargs)
+        self._check_not_owned(items)
+        super().update(items)
+
+    def clear(self) -> None:
+        self._check_not_owned(self._opt.fqn_of)  # resetting the state this way would be lost
+
+    def get(self, param: Any, default: Any = None) -> Any:
+        return self[param] if param in self else default
+
+    def __contains__(self, param: object) -> bool:
+        return param in self._opt.fqn_of or super().__contains__(param)
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self._opt.fqn_of
+        yield from (p for p in super().__iter__() if p not in self._opt.fqn_of)
+
+    def __len__(self) -> int:
+        return len(self._opt.fqn_of) + sum(1 for p in super().__iter__()
+                                           if p not in self._opt.fqn_of)
+
+    def keys(self) -> Any:  # type: ignore[override]
+        return list(self)
+
+    def values(self) -> Any:  # type: ignore[override]
+        return [self[p] for p in self]
+
+    def items(self) -> Any:  # type: ignore[override]
+        return [(p, self[p]) for p in self]
+
+    def __repr__(self) -> str:
+        return f"LocalState({len(self)} params, dp rank {self._opt.dp.rank})"
