@@ -301,6 +301,24 @@ def test_repeated_saves_reuse_the_snapshot_plan_and_follow_the_state(trained_mod
     assert len(takes) == 2
 
 
+def test_a_buffer_that_stops_sharing_storage_gets_a_new_plan(trained_model, tmp_path):
+    """Two frozen buffers viewing one storage are copied once; when one of them is given a
+    tensor of its own (same size), the next save must not copy it from the old storage."""
+    model, opt = trained_model
+    shared = torch.arange(6.0)
+    model.register_buffer("mirror_a", shared)
+    model.register_buffer("mirror_b", shared.view(2, 3))
+
+    def both(step):
+        sync = checkpoint.save(tmp_path / "sync", model, opt, step=step)
+        handle = checkpoint.save(tmp_path / "async", model, opt, step=step, blocking=False)
+        assert _checkpoint_bytes(Path(handle.wait())) == _checkpoint_bytes(Path(sync))
+
+    both(2)
+    model.mirror_b = torch.full((2, 3), 7.0)  # its own storage now, the same size
+    both(3)
+
+
 def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between():
     """Adjacent and overlapping views of one storage become one copy; a gap, another dtype
     view or another storage starts a new one; every entry reads its own elements back."""

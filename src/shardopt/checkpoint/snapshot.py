@@ -184,7 +184,15 @@ class _Plan:
 
 
 def _key(sources: dict[str, torch.Tensor], on_device: bool) -> tuple:
-    return (on_device, tuple((name, t.numel(), t.dtype) for name, t in sources.items()))
+    """What a plan depends on: each source's name, size and dtype, and which sources share
+    storage, at which distance (a run copied once for two views of one storage must be
+    planned anew when one of them gets storage of its own)."""
+    first: dict[int, tuple[int, int]] = {}  # storage address -> (source index, its offset)
+    out = []
+    for i, (name, t) in enumerate(sources.items()):
+        j, at = first.setdefault(t.untyped_storage().data_ptr(), (i, t.storage_offset()))
+        out.append((name, t.numel(), t.dtype, j, t.storage_offset() - at))
+    return (on_device, tuple(out))
 
 
 class _Run:
