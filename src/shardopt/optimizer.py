@@ -191,6 +191,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._host.check_onloaded("step()")
+        guards.check_group_options(self)
         self.finish_param_sync()  # the update writes into the param buffers
         self.reseed_written()  # before any collective: a moved param raises
         self.grad_sync.take_assigned()
