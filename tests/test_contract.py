@@ -173,3 +173,24 @@ def test_a_dropped_optimizer_and_its_model_are_freed():
     del opt, model
     gc.collect()
     assert refs[0]() is None and refs[1]() is None
+
+
+@pytest.mark.parametrize("key, value", [("maximize", True), ("amsgrad", True),
+                                        ("decoupled_weight_decay", False)])
+def test_adamw_group_options_this_optimizer_lacks_are_refused_not_ignored(key, value):
+    # torch.optim.AdamW honours these when set in param_groups after construction; ignoring
+    # them would train silently otherwise than asked.
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-2),
+                               param_group_fn=lambda f, p: {"weight_decay": 0.0}
+                               if f.endswith("bias") else {})
+    model(torch.randn(4, 3)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[-1][key] = value
+    first = opt.fqn_of[opt.param_groups[-1]["params"][0]]
+    with pytest.raises(UsageError, match=rf"param_groups\[1\]\['{key}'\]={value}.*'{first}'"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.param_groups[-1][key] = not value  # torch's default: accepted
+    opt.step()
+    assert opt.param_steps["0.weight"] == 1

@@ -592,3 +592,26 @@ def test_overlap_param_gather_trains_bit_identically(backend, tmp_path):
         assert plain["losses"] == overlapped["losses"]
         for fqn, t in plain["params"].items():
             assert torch.equal(bits(t), bits(overlapped["params"][fqn])), fqn
+
+
+def _overlap_state_dict_rank(rank: int, world_size: int) -> dict[str, Any]:
+    sc = Scenario(world_size=world_size, steps=2)
+    model = sc.model()
+    opt = DistributedOptimizer(model, dataclasses.replace(sc.config(), overlap_param_gather=True))
+    tokens, targets = sc.batches()
+    model(tokens[0, 0, rank], targets[0, 0, rank], False).backward()
+    opt.step()
+    in_flight = len(opt.param_sync.handles)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}  # as torch.save would read
+    left = len(opt.param_sync.handles)
+    opt.finish_param_sync()
+    return {"in_flight": in_flight, "left": left, "saved": saved, "params": snapshot(model)}
+
+
+def test_model_state_dict_after_an_overlapped_step_holds_the_updated_params(tmp_path):
+    """model.state_dict() (torch.save, logging, an export) right after step() waits for the
+    all-gathers that step() left in flight instead of reading half-gathered params."""
+    for r in run_distributed(_overlap_state_dict_rank, 2, tmp_path=tmp_path):
+        assert r["in_flight"] > 0 and r["left"] == 0
+        for fqn, t in r["params"].items():
+            assert torch.equal(bits(r["saved"][fqn]), bits(t)), fqn

@@ -115,3 +115,34 @@ def test_malformed_saved_hyperparameter_is_refused_before_anything_changes(tmp_p
         checkpoint.verify(path)  # the same validation
     assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))
     assert opt2.param_groups[0]["lr"] == 1.0
+
+
+@pytest.mark.parametrize("before, after", [
+    (None, lambda fqn, p: {"weight_decay": 0.0} if fqn.endswith("bias") else {}),  # split
+    (lambda fqn, p: {"weight_decay": 0.0} if fqn.endswith("bias") else {}, None),  # merged
+])
+def test_resume_with_another_param_grouping_is_an_error_or_an_explicit_override(
+        tmp_path, before, after):
+    """Restoring the saved values into regrouped params would silently undo the new
+    param_group_fn (or keep values the checkpoint contradicts): refused unless asked for."""
+    def make(fn):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        return model, DistributedOptimizer(model, OptimizerConfig(lr=0.1, weight_decay=0.1),
+                                           param_group_fn=fn)
+
+    model, opt = make(before)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    checkpoint.save(tmp_path, model, opt, step=1)
+    model2, opt2 = make(after)
+    fresh = [p.detach().clone() for p in model2.parameters()]
+    wanted = [dict(g) for g in opt2.param_groups]
+    with pytest.raises(checkpoint.CheckpointError, match=r"'0\.(weight|bias)' and "
+                       r"'0\.(weight|bias)'.*param_group_fn.*hyperparameters='current'"):
+        checkpoint.load(tmp_path, model2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, model2.parameters()))
+    checkpoint.load(tmp_path, model2, opt2, hyperparameters="current")
+    assert [dict(g) for g in opt2.param_groups] == wanted
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert opt2.param_steps == opt.param_steps

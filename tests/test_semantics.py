@@ -568,3 +568,27 @@ def test_every_param_with_a_grad_keeps_one_launch_per_buffer_and_group(monkeypat
         assert sorted(counts) == [step, step + 1, step + 1, step + 1]  # b, then the rest
     assert len(opt._update._subset_tables) == 4  # step 1's three, and b's own from step 2 on
     assert opt.param_steps["b.weight"] == 3 and opt.param_steps["a.weight"] == 4
+
+
+def _zero_grad_run(opt_of, set_to_none: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    opt = opt_of(model)
+    for step in range(4):
+        opt.zero_grad(set_to_none=set_to_none)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        y = model["a"](x) + (model["b"](x) if step == 0 else 0)  # b: a gradient once
+        y.square().sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_set_to_none_false_steps_params_without_a_gradient_as_torch_does(set_to_none):
+    """With zero_grad(set_to_none=False) torch keeps zero grads for params that had one, so
+    AdamW keeps decaying and moving them by their moments; with None it leaves them alone."""
+    cfg = dict(lr=1e-2, weight_decay=0.1)
+    ours = _zero_grad_run(lambda m: DistributedOptimizer(m, OptimizerConfig(**cfg)), set_to_none)
+    ref = _zero_grad_run(lambda m: torch.optim.AdamW(m.parameters(), **cfg), set_to_none)
+    for got, want in zip(ours, ref):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -34,8 +34,9 @@ class OptimizerConfig:
     """Let ``step()`` return with the param all-gathers in flight; each module's forward
     pre-hook waits for the buckets of its own params, so the gathers overlap the next
     forward. A param read other than by its module's forward (a parent module using a child's
-    weight before the child runs, logging, ``state_dict()``) must come after
-    ``optimizer.finish_param_sync()``; shardopt's checkpoint functions call it."""
+    weight before the child runs, logging, an EMA update from ``model.parameters()``) must
+    come after ``optimizer.finish_param_sync()``; ``model.state_dict()`` and shardopt's
+    checkpoint functions wait by themselves."""
     grad_dtype: torch.dtype = torch.float32
     """Grad buffer and reduce-scatter dtype of bf16/fp16 params: ``torch.float32``, or
     ``torch.bfloat16`` to halve grad memory and traffic (fp16 params then keep fp16 grads;

@@ -153,3 +153,20 @@ def check_model(opt: Any, model: torch.nn.Module) -> None:
         if p not in seen:
             raise UsageError(f"the optimizer's param {fqn!r} is not in the model passed in: "
                              "pass the model it was built over")
+
+
+# torch.optim.AdamW's options this optimizer does not implement, with the one value it
+# does: a scheduler or user setting another in ``param_groups`` would otherwise be ignored.
+FIXED_GROUP_OPTIONS = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": True}
+
+
+def check_group_options(opt: Any) -> None:
+    """Coordinator-free. Raise :class:`UsageError` naming the group and its first param if a
+    param group asks for an AdamW option this optimizer lacks."""
+    for gi, group in enumerate(opt.param_groups):
+        for key, value in FIXED_GROUP_OPTIONS.items():
+            if key in group and group[key] != value:
+                raise UsageError(
+                    f"param_groups[{gi}][{key!r}]={group[key]!r} (group of param "
+                    f"{opt.fqn_of[group['params'][0]]!r}): DistributedOptimizer implements "
+                    f"AdamW with {key}={value} only")

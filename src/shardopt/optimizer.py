@@ -125,8 +125,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for gi in range(len(self.param_groups))]
 
     def _init_state(self, model: torch.nn.Module, named: Named) -> None:
-        # Per layout buffer, this rank's fp32 main params (None for an fp32 buffer, whose
-        # param buffer is its main param).
+        # Per layout buffer, this rank's fp32 main params (None for fp32: the params are).
         self.main_params = build.main_params(self.layout, self.buffers, self.dp, self.device)
         self._moments: Moments | None = None  # allocated lazily (first step or a load)
         # Host copies: offload()/onload() and the moments a low_memory_resume load stages.
@@ -136,6 +135,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
         self._save_fence: torch.cuda.Event | None = None  # checkpoint.snapshot's copies
         self._grad_norm: torch.Tensor | None = None
+        self._kept_grads = step_plan.KeptGrads()
         self.step_kernel = build.choose_kernel(self.config, self.device)
         self._update = Update(self)
         self._watch = ParamWatch(self._fqns, [p for _, p in named],
@@ -176,11 +176,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.grad_sync.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._kept_grads.zero_grad(set_to_none)
         self.grad_sync.wait()
         self.grad_sync.clear()  # the next gradient overwrites: the buffer needs no memset
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        for p in self.fqn_of:  # a grad set by hand is dropped too
+            p.grad = None
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -191,6 +191,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._host.check_onloaded("step()")
+        guards.check_group_options(self)
         self.finish_param_sync()  # the update writes into the param buffers
         self.reseed_written()  # before any collective: a moved param raises
         self.grad_sync.take_assigned()
@@ -204,6 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._grad_norm, grad_scale, got = self._norm.global_norm()
         self._ensure_moments()
+        got = self._kept_grads.step(got, self._fqns)
         steps = step_plan.next_steps(self.param_steps, self._group_fqns, got)
         if self.step_kernel == "triton":
             sq = self._update.triton(grad_scale, fused_norm, steps, got)

@@ -56,3 +56,29 @@ def split(shard_ids: Sequence[int], shards: Sequence[ParamShard], param_steps: d
         if got is None or fqn in got:
             out.setdefault((shards[i].buffer_index, param_steps[fqn] + 1), []).append(i)
     return out
+
+
+class KeptGrads:
+    """The zero grads ``zero_grad(set_to_none=False)`` keeps. torch keeps a zero ``p.grad``
+    for every param that got a gradient since the last ``zero_grad(set_to_none=True)``, and
+    AdamW steps such a param (decay, moments) even when no new gradient reaches it."""
+
+    def __init__(self) -> None:
+        self.had: set[str] | None = set()  # got a gradient since set_to_none (None: all)
+        self.kept: frozenset[str] | None = frozenset()  # zero grads now (None: all)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if set_to_none:
+            self.had = set()
+        self.kept = (frozenset() if set_to_none else None if self.had is None
+                     else frozenset(self.had))
+
+    def step(self, got: frozenset[str] | None, fqns: Sequence[str]) -> frozenset[str] | None:
+        """``got`` widened by the kept zero grads (then consumed, as step() consumes grads)."""
+        if got is not None and self.kept != frozenset():
+            got = None if self.kept is None or len(got | self.kept) == len(fqns) \
+                else got | self.kept
+        if self.had is not None:
+            self.had = None if got is None else self.had | got
+        self.kept = frozenset()
+        return got

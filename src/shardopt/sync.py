@@ -151,9 +151,9 @@ class ParamSync:
 
     def register_hooks(self, model: torch.nn.Module, config: OptimizerConfig,
                        fqn_of: Mapping[torch.nn.Parameter, str]) -> list[object]:
-        """With ``overlap_param_gather`` and several ranks: a forward pre-hook on each module
-        that waits for the buckets of its own params, and a ``load_state_dict`` pre-hook that
-        waits for all; the caller keeps them."""
+        """With ``overlap_param_gather`` and several ranks: a forward and a ``state_dict``
+        pre-hook on each module that wait for the buckets of its own params, and a
+        ``load_state_dict`` pre-hook that waits for all; the caller keeps them."""
         if not (config.overlap_param_gather and self.dp.size > 1):
             return []
         hooks = []
@@ -162,8 +162,10 @@ class ParamSync:
                             self.layout.slots[fqn_of[p]].bucket_index)
                            for p in module.parameters(recurse=False) if p in fqn_of})
             if keys:
-                hooks.append(module.register_forward_pre_hook(
-                    lambda _m, _args, keys=tuple(keys): self._wait(keys)))
+                wait = lambda *_, keys=tuple(keys): self._wait(keys)  # noqa: E731
+                hooks.append(module.register_forward_pre_hook(wait))
+                # model.state_dict() (torch.save, an EMA or export of it) reads them too.
+                hooks.append(module.register_state_dict_pre_hook(wait))
         # model.load_state_dict writes the params: no gather may still be writing them.
         hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.finish()))
         return hooks

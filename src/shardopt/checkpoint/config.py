@@ -29,6 +29,10 @@ class CheckpointConfig:
     low_memory_resume: bool | None = None
     """Load: keep the loaded Adam moments in host memory until the first ``step()``;
     ``None``: the optimizer config's ``low_memory_resume``."""
+    hyperparameters: str = "saved"
+    """Load: ``"saved"`` restores each param group's ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` as saved (an error if the params are grouped otherwise than when saved);
+    ``"current"`` keeps the optimizer's values (a changed ``param_group_fn``)."""
     verify: bool = True
     """Load: check the content hash of every block read."""
     io_threads: int | None = None
@@ -55,6 +59,8 @@ class CheckpointConfig:
             "low_memory_resume": (isinstance(self.low_memory_resume, (bool, type(None))),
                                   "a bool or None"),
             "verify": (isinstance(self.verify, bool), "a bool"),
+            "hyperparameters": (self.hyperparameters in ("saved", "current"),
+                                "'saved' or 'current'"),
             "io_threads": (self.io_threads is None or _is_int(self.io_threads, 1),
                            "an int >= 1 or None"),
             "staging_bytes": (_is_int(self.staging_bytes, 1), "an int >= 1"),

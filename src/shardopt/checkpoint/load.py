@@ -26,6 +26,7 @@ from ..optimizer import DistributedOptimizer
 from . import background, convert, state
 from .agree import CheckpointError, agree
 from .commit import resolve
+from ..config import GROUP_KEYS
 from .config import CheckpointConfig, resolve_config
 from .format import FormatError, data_file_name
 from .manifest import Manifest, parse
@@ -66,6 +67,7 @@ def load(
     staging_bytes: int | None = None,
     io_threads: int | None = None,
     *,
+    hyperparameters: str | None = None,
     config: CheckpointConfig | None = None,
 ) -> LoadInfo:
     """Collective. Restore ``model`` and ``optimizer`` from a checkpoint saved at any DP size.
@@ -74,7 +76,9 @@ def load(
     in host memory until the first ``step()``. ``verify`` checks the content hash
     of every block read (and of the header blocks of every file read from).
     ``io_threads`` (default as for :func:`~.save.save`) is how many blocks a rank
-    reads at once. On any error every rank raises a :class:`CheckpointError` and
+    reads at once. ``hyperparameters="current"`` keeps the param groups' values instead of
+    the saved ones (the default, refused when the params are grouped otherwise than when
+    saved). On any error every rank raises a :class:`CheckpointError` and
     model and optimizer are left as they were. ``config`` holds these settings in one
     object; a keyword argument that is not None overrides its field.
     """
@@ -85,12 +89,13 @@ def load(
     try:
         optimizer.check_model(model)
         cfg = resolve_config(config, low_memory_resume=low_memory_resume, verify=verify,
-                             staging_bytes=staging_bytes, io_threads=io_threads)
+                             staging_bytes=staging_bytes, io_threads=io_threads,
+                             hyperparameters=hyperparameters)
         host = bool(optimizer.config.low_memory_resume if cfg.low_memory_resume is None
                     else cfg.low_memory_resume)
         threads = resolve_threads(cfg.io_threads)
         plan = _prepare(root_or_path, model, optimizer, cfg.verify, host, cfg.staging_bytes,
-                        threads)
+                        threads, cfg.hyperparameters == "current")
     except Exception as e:  # noqa: BLE001 - reported to every rank by agree
         error = e
     try:
@@ -128,13 +133,13 @@ def load(
 
 def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
              opt: DistributedOptimizer, verify: bool, host: bool,
-             staging_bytes: int, threads: int) -> _Plan:
+             staging_bytes: int, threads: int, keep_hyper: bool) -> _Plan:
     """Coordinator-free. Every check of a load, and everything it reads before writing."""
     opt.check_onloaded("checkpoint.load")
     m = parse(resolve(root_or_path))
     _check_compatible(m, model, opt)
     steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
-    hparams = _group_hyperparameters(m, opt)
+    hparams = [{} for _ in opt.param_groups] if keep_hyper else _group_hyperparameters(m, opt)
     moments, fresh = moments_.load_target(opt, host)
     rng_file = data_file_name("rng", opt.dp.rank) if m.dp_size == opt.dp.size else None
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
@@ -185,14 +190,36 @@ def _check_rng(rng: dict[str, torch.Tensor], path: str) -> None:
 def _group_hyperparameters(m: Manifest, opt: DistributedOptimizer) -> list[dict[str, Any]]:
     """Saved ``lr``, ``betas``, ``eps``, ``weight_decay`` of each current param group.
 
-    A group whose params were saved with different values (the grouping changed
-    since the save) keeps its current values."""
+    :class:`CheckpointError` if the params are grouped otherwise than when saved: one group
+    saved with different values, or groups that differ now in more than ``lr`` (which
+    schedulers may have made equal) saved with equal values."""
     out: list[dict[str, Any]] = []
+    seen: dict[str, tuple[str, Any]] = {}  # saved values but lr -> first FQN, current values
     for group in opt.param_groups:
-        saved = [m.params[opt.fqn_of[p]].hyper for p in group["params"]]
-        same = all(s == saved[0] for s in saved)
-        out.append(dict(saved[0]) if same else {})
+        fqns = [opt.fqn_of[p] for p in group["params"]]
+        saved = [m.params[fqn].hyper for fqn in fqns]
+        odd = next((f for f, s in zip(fqns, saved) if s != saved[0]), None)
+        if odd is not None:
+            raise _regrouped(m, fqns[0], odd, "are in one param group but were saved "
+                             f"with different hyperparameters ({dict(saved[0])} and "
+                             f"{dict(m.params[odd].hyper)})")
+        key = repr(sorted((k, v) for k, v in saved[0].items() if k != "lr"))
+        now = [(k, tuple(group[k]) if k == "betas" else group[k])
+               for k in GROUP_KEYS if k != "lr"]
+        first, then = seen.setdefault(key, (fqns[0], now))
+        if then != now:
+            raise _regrouped(m, first, fqns[0], f"were saved with equal hyperparameters "
+                             f"({dict(saved[0])}) but are in param groups with {dict(then)} "
+                             f"and {dict(now)} now")
+        out.append(dict(saved[0]))
     return out
+
+
+def _regrouped(m: Manifest, a: str, b: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{m.path}: params {a!r} and {b!r} {what}: the param grouping changed since the save "
+        "(another param_group_fn?); pass hyperparameters='current' to checkpoint.load to keep "
+        "this optimizer's values for every param group, or build it as when saved")
 
 
 def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer) -> None:
