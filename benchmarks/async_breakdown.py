@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     snap_mod = importlib.import_module("shardopt.checkpoint.snapshot")
     commit_mod = importlib.import_module("shardopt.checkpoint.commit")
     parts: dict[str, list[float]] = {}
-    _timed_parts(save_mod, ["_rank_contents", "_split", "_manifest_base", "agree", "_snapshot"], parts)
+    _timed_parts(save_mod, ["_take_snapshot", "_state_contents", "_split", "_manifest_base", "agree"], parts)
     _timed_parts(commit_mod, ["begin"], parts)
     _timed_parts(snap_mod.Snapshot, ["take"], parts)
     batches = _peers.make_batches(args.preset, 0, 1, args.micro_batch, 8, device)
@@ -176,9 +176,9 @@ def main(argv=None) -> int:
 
 
 def _state_tensors(opt):
-    from shardopt.checkpoint.save import _rank_contents
+    from shardopt.checkpoint.save import _state_contents
     out = {}
-    for _, entries in _rank_contents(_MODEL[0], opt):
+    for _, entries in _state_contents(_MODEL[0], opt):
         for e in entries:
             if e.source is not None:
                 out[(e.source.data_ptr(), e.source.numel())] = e.source
