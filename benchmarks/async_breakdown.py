@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     snap_mod = importlib.import_module("shardopt.checkpoint.snapshot")
     commit_mod = importlib.import_module("shardopt.checkpoint.commit")
     parts: dict[str, list[float]] = {}
-    _timed_parts(save_mod, ["_take_snapshot", "_state_contents", "_split", "_manifest_base", "agree"], parts)
+    _timed_parts(save_mod, ["_take_snapshot", "_state_contents", "_split", "_manifest_base",
+                            "agree"], parts)
     _timed_parts(commit_mod, ["begin"], parts)
     _timed_parts(snap_mod.Snapshot, ["take"], parts)
     batches = _peers.make_batches(args.preset, 0, 1, args.micro_batch, 8, device)
