@@ -14,6 +14,7 @@ raw copy speeds (device-to-device and device-to-host, 3 repetitions, same bytes)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import socket
@@ -50,11 +51,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="1b")
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches (forward+backward) per iteration, before its step")
     p.add_argument("--dir", default="/dev/shm")
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--gap", type=int, default=12, help="iterations between saves")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--snapshots", default="host,device")
+    p.add_argument("--modes", default="write,copy_only")
+    p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args(argv)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -89,8 +94,13 @@ def main(argv=None) -> int:
             call = time.perf_counter() - t0
         e0, e1, e2, e3 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
         e0.record()
-        loss = model(x, y)
-        loss.backward()
+        for a in range(args.accumulate):
+            if a:
+                x, y = batches[k[0] % 8]
+                k[0] += 1
+            last = a == args.accumulate - 1
+            with contextlib.nullcontext() if last else opt.no_sync():  # reduce once, at the last
+                (model(x, y) / args.accumulate).backward()
         e1.record()
         t_host_fb = time.perf_counter() - t0
         opt.step()
@@ -131,7 +141,7 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
 
     real_write = save_mod._write_and_commit
-    for mode in ("write", "copy_only"):
+    for mode in args.modes.split(","):
         for snap in args.snapshots.split(","):
             if mode == "copy_only":
                 # work() still waits for the snapshot copy; nothing is written.
@@ -171,7 +181,7 @@ def main(argv=None) -> int:
             print(key, "parts", result[key]["parts_s"], flush=True)
     save_mod._write_and_commit = real_write
     doc = {**_common.run_header(device, vars(args)), "benchmark": "async_breakdown", **result}
-    _common.write_json(Path(args.out) / "async_breakdown_1gpu.json", doc)
+    _common.write_json(Path(args.out) / f"async_breakdown_1gpu{args.tag}.json", doc)
     dist.destroy_process_group()
     return 0
 

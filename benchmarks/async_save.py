@@ -38,6 +38,7 @@ CPU smoke::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--preset", default="1b")
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches (forward+backward) per iteration, before its step")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--none-iters", type=int, default=20)
     p.add_argument("--sparse-every", type=int, default=15)
@@ -227,10 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     counter = [0]
 
     def step_fn(before_step: Callable[[], None]) -> None:
-        x, y = batches[counter[0] % n_batches]
-        counter[0] += 1
-        loss = model(x, y)
-        loss.backward()
+        for a in range(args.accumulate):
+            x, y = batches[counter[0] % n_batches]
+            counter[0] += 1
+            last = a == args.accumulate - 1
+            with contextlib.nullcontext() if last else opt.no_sync():  # reduce once, at the last
+                (model(x, y) / args.accumulate).backward()
         before_step()
         opt.step()
         opt.zero_grad()

@@ -188,6 +188,40 @@ def test_a_failed_offload_changes_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_weights_written_before_offload_are_what_a_save_while_offloaded_holds(tmp_path, device):
+    """Weights loaded after a step and then offloaded: the host copies (and so a save taken
+    while offloaded) hold them, as a save without the offload does."""
+    exported = []
+    for offload in (False, True):
+        model, opt = make(device)
+        train(model, opt, 2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)  # e.g. model.load_state_dict(pretrained)
+        if offload:
+            opt.offload()
+        path = checkpoint.save(tmp_path / str(offload), model, opt, step=2)
+        if offload:
+            opt.onload()
+        out = tmp_path / f"export-{offload}"
+        checkpoint.export(path, out)
+        exported.append({f.name: f.read_bytes() for f in sorted(out.iterdir())})
+    assert exported[0] == exported[1]
+
+
+def test_a_write_while_main_params_are_offloaded_is_refused_at_save(tmp_path):
+    model, opt = make()
+    train(model, opt, 2)
+    opt.offload(("main_params", "moments"))
+    with torch.no_grad():
+        next(model.parameters()).mul_(0.5)
+    with pytest.raises(CheckpointError, match="main_params.*offloaded.*onload"):
+        checkpoint.save(tmp_path, model, opt, step=2)
+    opt.onload()
+    checkpoint.save(tmp_path, model, opt, step=2)  # re-seeded now
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_checkpoint_save_while_offloaded_writes_the_same_state(tmp_path, device):
     model, opt = make(device)
     train(model, opt, 3)

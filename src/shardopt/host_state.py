@@ -173,6 +173,19 @@ class HostState:
                                f"{', '.join(held)} on the device, but they are offloaded; "
                                "call onload() first")
 
+    def refuses_reseed(self, watch) -> bool:
+        """Whether the main params must not be re-seeded now: the params are offloaded
+        (nothing can write them; :meth:`onload` checks), or the main params are
+        (``offload()`` re-seeded them first; a write since raises here)."""
+        if "params" in self.offloaded:
+            return True
+        if "main_params" in self.offloaded:
+            if watch.written(record=False):
+                self.check_onloaded("re-seeding the main params from weights written since "
+                                    "offload()", ("main_params",))
+            return True
+        return False
+
     def host_bytes(self) -> int:
         """Bytes of host memory kept for offloading."""
         return sum(t.numel() * t.element_size() for ts in self._copies.values()

@@ -156,9 +156,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------- sync
     def finish_param_sync(self) -> None:
-        """Wait for every param all-gather still in flight (only ``overlap_param_gather``
-        leaves any): after it every param holds its updated value. Forward pre-hooks do
-        this per module; call it before reading params any other way after ``step()``."""
+        """Wait for the param all-gathers in flight (``overlap_param_gather``); forward
+        pre-hooks do it per module: call it before reading params otherwise after ``step()``."""
         self.param_sync.finish()
 
     def finish_grad_sync(self) -> None:
@@ -170,9 +169,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.grad_sync.no_sync()
 
     def wait_grad_reductions(self) -> bool:
-        """Wait for the gradient reductions in flight (starts none). Returns whether a
-        backward since the last ``step()`` or ``zero_grad()`` left gradients in the grad
-        buffers (in ``no_sync`` accumulation, or before ``step()``)."""
+        """Wait for the gradient reductions in flight (starts none). Returns whether a backward
+        since the last ``step()`` or ``zero_grad()`` left gradients in the grad buffers."""
         return self.grad_sync.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -301,6 +299,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         memory and give its device memory back; a forward, ``step()`` and ``checkpoint.load``
         are refused until :meth:`onload`. Not collective. See :mod:`shardopt.host_state`."""
         self.wait_for_save_copies()  # offload frees (CUDA) or overwrites (CPU) the state
+        if not self.offloaded:  # the host copies hold the weights written since the last step
+            self.reseed_written()
         self._host.offload(what)
 
     def onload(self) -> None:
@@ -348,7 +348,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Re-seed the main params of params written in place since the optimizer last wrote
         them, as ``step()``, ``state_dict()`` and ``checkpoint.save`` do first."""
         self.wait_for_save_copies(host=False)  # before the first write into the state
-        self._reseed(self._watch.written())
+        if not self._host.refuses_reseed(self._watch):
+            self._reseed(self._watch.written())
 
     def _reseed(self, fqns: Iterable[str]) -> None:
         """Copy the params of ``fqns`` into this rank's fp32 main params where they differ

@@ -93,12 +93,12 @@ class ParamWatch:
                     self._versions[i] = a
         return out
 
-    def written(self) -> list[str]:
+    def written(self, record: bool = True) -> list[str]:
         """FQNs of the params written in place since :meth:`record`; raises
         :class:`ParamMovedError` if a param was moved out of the buffer, a
         :class:`~shardopt.guards.UsageError` if a param frozen at construction was
-        unfrozen. Records the current versions (the caller re-seeds from the params it
-        gets)."""
+        unfrozen. Records the current versions unless ``record`` is False (the caller
+        re-seeds from the params it gets)."""
         if list(map(_data_ptr, self.params)) != self._ptrs:
             self._raise_moved()
         if any(map(_requires_grad, self._frozen_params)):
@@ -107,7 +107,8 @@ class ParamWatch:
         if now == self._versions:
             return []
         out = [f for f, a, b in zip(self.fqns, now, self._versions) if a != b]
-        self._versions = now
+        if record:
+            self._versions = now
         return out
 
     def _check_unfrozen(self) -> None:

@@ -148,7 +148,9 @@ class Snapshot:
         with torch.cuda.stream(self._stream):
             for dst, src in pairs:
                 dst.copy_(src.detach().reshape(-1), non_blocking=True)
-        event = torch.cuda.Event()
+        # Blocking: the background writer waits on it for as long as the copies take, asleep
+        # (a spinning wait would take a core from the training loop).
+        event = torch.cuda.Event(blocking=True)
         event.record(self._stream)
         return event
 

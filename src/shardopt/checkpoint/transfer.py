@@ -133,7 +133,9 @@ def run_parallel(jobs: list, work: Callable, threads: int, scratch: Scratch | No
 class Scratch:
     """One host buffer of ``nbytes`` per thread, pinned when ``device`` is a GPU, and the
     event of the last device copy that used each. Copies run on the stream current (in
-    the calling thread) when the scratch is made."""
+    the calling thread) when the scratch is made. The events are blocking: a thread that
+    waits for its copy sleeps instead of spinning on a core (16 spinning writers of a
+    background save took the cores the training loop launches its kernels from)."""
 
     def __init__(self, threads: int, nbytes: int, device: torch.device | None = None) -> None:
         self.cuda = device is not None and device.type == "cuda"
@@ -158,7 +160,7 @@ class Scratch:
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, not spins
             ev.record(self.stream)
         self._events[slot] = ev
 
