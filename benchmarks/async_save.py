@@ -81,7 +81,11 @@ class ShardoptSaver:
 
 
 class ShardoptDeviceSaver(ShardoptSaver):
-    snapshot = "device"  # a copy in spare GPU memory, written out through pinned staging
+    snapshot = "device"  # a copy in spare GPU memory, drained to pinned host memory in bulk
+
+
+class ShardoptDeviceStagedSaver(ShardoptSaver):
+    snapshot = "device_staged"  # a copy in spare GPU memory, written out through pinned staging
 
 
 class DcpSaver:
@@ -144,7 +148,8 @@ class DcpSaver:
             shutil.rmtree(self.kept.pop(0), ignore_errors=True)
 
 
-SAVERS = {"shardopt": ShardoptSaver, "shardopt_device": ShardoptDeviceSaver, "dcp": DcpSaver}
+SAVERS = {"shardopt": ShardoptSaver, "shardopt_device": ShardoptDeviceSaver,
+          "shardopt_device_staged": ShardoptDeviceStagedSaver, "dcp": DcpSaver}
 
 
 def _loop(step_fn: Callable[[Callable[[], None]], None], device: torch.device, iters: int,

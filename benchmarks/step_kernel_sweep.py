@@ -62,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--combos", default="fp32/fp32/fp32",
                     help="comma-separated exp_avg/exp_avg_sq/grad dtypes (fp32, bf16, int8)")
+    ap.add_argument("--configs", default=",".join(f"{b}x{w}" for b, w in CONFIGS),
+                    help="comma-separated BLOCKxnum_warps pairs")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="", help="suffix of the result file name")
     args = ap.parse_args(argv)
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     if not (torch.cuda.is_available() and kernels.available(torch.device("cuda"))):
         ap.error("needs CUDA and Triton")
     device = torch.device("cuda", 0)
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             m = _moment(m_kind, n, device, sqrt=False)
             v = _moment(v_kind, n, device, sqrt=True)
             per_elem = _bytes_per_element(m_kind, v_kind, g_kind)
-            for block, warps in CONFIGS:
+            for block, warps in configs:
                 kernels.BLOCK, kernels.NUM_WARPS = block, warps
                 table = kernels.chunk_table([kernels.ChunkPart(0, 0, 0, n)], device)
                 r = _time_ms(lambda t=table: kernels.adamw_(
@@ -104,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     print(_common.format_table(rows, ["m/v/grad", "BLOCK", "warps", "median ms", "GB/s",
                                       "of copy", "default"]))
     doc = _common.run_header(device, {"numel": n, "repeats": args.repeats,
-                                      "combos": args.combos})
+                                      "combos": args.combos, "configs": args.configs})
     doc.update({"benchmark": "step_kernel_sweep", "copy_ms": copy, "copy_gbps": copy_gbps,
                 "results": results})
-    _common.write_json(Path(args.out) / "step_kernel_sweep.json", doc)
+    _common.write_json(Path(args.out) / f"step_kernel_sweep{args.tag}.json", doc)
     return 0
 
 

@@ -63,8 +63,10 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
 
 
 @pytest.mark.parametrize("world_size,where", [(1, "host"), (2, "host"), (3, "host"),
-                                              (1, "device"), (2, "device")],
-                         ids=["dp1", "dp2", "dp3", "dp1-device-snapshot", "dp2-device-snapshot"])
+                                              (1, "device"), (2, "device"),
+                                              (1, "device_staged"), (2, "device_staged")],
+                         ids=["dp1", "dp2", "dp3", "dp1-device-snapshot", "dp2-device-snapshot",
+                              "dp1-device-staged", "dp2-device-staged"])
 def test_async_save_equals_sync_save_at_the_call(backend, world_size, where, tmp_path):
     """bf16 and fp32 params, a frozen param and a buffer: the async checkpoint's files are
     byte for byte those of a synchronous save at the same step, although the run took
@@ -266,6 +268,30 @@ def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tm
     train(model, opt, range(2, 3), 0, 1)
     checkpoint.save(tmp_path, model, opt, step=3, blocking=False).wait()
     assert {d: t.data_ptr() for d, t in snap._buffers.items()} == buffers
+
+
+@pytest.mark.cuda
+def test_a_device_snapshot_drains_into_one_reused_host_copy_of_its_size(tmp_path):
+    """``snapshot="device"``: the GPU copy goes to page-locked host buffers of exactly its
+    size, the same ones at the next save, and the checkpoint is that of a host snapshot."""
+    model, opt = build(0, "cuda")
+    train(model, opt, range(2), 0, 1)
+    snap = importlib.import_module(SAVE_MODULE)._snapshot(opt)
+    host = checkpoint.save(tmp_path / "host", model, opt, step=2, blocking=False).wait()
+    device = checkpoint.save(tmp_path / "device", model, opt, step=2, blocking=False,
+                             snapshot="device").wait()
+    assert _checkpoint_bytes(Path(host)) == _checkpoint_bytes(Path(device))
+    assert snap.on_device and snap.host_nbytes() == snap.nbytes()
+    drained = {d: b.tensor.data_ptr() for d, b in snap._drained.items()}
+    assert all(b.pinned for b in snap._drained.values())
+    train(model, opt, range(2, 3), 0, 1)
+    checkpoint.save(tmp_path / "device", model, opt, step=3, blocking=False,
+                    snapshot="device").wait()
+    assert {d: b.tensor.data_ptr() for d, b in snap._drained.items()} == drained
+    staged = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
+                             snapshot="device_staged").wait()
+    assert _checkpoint_bytes(Path(staged)) == _checkpoint_bytes(tmp_path / "device" /
+                                                                "step_00000003")
 
 
 def test_repeated_saves_reuse_the_snapshot_plan_and_follow_the_state(trained_model, tmp_path,

@@ -11,6 +11,8 @@ from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES
 
 # What a save does while another of this process is still being written.
 BUSY_POLICIES = ("wait", "error")
+# Where an asynchronous save copies the state (see .snapshot).
+SNAPSHOTS = ("host", "device", "device_staged")
 
 # Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
 STAGING_BYTES = 128 << 20
@@ -51,8 +53,10 @@ class CheckpointConfig:
     """Save while an asynchronous save is in flight: ``"wait"`` for it, or ``"error"``."""
     snapshot: str = "host"
     """Asynchronous save on a GPU: copy the state to pinned ``"host"`` memory (one copy of
-    the rank's state, reused), or to spare ``"device"`` memory, written out through the
-    ``staging_bytes`` pinned buffers (see :mod:`.snapshot`)."""
+    the rank's state, reused); to spare ``"device"`` memory, which the background thread
+    copies to pinned host memory in bulk (one copy in each, the least stall); or to spare
+    device memory written out through the ``staging_bytes`` pinned buffers
+    (``"device_staged"``: no host copy). See :mod:`.snapshot`."""
 
     def __post_init__(self) -> None:
         checks = {  # field: (valid, what it must be)
@@ -70,7 +74,7 @@ class CheckpointConfig:
                             f"an int in [1, {MAX_BLOCK_BYTES}]"),
             "blocking": (isinstance(self.blocking, bool), "a bool"),
             "if_busy": (self.if_busy in BUSY_POLICIES, "'wait' or 'error'"),
-            "snapshot": (self.snapshot in ("host", "device"), "'host' or 'device'"),
+            "snapshot": (self.snapshot in SNAPSHOTS, "'host', 'device' or 'device_staged'"),
         }
         for name, (ok, wanted) in checks.items():
             if not ok:

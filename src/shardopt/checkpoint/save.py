@@ -124,7 +124,8 @@ def save(
     background (:mod:`.background`) and hold exactly the state at the call. A save while
     an asynchronous one is in flight waits for it (``if_busy="wait"``) or fails on every
     rank (``"error"``); an error of that earlier save nobody has seen fails this one.
-    ``snapshot`` (GPU only): where the copy goes, ``"host"`` or ``"device"``.
+    ``snapshot`` (GPU only): where the copy goes, ``"host"``, ``"device"`` or
+    ``"device_staged"`` (:mod:`.snapshot`).
     """
     dp = optimizer.dp
     optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
@@ -147,7 +148,8 @@ def save(
                 if cfg.blocking:
                     contents = _rank_contents(model, optimizer)
                 else:  # split into files later, in the background
-                    contents, event = _take_snapshot(model, optimizer, cfg.snapshot == "device")
+                    contents, event = _take_snapshot(model, optimizer,
+                                                     cfg.snapshot.startswith("device"))
                     optimizer.set_save_fence(event)
                 if dp.rank == 0:
                     base = _manifest_base(model, optimizer, step, extra_obj)
@@ -170,17 +172,20 @@ def save(
         group = background.coordination_group(dp)
         owned, staged = staged, None  # the background thread removes it if it fails
 
-        # A device snapshot goes out through pinned staging, on a stream of its own: the
-        # background thread's current stream would be training's default stream.
-        device = optimizer.device if cfg.snapshot == "device" else torch.device("cpu")
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # A staged device snapshot goes out through pinned staging, on a stream of its own:
+        # the background thread's current stream would be training's default stream.
+        staged_out = cfg.snapshot == "device_staged" and optimizer.device.type == "cuda"
+        device = optimizer.device if staged_out else torch.device("cpu")
+        stream = torch.cuda.Stream(device) if staged_out else None
+        snap = _snapshot(optimizer)
 
         def work() -> None:
             try:
                 if event is not None:
                     event.synchronize()
+                jobs = contents if staged_out else snap.drain(contents)
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    _write_and_commit(tmp, owned, _split(contents, rank, threads), base, group,
+                    _write_and_commit(tmp, owned, _split(jobs, rank, threads), base, group,
                                       cfg, threads, device, step, what)
             finally:
                 if owned is not None:

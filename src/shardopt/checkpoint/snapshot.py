@@ -12,9 +12,15 @@ allocated at the first asynchronous save and reused by the next ones while the s
 the same. ``snapshot="host"`` (default): host memory, page-locked with
 :class:`~shardopt.pinned.PinnedBuffer` when the optimizer is on a GPU (exact size: no
 power-of-two rounding). ``snapshot="device"``: spare GPU memory, a device-to-device copy
-(about 100x faster than over PCIe, so the next ``step()`` hardly waits); the background
-writer then streams it to the files through the save's small pinned staging buffers
-(``staging_bytes``), so the host holds no copy of the state.
+(about 40x faster than over PCIe, so the next ``step()`` hardly waits); the background
+thread then copies each buffer to a page-locked host buffer of its size in one copy
+(:meth:`Snapshot.drain`: a few calls, asleep while they run, so it takes next to nothing
+from the training thread) and writes from there, as for ``"host"``: one copy of the state
+in GPU memory and one in host memory. ``snapshot="device_staged"``: the GPU copy is
+streamed to the files through the save's small pinned staging buffers (``staging_bytes``),
+so the host holds no copy of the state; that costs a copy, an event and a wait per block
+on every writer thread, Python work that slows a training thread sharing the GIL
+(``benchmarks/async_breakdown.py``).
 
 What is copied: runs of adjacent elements of the few flat tensors the state lives in (a
 rank's shard of each bucket is contiguous), not one copy per param and state. A later save
@@ -52,17 +58,53 @@ class Snapshot:
         self.on_device = False  # where the buffers are: spare device memory, or the host
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._pinned: dict[torch.dtype, PinnedBuffer] = {}
+        self._drained: dict[torch.dtype, PinnedBuffer] = {}  # host copies of device buffers
         self._stream: torch.cuda.Stream | None = None
+        self._drain_stream: torch.cuda.Stream | None = None
         self._plan: _Plan | None = None  # the last take, to repeat with the same buffers
 
     def nbytes(self) -> int:
         """Memory the snapshot holds (kept between saves), on the device or the host."""
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
+    def host_nbytes(self) -> int:
+        """Host memory :meth:`drain` keeps between saves (0 but after a device snapshot)."""
+        return sum(b.tensor.numel() * b.tensor.element_size() for b in self._drained.values())
+
     def release(self) -> None:
-        for buf in self._pinned.values():
+        for buf in [*self._pinned.values(), *self._drained.values()]:
             buf.release()
-        self._buffers, self._pinned, self._plan = {}, {}, None
+        self._buffers, self._pinned, self._drained, self._plan = {}, {}, {}, None
+
+    def drain(self, jobs: list[Job]) -> list[Job]:
+        """Coordinator-free; run by the background writer after the snapshot's copies. For
+        a snapshot in device memory: copy each buffer to a page-locked host buffer of its
+        size (allocated at the first drain, reused while the sizes stay), one copy per
+        buffer on a side stream, the thread asleep until they are done; return ``jobs``
+        with their sources moved to the host copies. Otherwise ``jobs`` as they are."""
+        if not self.on_device:
+            return jobs
+        if {d: b.tensor.numel() for d, b in self._drained.items()} != \
+                {d: t.numel() for d, t in self._buffers.items()}:
+            for buf in self._drained.values():
+                buf.release()
+            self._drained = {d: PinnedBuffer(t.numel(), d) for d, t in self._buffers.items()}
+        if self._drain_stream is None:
+            self._drain_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._drain_stream):
+            for dtype, buf in self._buffers.items():
+                self._drained[dtype].tensor.copy_(buf, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)
+        done.record(self._drain_stream)
+        done.synchronize()
+
+        def host(src: torch.Tensor) -> torch.Tensor:
+            buf = self._buffers[src.dtype]
+            at = (src.data_ptr() - buf.data_ptr()) // src.element_size()
+            return self._drained[src.dtype].tensor[at:at + src.numel()]
+        return [(name, [e if e.source is None or not e.source.is_cuda else  # not RNG state
+                        WriteEntry(e.key, e.dtype, e.numel, e.offset, host(e.source))
+                        for e in entries]) for name, entries in jobs]
 
     def retake(self, sources: dict[str, torch.Tensor], on_device: bool = False
                ) -> tuple[list[Job], torch.cuda.Event | None] | None:
