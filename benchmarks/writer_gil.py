@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default="/dev/shm")
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--snapshots", default="host")
+    p.add_argument("--writers", default="process,threads",
+                   help="who writes the files: the writer process, or threads of this one")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
@@ -104,7 +106,14 @@ def main(argv=None) -> int:
     op_alone = statistics.median(b - a for a, b in zip(alone, alone[1:]))
     result: dict = {"op_alone_us": op_alone * 1e6, "saves": []}
     print(f"op alone {op_alone * 1e6:.2f} us", flush=True)
-    for snap in args.snapshots.split(","):
+    snap_mod = importlib.import_module("shardopt.checkpoint.snapshot")
+    save_mod = importlib.import_module("shardopt.checkpoint.save")
+    shared = snap_mod.SHARED
+    for writer, snap in [(w, s) for w in args.writers.split(",")
+                         for s in args.snapshots.split(",")]:
+        # Unshared snapshot buffers make the save write on threads of this process.
+        snap_mod.SHARED = shared and writer == "process"
+        save_mod._snapshot(opt).release()
         root = Path(tempfile.mkdtemp(prefix="writer-gil-", dir=args.dir))
         try:
             for i in range(args.saves + 1):
@@ -117,7 +126,8 @@ def main(argv=None) -> int:
                 gaps = [b - a for a, b in zip(ts, ts[1:])]
                 lost = sum(max(0.0, g - op_alone) for g in gaps)
                 top = sorted(zip(gaps, ts), reverse=True)[:8]
-                row = {"snapshot": snap, "call_s": ts[0] - t0, "write_s": ts[-1] - t0,
+                row = {"writer": writer if snap_mod.SHARED or writer == "threads" else
+                       "threads (no memfd)", "snapshot": snap, "call_s": ts[0] - t0, "write_s": ts[-1] - t0,
                        "op_median_us": statistics.median(gaps) * 1e6 if gaps else 0.0,
                        "lost_s": lost,
                        "top_gaps": [{"ms": g * 1e3, "at_ms": (a - t0) * 1e3,
@@ -128,7 +138,7 @@ def main(argv=None) -> int:
                                  sorted(log, key=lambda r: r[1])]}
                 if i:  # the first save allocates its snapshot
                     result["saves"].append(row)
-                print(f"[{snap} save {i}] call {row['call_s'] * 1e3:.1f} ms, write "
+                print(f"[{writer} {snap} save {i}] call {row['call_s'] * 1e3:.1f} ms, write "
                       f"{row['write_s']:.2f} s, op median {row['op_median_us']:.2f} us, "
                       f"loop lost {lost * 1e3:.1f} ms", flush=True)
                 for gap in row["top_gaps"][:5]:

@@ -98,8 +98,8 @@ def failing_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     def broken(path, *args, **kwargs):
         raise OSError(5, "I/O error (simulated)", path)
 
-    with mock.patch.object(save_module, "write_file",
-                           broken if rank == 1 else save_module.write_file):
+    with mock.patch.object(save_module, "_write_rank_files",
+                           broken if rank == 1 else save_module._write_rank_files):
         handle = checkpoint.save(root, model, opt, step=2, blocking=False)
         train(model, opt, range(2, 3), rank, world_size)  # training collectives meanwhile
         try:
@@ -129,21 +129,20 @@ def trained_model():
     return model, opt
 
 
-def _gate_writes(monkeypatch, gate: threading.Event, fail: bool = False) -> list[str]:
-    """Block the background writes until ``gate`` is set (then fail them with ``fail``)."""
+def _gate_writes(monkeypatch, gate: threading.Event, fail: bool = False) -> None:
+    """Block the writes of a rank's files (by the writer process or by threads) until
+    ``gate`` is set (then fail them with ``fail``)."""
     save_module = importlib.import_module(SAVE_MODULE)  # the module, not the function
-    real, written = save_module.write_file, []
+    real = save_module._write_rank_files
 
-    def gated(path, *args, **kwargs):
+    def gated(tmp, *args, **kwargs):
         if not gate.wait(60):
             raise AssertionError("the test never released the write")
         if fail:
-            raise OSError(28, "No space left on device (simulated)", path)
-        written.append(path)
-        return real(path, *args, **kwargs)
+            raise OSError(28, "No space left on device (simulated)", str(tmp))
+        return real(tmp, *args, **kwargs)
 
-    monkeypatch.setattr(save_module, "write_file", gated)
-    return written
+    monkeypatch.setattr(save_module, "_write_rank_files", gated)
 
 
 def test_handle_returns_at_once_and_commits_later(trained_model, tmp_path, monkeypatch):
@@ -379,13 +378,16 @@ _CHILD = textwrap.dedent("""
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
     checkpoint.save({root!r}, model, opt, step=1)
-    real = save_module.write_file
-    def write_file(path, *args, **kwargs):
-        out = real(path, *args, **kwargs)
-        sys.stdout.write(f"wrote {{path}}\\n"); sys.stdout.flush()
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    real = save_module._write_rank_files
+    def write_files(tmp, *args, **kwargs):
+        out = real(tmp, *args, **kwargs)
+        proc = writer._PROCESS._proc
+        sys.stdout.write(f"wrote {{tmp}} writer {{proc.pid if proc else None}}\\n")
+        sys.stdout.flush()
         {after_write}
         return out
-    save_module.write_file = write_file
+    save_module._write_rank_files = write_files
     handle = checkpoint.save({root!r}, model, opt, step=2, blocking=False)
     train(model, opt, range(2, 4), 0, 1)
     sys.stdout.write(f"trained; save done: {{handle.done()}}\\n"); sys.stdout.flush()
@@ -405,16 +407,78 @@ def test_kill9_during_background_write_keeps_latest(tmp_path):
     root = tmp_path / "root"
     p = _child(root, "time.sleep(600)")
     deadline = time.monotonic() + 120
-    while "wrote" not in p.stdout.readline():
+    while "wrote" not in (line := p.stdout.readline()):
         assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()
+    writer = line.split()[-1]
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
+    if writer != "None":  # the writer process dies with it
+        assert _gone(int(writer), deadline=time.monotonic() + 10)
     assert checkpoint.latest(root) == str(root / "step_00000001")
     assert [n for n in os.listdir(root) if n.startswith(".tmp-step_00000002")]
     model, opt = build(1)
     assert checkpoint.load(root, model, opt).step == 1
     checkpoint.save(root, model, opt, step=2)
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+
+
+def _gone(pid: int, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
+def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, monkeypatch):
+    """The writer process is SIGKILLed in the middle of a save: that save fails on wait()
+    naming the process, nothing is committed, and the next save starts a new one."""
+    model, opt = trained_model
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    checkpoint.save(tmp_path, model, opt, step=1, blocking=False).wait()
+    proc = writer._PROCESS._proc
+    assert proc is not None and proc.poll() is None
+    real = writer.protocol.recv
+
+    def killed_while_writing(sock):  # the request is sent; the answer never comes
+        os.kill(proc.pid, signal.SIGKILL)
+        return real(sock)
+
+    monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    with pytest.raises(CheckpointError, match="writer process failed"):
+        handle.wait()
+    monkeypatch.undo()
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "step_00000001")
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    path = checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
+    assert writer._PROCESS._proc.pid != proc.pid
+    assert _checkpoint_bytes(Path(path)) == _checkpoint_bytes(Path(reference))
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
+def test_the_writer_process_names_the_file_it_could_not_write(trained_model, tmp_path,
+                                                              monkeypatch):
+    """An error inside the writer process (here: the file exists already) comes back as
+    the save's error, naming the file."""
+    model, opt = trained_model
+    save_module = importlib.import_module(SAVE_MODULE)
+    real = save_module._write_rank_files
+
+    def clash(tmp, jobs, *args, **kwargs):
+        (tmp / jobs[0][0]).write_bytes(b"in the way")
+        return real(tmp, jobs, *args, **kwargs)
+
+    monkeypatch.setattr(save_module, "_write_rank_files", clash)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    with pytest.raises(CheckpointError, match=r"FileExistsError.*\.safetensors"):
+        handle.wait()
+    assert checkpoint.latest(tmp_path) is None
 
 
 def test_failure_nobody_waited_for_is_logged_at_exit(tmp_path):
@@ -428,8 +492,7 @@ def test_failure_nobody_waited_for_is_logged_at_exit(tmp_path):
 
 def test_save_in_flight_when_the_script_ends_is_committed(tmp_path):
     """The script ends while its background write is still going (each file takes three
-    seconds): the interpreter waits for it and it commits, with its files written on threads
-    started during shutdown."""
+    seconds): the interpreter waits for it and it commits."""
     root = tmp_path / "root"
     p = _child(root, "time.sleep(3)")
     out, err = p.communicate(timeout=120)

@@ -20,6 +20,8 @@ Rules that keep this safe (all enforced here or by the callers):
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 import warnings
 
@@ -27,12 +29,29 @@ import torch
 
 
 class PinnedBuffer:
-    """``numel`` elements of ``dtype`` in host memory, page-locked when CUDA is available."""
+    """``numel`` elements of ``dtype`` in host memory, page-locked when CUDA is available.
 
-    def __init__(self, numel: int, dtype: torch.dtype) -> None:
-        self.tensor = torch.empty(numel, dtype=dtype)
+    ``shared``: the memory is a memfd mapping (Linux) whose descriptor, :attr:`fd`, another
+    process can map to read it (the writer process of asynchronous saves,
+    :mod:`.checkpoint.writer_process`); closed by :meth:`release`. ``lock=False``: not
+    page-locked (memory no GPU copies from)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, shared: bool = False,
+                 lock: bool = True) -> None:
+        self.fd: int | None = None
+        self._map: mmap.mmap | None = None
+        if shared and numel:
+            nbytes = numel * dtype.itemsize
+            self.fd = os.memfd_create("shardopt-snapshot", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, nbytes)
+            self._map = mmap.mmap(self.fd, nbytes)
+            with warnings.catch_warnings():  # the mapping is writable; torch asks anyway
+                warnings.simplefilter("ignore")
+                self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
+        else:
+            self.tensor = torch.empty(numel, dtype=dtype)
         self._registered = 0  # the address registered, 0 when none
-        if numel and torch.cuda.is_available():
+        if numel and lock and torch.cuda.is_available():
             ptr, nbytes = self.tensor.data_ptr(), numel * dtype.itemsize
             cudart = torch.cuda.cudart()
             err = cudart.cudaHostRegister(ptr, nbytes, 0)
@@ -52,6 +71,9 @@ class PinnedBuffer:
         """Unlock the pages (the memory stays valid while referenced). Idempotent. A
         failed unlock is reported as a :class:`ResourceWarning` (the pages then stay
         locked until the process exits), except at interpreter shutdown."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)  # the mapping stays while the tensor references it
         ptr, self._registered = self._registered, 0
         if not ptr:
             return

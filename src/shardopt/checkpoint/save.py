@@ -35,7 +35,7 @@ import torch
 
 from .. import comm
 from ..optimizer import STATE_NAMES, DistributedOptimizer
-from . import background, commit, state
+from . import background, commit, state, writer_process
 from .background import SaveHandle
 from .agree import CheckpointError, agree
 from .config import CheckpointConfig, resolve_config
@@ -186,7 +186,8 @@ def save(
                 jobs = contents if staged_out else snap.drain(contents)
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     _write_and_commit(tmp, owned, _split(jobs, rank, threads), base, group,
-                                      cfg, threads, device, step, what)
+                                      cfg, threads, device, step, what,
+                                      None if staged_out else snap.host_buffers())
             finally:
                 if owned is not None:
                     commit.abort(owned)
@@ -210,12 +211,15 @@ _SNAPSHOTS: weakref.WeakKeyDictionary[DistributedOptimizer, Snapshot] = \
 
 def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
                       base: dict[str, Any], dp: comm.DPGroup, cfg: CheckpointConfig,
-                      threads: int, device: torch.device, step: int, what: str) -> None:
-    """Collective over ``dp``. Phases 2 and 3: write this rank's files, then (rank 0) the
+                      threads: int, device: torch.device, step: int, what: str,
+                      shared: list | None = None) -> None:
+    """Collective over ``dp``. Phases 2 and 3: write this rank's files (through the writer
+    process when their bytes lie in the ``shared`` snapshot buffers), then (rank 0) the
     manifest and the commit."""
     records, error = {}, None
     try:
-        records = _write_rank_files(tmp, jobs, cfg.block_bytes, cfg.staging_bytes, device)
+        records = _write_rank_files(tmp, jobs, cfg.block_bytes, cfg.staging_bytes, device,
+                                    shared)
     except Exception as e:  # noqa: BLE001
         error = e
     all_records = agree(dp, error, what, records)
@@ -277,24 +281,29 @@ def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:
 
 
 def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_bytes: int,
-                      device: torch.device) -> dict[str, dict]:
+                      device: torch.device, shared: list | None = None) -> dict[str, dict]:
     """Coordinator-free. Write and fsync this rank's files, all at once; return their records.
 
-    The files are written side by side, each by ``FILE_THREADS`` thread(s) that copy
-    blocks from ``device``, hash and write them.
+    The files are written side by side: by the writer process (:mod:`.writer_process`)
+    when ``shared`` buffers hold their bytes, else each by ``FILE_THREADS`` thread(s) that
+    copy blocks from ``device``, hash and write them.
     """
-    scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device,
-                             threads=FILE_THREADS) for _ in jobs]
-    records: dict[str, dict] = {}
+    records = None if shared is None else writer_process.write_files(tmp, jobs, block_bytes,
+                                                                       shared)
+    if records is None:
+        scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device,
+                                 threads=FILE_THREADS) for _ in jobs]
+        records = {}
 
-    def write(job, slot):
-        name, entries = job
-        rec = write_file(str(tmp / name), entries, block_bytes, scratch[slot], FILE_THREADS)
+        def write(job, slot):
+            name, entries = job
+            records[name] = write_file(str(tmp / name), entries, block_bytes, scratch[slot],
+                                       FILE_THREADS)
+
+        run_parallel(jobs, write, len(jobs))
+    for name, entries in jobs:
         if not name.startswith("rng-"):
-            rec["chunks"] = [[e.key, e.offset, e.numel] for e in entries]
-        records[name] = rec
-
-    run_parallel(jobs, write, len(jobs))
+            records[name]["chunks"] = [[e.key, e.offset, e.numel] for e in entries]
     commit.fsync_dir(tmp)  # the directory entries, so the rename publishes whole files
     return {name: records[name] for name in sorted(records)}
 

@@ -44,7 +44,11 @@ from collections.abc import Sequence
 import torch
 
 from ..pinned import PinnedBuffer
+from . import writer_process
 from .storage import WriteEntry
+
+# Host buffers in shared memory, which the writer process maps (where it can run).
+SHARED = writer_process.available()
 
 Job = tuple[str, list[WriteEntry]]  # a file name and the entries it holds
 
@@ -71,9 +75,13 @@ class Snapshot:
         """Host memory :meth:`drain` keeps between saves (0 but after a device snapshot)."""
         return sum(b.tensor.numel() * b.tensor.element_size() for b in self._drained.values())
 
+    def host_buffers(self) -> list[PinnedBuffer]:
+        """The host buffers the entries of the last take (drained, for a device snapshot)
+        lie in: shared memory the writer process can map (:mod:`.writer_process`)."""
+        return list((self._drained if self.on_device else self._pinned).values())
+
     def release(self) -> None:
-        for buf in [*self._pinned.values(), *self._drained.values()]:
-            buf.release()
+        _release([*self._pinned.values(), *self._drained.values()])
         self._buffers, self._pinned, self._drained, self._plan = {}, {}, {}, None
 
     def drain(self, jobs: list[Job]) -> list[Job]:
@@ -86,9 +94,9 @@ class Snapshot:
             return jobs
         if {d: b.tensor.numel() for d, b in self._drained.items()} != \
                 {d: t.numel() for d, t in self._buffers.items()}:
-            for buf in self._drained.values():
-                buf.release()
-            self._drained = {d: PinnedBuffer(t.numel(), d) for d, t in self._buffers.items()}
+            _release(self._drained.values())
+            self._drained = {d: PinnedBuffer(t.numel(), d, shared=SHARED)
+                             for d, t in self._buffers.items()}
         if self._drain_stream is None:
             self._drain_stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._drain_stream):
@@ -172,11 +180,9 @@ class Snapshot:
         for dtype, numel in sizes.items():
             if on_device:
                 self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
-            elif self.cuda:
-                self._pinned[dtype] = PinnedBuffer(numel, dtype)
+            else:  # page-locked for copies from a GPU; shared with the writer process
+                self._pinned[dtype] = PinnedBuffer(numel, dtype, shared=SHARED, lock=self.cuda)
                 self._buffers[dtype] = self._pinned[dtype].tensor
-            else:
-                self._buffers[dtype] = torch.empty(numel, dtype=dtype)
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
         if not self.cuda:
@@ -195,6 +201,13 @@ class Snapshot:
         event = torch.cuda.Event(blocking=True)
         event.record(self._stream)
         return event
+
+
+def _release(buffers) -> None:
+    for buf in buffers:
+        if buf.fd is not None:
+            writer_process.forget(buf)  # the process's mapping would keep the memory
+        buf.release()
 
 
 def _identity(t: torch.Tensor) -> tuple[int, int, torch.dtype]:

@@ -112,6 +112,19 @@ def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
     through ``scratch`` (pinned, one buffer per thread).
     Returns ``{"size", "block_bytes", "hashes"}`` for the manifest.
     """
+    parts = file_parts(entries)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        hashes = write_blocks(fd, path, parts, block_bytes, scratch, threads)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": parts[-1].end, "block_bytes": block_bytes, "hashes": hashes}
+
+
+def file_parts(entries: Sequence[WriteEntry]) -> list[Part]:
+    """The parts of the safetensors file holding ``entries``: its header, then each entry's
+    bytes (1-D uint8 views of its source in the stored dtype; None for zeros)."""
     header, starts = build_header([(e.key, e.dtype, e.numel, e.offset) for e in entries])
     parts = [Part(0, len(header), torch.frombuffer(bytearray(header), dtype=torch.uint8))]
     for e, start in zip(entries, starts):
@@ -122,13 +135,7 @@ def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
                 raise AssertionError(f"{e.key}: {data.numel()} elements, expected {e.numel}")
             data = data.view(torch.uint8)
         parts.append(Part(start, e.numel * e.dtype.itemsize, data))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        hashes = write_blocks(fd, path, parts, block_bytes, scratch, threads)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return {"size": parts[-1].end, "block_bytes": block_bytes, "hashes": hashes}
+    return parts
 
 
 def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device,

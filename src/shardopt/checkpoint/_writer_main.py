@@ -1,0 +1,172 @@
+"""The writer process of asynchronous saves (see :mod:`.writer_process`): run as a script,
+it imports neither torch nor shardopt, only the standard library and xxhash.
+
+It maps the snapshot buffers the parent sends (file descriptors of shared memory, over
+the socket), and for each write request writes the files it lists, each from its parts
+(bytes sent along, pieces of the mapped buffers, zeros), hashing each block as it writes
+it, fsyncs them and answers the blocks' digests, or the error. It dies with its parent
+(``PR_SET_PDEATHSIG``) and exits when the socket closes.
+
+Messages, both ways: a JSON value and binary blobs (8-byte little-endian lengths of the
+JSON and of each blob, then the bytes); no pickle, nothing executable crosses. A
+``["map", id, nbytes]`` request is followed by one byte carrying the descriptor
+(``SCM_RIGHTS``). In a write request a part's source is null (zeros), ``[buffer id, byte
+offset]`` or ``{"blob": k}`` (the request's k-th blob).
+"""
+
+import ctypes
+import mmap
+import os
+import json
+import signal
+import socket
+import struct
+import sys
+import threading
+
+import xxhash
+
+PR_SET_PDEATHSIG = 1
+_ZEROS = bytes(1 << 20)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError
+        out += chunk
+    return bytes(out)
+
+
+def recv(sock: socket.socket) -> tuple:
+    """A message: its JSON value and its blobs."""
+    n, count = struct.unpack("<QQ", _recv_exact(sock, 16))
+    obj = json.loads(_recv_exact(sock, n))
+    blobs = []
+    for _ in range(count):
+        (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
+        blobs.append(_recv_exact(sock, size))
+    return obj, blobs
+
+
+def send(sock: socket.socket, obj, blobs: list = ()) -> None:
+    data = json.dumps(obj).encode()
+    out = [struct.pack("<QQ", len(data), len(blobs)), data]
+    for b in blobs:
+        out += [struct.pack("<Q", len(b)), b]
+    sock.sendall(b"".join(out))
+
+
+def _pwritev(fd: int, views: list, offset: int, path: str) -> None:
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(f"{path}: short write at byte {offset}")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def write_file(path: str, parts: list, size: int, block_bytes: int, maps: dict,
+               blobs: list) -> dict:
+    """``parts``: ``[start, nbytes, src]`` sorted and contiguous from byte 0 (``src``: see
+    the module's docstring)."""
+    def view(part, lo: int, hi: int):
+        start, _, src = part
+        if src is None:
+            return memoryview(_ZEROS)[:hi - lo]
+        if isinstance(src, bytes):
+            return memoryview(src)[lo - start:hi - start]
+        buf, at = src
+        return maps[buf][at + lo - start:at + hi - start]
+
+    parts = [(start, nbytes, blobs[src["blob"]] if isinstance(src, dict) else src)
+             for start, nbytes, src in parts]
+
+    # Zeros longer than the zero block are cut into pieces of it.
+    cut = []
+    for start, nbytes, src in parts:
+        step = len(_ZEROS) if src is None else max(nbytes, 1)
+        cut += [(s, min(step, start + nbytes - s), src) for s in range(start, start + nbytes, step)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        hashes, i = [], 0
+        for start in range(0, size, block_bytes):
+            end = min(start + block_bytes, size)
+            while cut[i][0] + cut[i][1] <= start:
+                i += 1
+            views, j = [], i
+            while j < len(cut) and cut[j][0] < end:
+                views.append(view(cut[j], max(cut[j][0], start), min(cut[j][0] + cut[j][1], end)))
+                j += 1
+            h = xxhash.xxh3_64()
+            for v in views:
+                h.update(v)
+            _pwritev(fd, views, start, path)
+            hashes.append(h.hexdigest())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": size, "block_bytes": block_bytes, "hashes": hashes}
+
+
+def write_all(request: dict, maps: dict, blobs: list) -> dict:
+    """Every file of the request at once, one thread each; the first error is raised."""
+    records, errors = {}, []
+
+    def one(name, parts, size):
+        try:
+            records[name] = write_file(os.path.join(request["dir"], name), parts, size,
+                                       request["block_bytes"], maps, blobs)
+        except BaseException as e:  # noqa: BLE001 - answered to the parent
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one, args=f) for f in request["files"]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise OSError("; ".join(errors))
+    return records
+
+
+def main(fd: int, parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the line above
+        return
+    sock = socket.socket(fileno=fd)
+    maps: dict = {}
+    while True:
+        try:
+            msg, blobs = recv(sock)
+        except EOFError:
+            return
+        kind = msg[0]
+        if kind == "map":
+            _, buf, nbytes = msg
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            try:
+                maps[buf] = memoryview(mmap.mmap(fds[0], nbytes, prot=mmap.PROT_READ)) \
+                    if nbytes else memoryview(b"")
+            finally:
+                os.close(fds[0])
+        elif kind == "unmap":
+            maps.pop(msg[1], None)
+        elif kind == "write":
+            try:
+                send(sock, ["ok", write_all(msg[1], maps, blobs)])
+            except BaseException as e:  # noqa: BLE001
+                send(sock, ["error", f"{type(e).__name__}: {e}"])
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
