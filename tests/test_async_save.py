@@ -435,6 +435,22 @@ def _gone(pid: int, deadline: float) -> bool:
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
+def test_one_writer_process_outlives_the_save_threads_that_use_it(trained_model, tmp_path):
+    """Each asynchronous save runs on a thread of its own; the writer process started by
+    the first stays up for the next ones (it once died with the thread that started it,
+    failing every other save with 'Connection reset by peer')."""
+    model, opt = trained_model
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    pids = []
+    for step in range(1, 4):
+        checkpoint.save(tmp_path, model, opt, step=step, blocking=False).wait()
+        pids.append(writer._PROCESS._proc.pid)
+        time.sleep(0.3)  # time for a signal at the save thread's end to land
+        assert writer._PROCESS._proc.poll() is None
+    assert len(set(pids)) == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
 def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, monkeypatch):
     """The writer process is SIGKILLed in the middle of a save: that save fails on wait()
     naming the process, nothing is committed, and the next save starts a new one."""

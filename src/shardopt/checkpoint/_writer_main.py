@@ -4,8 +4,8 @@ it imports neither torch nor shardopt, only the standard library and xxhash.
 It maps the snapshot buffers the parent sends (file descriptors of shared memory, over
 the socket), and for each write request writes the files it lists, each from its parts
 (bytes sent along, pieces of the mapped buffers, zeros), hashing each block as it writes
-it, fsyncs them and answers the blocks' digests, or the error. It dies with its parent
-(``PR_SET_PDEATHSIG``) and exits when the socket closes.
+it, fsyncs them and answers the blocks' digests, or the error. It exits within
+``PARENT_POLL_S`` of its parent's death, even mid-write, and when the socket closes.
 
 Messages, both ways: a JSON value and binary blobs (8-byte little-endian lengths of the
 JSON and of each blob, then the bytes); no pickle, nothing executable crosses. A
@@ -14,19 +14,18 @@ JSON and of each blob, then the bytes); no pickle, nothing executable crosses. A
 offset]`` or ``{"blob": k}`` (the request's k-th blob).
 """
 
-import ctypes
 import mmap
 import os
 import json
-import signal
 import socket
 import struct
 import sys
 import threading
+import time
 
 import xxhash
 
-PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.05  # how often the process checks that its parent lives
 _ZEROS = bytes(1 << 20)
 
 
@@ -136,13 +135,17 @@ def write_all(request: dict, maps: dict, blobs: list) -> dict:
     return records
 
 
+def _watch(parent: int) -> None:
+    """Exit at once when the parent is gone (reparented), even in the middle of a write:
+    its save can never commit. (``PR_SET_PDEATHSIG`` would fire when the parent's thread
+    that started this process ends, which is the first save's background thread.)"""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
 def main(fd: int, parent: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # the parent died before the line above
-        return
+    threading.Thread(target=_watch, args=(parent,), daemon=True).start()
     sock = socket.socket(fileno=fd)
     maps: dict = {}
     while True:

@@ -12,7 +12,7 @@ hashes and fsyncs the files; the save's background thread only sends the plan (t
 headers and where each piece of them lies in the buffers) and sleeps until the answer.
 
 The process starts at the first asynchronous save that uses it and is reused; it dies
-with its parent (a killed run leaves no writer behind: the save it was writing is never
+with its parent (within 50 ms) (a killed run leaves no writer behind: the save it was writing is never
 committed, as before) and exits when the parent closes its end. A piece the buffers do
 not hold (the RNG state, a few bytes) travels in the request. Anything else the process
 cannot write (a source outside the snapshot, a dtype conversion) makes
