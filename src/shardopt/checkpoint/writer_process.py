@@ -2,7 +2,7 @@
 
 Hashing and writing gigabytes from Python threads costs the training thread little CPU
 but much waiting: every torch op releases the GIL and must take it back, and with a
-writer thread per file wanting it too, a loop that launches kernels ran 25-60% slower
+writer thread per file wanting it too, a loop of small torch ops lost 20-65% of its time
 while a background save of the ``1b`` state wrote to ``/dev/shm`` on the H200 host
 (``benchmarks/writer_gil.py``). So an asynchronous save's host snapshot lives in shared
 memory (:class:`~shardopt.pinned.PinnedBuffer` with ``shared=True``: a memfd mapping,
@@ -11,12 +11,13 @@ page-locked as before) and one writer process per training process
 hashes and fsyncs the files; the save's background thread only sends the plan (the files'
 headers and where each piece of them lies in the buffers) and sleeps until the answer.
 
-The process starts at the first asynchronous save that uses it and is reused; it dies
-with its parent (within 50 ms) (a killed run leaves no writer behind: the save it was writing is never
-committed, as before) and exits when the parent closes its end. A piece the buffers do
-not hold (the RNG state, a few bytes) travels in the request. Anything else the process
-cannot write (a source outside the snapshot, a dtype conversion) makes
-:func:`write_files` return None, and the save's threads write it as a synchronous save does.
+The process starts at the first asynchronous save that uses it and is reused. It checks
+every 50 ms that its parent lives and exits when it does not, even mid-write (a killed
+run's save is never committed anyway), and exits when the parent closes its end. A piece
+the buffers do not hold (the RNG state, a few bytes) travels in the request. Anything
+else the process cannot write (a source outside the snapshot, a dtype conversion) makes
+:func:`write_files` return None, and the save's threads write it as a synchronous save
+does.
 """
 
 from __future__ import annotations
