@@ -183,6 +183,21 @@ def test_async_saves_resume_like_synchronous_ones(tmp_path):
     assert checkpoint.latest(tmp_path / "ckpt").endswith("step_00000008")
 
 
+def test_async_save_snapshot_choices_are_the_checkpoint_ones(tmp_path):
+    """``--async-save device`` reaches ``checkpoint.save(snapshot=...)`` (on CPU every
+    snapshot is a host copy); the CLI offers exactly the library's choices."""
+    from shardopt import cli
+    parser = cli.build_parser()
+    action = next(a for sub in parser._subparsers._group_actions
+                  for a in sub.choices["train"]._actions if "--async-save" in a.option_strings)
+    assert tuple(action.choices) == checkpoint.SNAPSHOTS
+    out = run(_cfg(tmp_path, "run.jsonl", save_every=2, stop_at=3, async_save=True,
+                   async_snapshot="device"))
+    assert out["step"] == 3 and checkpoint.latest(tmp_path / "ckpt").endswith("step_00000002")
+    with pytest.raises(ValueError, match="--async-save takes one of host, device"):
+        _cfg(tmp_path, "x.jsonl", async_save=True, async_snapshot="disk")
+
+
 def test_keep_last_and_fresh_start_with_empty_ckpt_dir(tmp_path):
     out = run(_cfg(tmp_path, "a.jsonl", steps=4, save_every=1, keep_last=2, resume=True))
     assert out["step"] == 4

@@ -93,8 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save every N steps and at the end (default: only at the end, if --ckpt-dir)")
     t.add_argument("--keep-last", type=_positive_int, default=None, metavar="K",
                    help="keep only the K newest checkpoints")
-    t.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background while training goes on")
+    t.add_argument("--async-save", nargs="?", const="host", default=None,
+                   choices=("host", "device", "device_staged"),  # checkpoint.config.SNAPSHOTS
+                   metavar="SNAPSHOT",
+                   help="write checkpoints in the background while training goes on; SNAPSHOT: "
+                   "where the state is copied at the call (host, the default; device; "
+                   "device_staged: see docs/async_save.md)")
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                    help="resume from the latest checkpoint in --ckpt-dir (fresh start if there is none), "
                    "or from PATH (a checkpoint or a root); --preset, --steps, --batch-size, --lr, "
@@ -155,7 +159,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig(
             **settings, stop_at=args.stop_at, micro_batch_size=args.micro_batch_size,
             device=args.device, ckpt_dir=args.ckpt_dir, save_every=args.save_every,
-            keep_last=args.keep_last, async_save=args.async_save,
+            keep_last=args.keep_last, async_save=args.async_save is not None,
+            async_snapshot=args.async_save or "host",
             low_memory_resume=args.low_memory_resume,
             log_file=args.log_file, progress=not args.no_progress,
         )

@@ -8,11 +8,11 @@ in the background: ``blocking=False``); ``latest``,
 from .agree import CheckpointError
 from .background import SaveHandle
 from .commit import latest
-from .config import CheckpointConfig
+from .config import SNAPSHOTS, CheckpointConfig
 from .export import export, inspect, verify
 from .format import FormatError
 from .load import LoadInfo, load
 from .save import save
 
-__all__ = ["CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo", "SaveHandle",
-           "export", "inspect", "latest", "load", "save", "verify"]
+__all__ = ["SNAPSHOTS", "CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo",
+           "SaveHandle", "export", "inspect", "latest", "load", "save", "verify"]

@@ -329,7 +329,18 @@ def _manifest_base(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
 
 
 def _manifest_text(base: dict[str, Any], files: dict[str, dict]) -> bytes:
+    """The manifest, one line per top-level field and per param and file record.
+
+    Every piece is encoded by ``json``'s C encoder: ``indent=`` would select its pure-Python
+    one, which took 8 ms for a 1.3B model's manifest, all of it GIL time taken from the
+    training thread at the commit of an asynchronous save."""
     # The checksum covers what a reader parses.
     manifest = json.loads(json.dumps({**base, "files": files}))
     manifest["checksum"] = manifest_checksum(manifest)
-    return json.dumps(manifest, indent=1).encode()
+
+    def field(key: str, value: Any) -> str:
+        if key in ("params", "files") and isinstance(value, dict) and value:
+            rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            return f" {json.dumps(key)}: {{\n{rows}\n }}"
+        return f" {json.dumps(key)}: {json.dumps(value)}"
+    return ("{\n" + ",\n".join(field(k, v) for k, v in manifest.items()) + "\n}\n").encode()

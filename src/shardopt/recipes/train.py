@@ -73,6 +73,8 @@ class TrainConfig:
     """Keep this many newest checkpoints in ``ckpt_dir``; ``None`` keeps all."""
     async_save: bool = False
     """Write checkpoints in the background (training goes on); the job waits for the last."""
+    async_snapshot: str = "host"
+    """Where an asynchronous save copies the state: ``checkpoint.CheckpointConfig.snapshot``."""
     resume: bool | str = False
     """``True``: the latest checkpoint in ``ckpt_dir`` (fresh start if none); a string: that path."""
     low_memory_resume: bool = False
@@ -99,6 +101,9 @@ class TrainConfig:
             raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError(f"--keep-last must be >= 1, got {self.keep_last}")
+        if self.async_snapshot not in checkpoint.SNAPSHOTS:
+            raise ValueError(f"--async-save takes one of {', '.join(checkpoint.SNAPSHOTS)}, "
+                             f"got {self.async_snapshot!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if (self.save_every or self.keep_last) and self.ckpt_dir is None:
@@ -331,7 +336,7 @@ def _save(cfg, model, opt, sched, step, next_sample, out: Rank0) -> checkpoint.S
                   "warmup_steps": cfg.num_warmup_steps},
     }
     saved = checkpoint.save(cfg.ckpt_dir, model, opt, step=step, extra=extra, keep_last=cfg.keep_last,
-                            blocking=not cfg.async_save)
+                            blocking=not cfg.async_save, snapshot=cfg.async_snapshot)
     out.status("train")
     if isinstance(saved, checkpoint.SaveHandle):
         out.log(f"saving step {step} in the background (training paused {time.perf_counter() - t0:.2f}s)")
