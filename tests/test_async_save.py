@@ -450,6 +450,48 @@ def test_one_writer_process_outlives_the_save_threads_that_use_it(trained_model,
     assert len(set(pids)) == 1
 
 
+def _snapshot_maps(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("shardopt-snapshot" in line for line in f)
+
+
+def _until(cond, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
+def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
+    """A snapshot's shared memory is unmapped in the writer process when the snapshot is
+    released, or when its optimizer is garbage-collected without that (the mapping would
+    keep gigabytes alive for the rest of the run)."""
+    import gc
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    save_module = importlib.import_module(SAVE_MODULE)
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    checkpoint.save(tmp_path / "a", model, opt, step=1, blocking=False).wait()
+    pid = writer._PROCESS._proc.pid
+    before = _snapshot_maps(pid)  # other tests' optimizers may still be mapped too
+    checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
+    mine = len(save_module._snapshot(opt).host_buffers())
+    # (<=: a collection may unmap other tests' dead optimizers at any time)
+    assert mine > 0 and _snapshot_maps(pid) <= before  # reused, not mapped again
+    save_module._snapshot(opt).release()
+    assert _until(lambda: _snapshot_maps(pid) <= before - mine)
+    before = _snapshot_maps(pid)
+    checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
+    assert writer._PROCESS._proc.pid == pid and _snapshot_maps(pid) <= before + mine
+    before = _snapshot_maps(pid)
+    del model, opt
+    gc.collect()
+    assert _until(lambda: _snapshot_maps(pid) <= before - mine)
+
+
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
 def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, monkeypatch):
     """The writer process is SIGKILLed in the middle of a save: that save fails on wait()

@@ -49,8 +49,9 @@ class WriterProcess:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
-        self._buffers: dict[int, weakref.ref[PinnedBuffer]] = {}  # id -> buffer
         self._ids: weakref.WeakKeyDictionary[PinnedBuffer, int] = weakref.WeakKeyDictionary()
+        self._finalizers: dict[int, weakref.finalize] = {}  # id -> its unmapping, run once
+        self._unmap: list[int] = []  # released buffers the process still maps
         self._next = 0
 
     def _start(self) -> socket.socket:
@@ -68,7 +69,9 @@ class WriterProcess:
         finally:
             theirs.close()
         self._sock = mine
-        self._buffers, self._ids = {}, weakref.WeakKeyDictionary()
+        for fin in self._finalizers.values():
+            fin.detach()  # the old process's mappings went with it
+        self._ids, self._finalizers, self._unmap = weakref.WeakKeyDictionary(), {}, []
         return mine
 
     def _close(self) -> None:
@@ -87,11 +90,28 @@ class WriterProcess:
             self._close()
 
     def forget(self, buf: PinnedBuffer) -> None:
-        """Unmap ``buf`` in the process (called when it is released)."""
-        with self._lock:
-            i = self._ids.pop(buf, None)
-            if i is not None and self._sock is not None:
-                self._buffers.pop(i, None)
+        """Unmap ``buf`` in the process (called when it is released; a buffer collected
+        without it is unmapped by its finalizer): a mapping would keep its memory alive."""
+        i = self._ids.get(buf)
+        fin = None if i is None else self._finalizers.get(i)
+        if fin is not None:
+            fin()
+
+    def _dropped(self, i: int) -> None:
+        """Queue the unmapping of buffer ``i``; send it now unless a write holds the lock
+        (that write sends it when it ends). Never blocks: it may run in a finalizer."""
+        self._unmap.append(i)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._flush()
+            finally:
+                self._lock.release()
+
+    def _flush(self) -> None:
+        while self._unmap:
+            i = self._unmap.pop()
+            self._finalizers.pop(i, None)
+            if self._sock is not None:
                 try:
                     protocol.send(self._sock, ["unmap", i])
                 except OSError:
@@ -106,7 +126,8 @@ class WriterProcess:
             nbytes = buf.tensor.numel() * buf.tensor.element_size()
             protocol.send(sock, ["map", i, nbytes])
             socket.send_fds(sock, [b"F"], [buf.fd])
-            self._ids[buf], self._buffers[i] = i, weakref.ref(buf)
+            self._ids[buf] = i
+            self._finalizers[i] = weakref.finalize(buf, self._dropped, i)
         return i
 
     def write(self, directory: Path, files: list[tuple[str, list, int]],
@@ -135,6 +156,8 @@ class WriterProcess:
                 self._close()
                 raise OSError(f"the checkpoint writer process failed ({e!r}); it is "
                               "restarted at the next asynchronous save") from None
+            finally:
+                self._flush()
         if status != "ok":
             raise OSError(f"writing {directory}: {answer}")
         return answer
