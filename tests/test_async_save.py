@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -490,6 +491,35 @@ def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
     del model, opt
     gc.collect()
     assert _until(lambda: _snapshot_maps(pid) <= before - mine)
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
+def test_a_buffer_the_writer_process_cannot_map_fails_the_write_that_needs_it(tmp_path):
+    """A mapping that fails in the process (here: a descriptor of a directory) is answered
+    at the write that needs the buffer, as that write's error; the process lives on."""
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    proc = writer.WriterProcess()
+    try:
+        sock = proc._start()
+        fd = os.open(str(tmp_path), os.O_RDONLY)
+        try:
+            writer.protocol.send(sock, ["map", 7, 4096])
+            socket.send_fds(sock, [b"F"], [fd])
+        finally:
+            os.close(fd)
+        part = [0, 4, [7, 0]]
+        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "files": [["x", [part], 4]],
+                                              "block_bytes": 4, "buffers": [7]}])
+        (status, answer), _ = writer.protocol.recv(sock)
+        assert status == "error" and "mapping 4096 bytes of the snapshot failed" in answer
+        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
+                                              "files": [["y", [[0, 3, {"blob": 0}]], 3]],
+                                              "block_bytes": 4}], [b"abc"])
+        (status, answer), _ = writer.protocol.recv(sock)
+        assert status == "ok" and (tmp_path / "y").read_bytes() == b"abc"
+        assert not (tmp_path / "x").exists()
+    finally:
+        proc.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")

@@ -148,6 +148,7 @@ def main(fd: int, parent: int) -> None:
     threading.Thread(target=_watch, args=(parent,), daemon=True).start()
     sock = socket.socket(fileno=fd)
     maps: dict = {}
+    failed: dict = {}  # buffers whose mapping failed: the reason
     while True:
         try:
             msg, blobs = recv(sock)
@@ -160,12 +161,18 @@ def main(fd: int, parent: int) -> None:
             try:
                 maps[buf] = memoryview(mmap.mmap(fds[0], nbytes, prot=mmap.PROT_READ)) \
                     if nbytes else memoryview(b"")
+            except OSError as e:  # answered at the write that needs it
+                failed[buf] = f"mapping {nbytes} bytes of the snapshot failed: {e}"
             finally:
                 os.close(fds[0])
         elif kind == "unmap":
             maps.pop(msg[1], None)
+            failed.pop(msg[1], None)
         elif kind == "write":
             try:
+                bad = [failed[b] for b in msg[1]["buffers"] if b in failed]
+                if bad:
+                    raise OSError(bad[0])
                 send(sock, ["ok", write_all(msg[1], maps, blobs)])
             except BaseException as e:  # noqa: BLE001
                 send(sock, ["error", f"{type(e).__name__}: {e}"])

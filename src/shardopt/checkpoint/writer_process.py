@@ -150,7 +150,8 @@ class WriterProcess:
                 files = [[name, [[s, n, wire(src)] for s, n, src in parts], size]
                          for name, parts, size in files]
                 protocol.send(sock, ["write", {"dir": str(directory), "files": files,
-                                               "block_bytes": block_bytes}], blobs)
+                                               "block_bytes": block_bytes, "buffers": ids}],
+                              blobs)
                 (status, answer), _ = protocol.recv(sock)
             except (OSError, EOFError) as e:
                 self._close()
