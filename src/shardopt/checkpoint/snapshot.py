@@ -11,7 +11,8 @@ saved under two keys, like an fp32 param that is its own main param, is copied o
 allocated at the first asynchronous save and reused by the next ones while the sizes stay
 the same. ``snapshot="host"`` (default): host memory, page-locked with
 :class:`~shardopt.pinned.PinnedBuffer` when the optimizer is on a GPU (exact size: no
-power-of-two rounding). ``snapshot="device"``: spare GPU memory, a device-to-device copy
+power-of-two rounding), and shared (memfd) where the writer process can map it
+(:mod:`.writer_process`). ``snapshot="device"``: spare GPU memory, a device-to-device copy
 (about 40x faster than over PCIe, so the next ``step()`` hardly waits); the background
 thread then copies each buffer to a page-locked host buffer of its size in one copy
 (:meth:`Snapshot.drain`: a few calls, asleep while they run, so it takes next to nothing
