@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 
-from shardopt import DistributedOptimizer, OptimizerConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+from shardopt import DistributedOptimizer, OptimizerConfig  # noqa: E402
 
 SETTINGS = {  # name -> OptimizerConfig fields
     "fp32": {},
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"args": vars(args), "settings": {n: {k: v for k, v in SETTINGS[n].items()}
+    doc = {**_common.run_header(torch.device(args.device), vars(args)),
+           "args": vars(args), "settings": {n: {k: v for k, v in SETTINGS[n].items()}
                                             for n in names}, "summary": summary,
            "memory_bytes": memory, "seconds": seconds,
            "seconds_total": time.perf_counter() - t_all, "losses": runs}
