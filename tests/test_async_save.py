@@ -494,6 +494,34 @@ def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
+def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
+    """A child forked after the writer process started (a data loader worker) that drops a
+    snapshot or exits sends nothing down the parent's socket: the parent's mappings and
+    saves are intact."""
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    save_module = importlib.import_module(SAVE_MODULE)
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
+    proc = writer._PROCESS._proc
+    before = _snapshot_maps(proc.pid)
+    child = os.fork()
+    if child == 0:
+        try:
+            save_module._snapshot(opt).release()  # would queue unmaps of the parent's buffers
+            writer._PROCESS.close()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    time.sleep(0.2)
+    assert proc.poll() is None and _snapshot_maps(proc.pid) >= before
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    path = checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
+    assert writer._PROCESS._proc is proc
+    assert _checkpoint_bytes(Path(path)) == _checkpoint_bytes(Path(reference))
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
 def test_a_buffer_the_writer_process_cannot_map_fails_the_write_that_needs_it(tmp_path):
     """A mapping that fails in the process (here: a descriptor of a directory) is answered
     at the write that needs the buffer, as that write's error; the process lives on."""

@@ -53,8 +53,13 @@ class WriterProcess:
         self._finalizers: dict[int, weakref.finalize] = {}  # id -> its unmapping, run once
         self._unmap: list[int] = []  # released buffers the process still maps
         self._next = 0
+        self._pid = os.getpid()  # a forked child (a data loader worker) must not talk to it
 
     def _start(self) -> socket.socket:
+        if os.getpid() != self._pid:  # forked: the socket and the process are the parent's
+            self._sock = self._proc = None
+            self._ids, self._finalizers, self._unmap = weakref.WeakKeyDictionary(), {}, []
+            self._pid = os.getpid()
         if self._proc is not None and self._proc.poll() is None and self._sock is not None:
             return self._sock
         self._close()
@@ -75,6 +80,8 @@ class WriterProcess:
         return mine
 
     def _close(self) -> None:
+        if os.getpid() != self._pid:
+            return
         if self._sock is not None:
             self._sock.close()  # the process sees EOF and exits
             self._sock = None
@@ -100,6 +107,8 @@ class WriterProcess:
     def _dropped(self, i: int) -> None:
         """Queue the unmapping of buffer ``i``; send it now unless a write holds the lock
         (that write sends it when it ends). Never blocks: it may run in a finalizer."""
+        if os.getpid() != self._pid:  # in a forked child: the mapping is the parent's
+            return
         self._unmap.append(i)
         if self._lock.acquire(blocking=False):
             try:
