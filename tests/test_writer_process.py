@@ -1,0 +1,179 @@
+"""The writer process of asynchronous saves (``shardopt.checkpoint.writer_process``): one
+process serves every save, maps each snapshot once and unmaps it when it is released or
+collected, reports its errors as the save's, and a killed or forked-off process costs only
+the save it was writing."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from shardopt import checkpoint
+from shardopt.checkpoint import CheckpointError
+from test_async_save import SAVE_MODULE, _checkpoint_bytes, trained_model  # noqa: F401
+from test_checkpoint import build, train
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                reason="the writer process needs memfd")
+
+
+def test_one_writer_process_outlives_the_save_threads_that_use_it(trained_model, tmp_path):
+    """Each asynchronous save runs on a thread of its own; the writer process started by
+    the first stays up for the next ones (it once died with the thread that started it,
+    failing every other save with 'Connection reset by peer')."""
+    model, opt = trained_model
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    pids = []
+    for step in range(1, 4):
+        checkpoint.save(tmp_path, model, opt, step=step, blocking=False).wait()
+        pids.append(writer._PROCESS._proc.pid)
+        time.sleep(0.3)  # time for a signal at the save thread's end to land
+        assert writer._PROCESS._proc.poll() is None
+    assert len(set(pids)) == 1
+
+
+def _snapshot_maps(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("shardopt-snapshot" in line for line in f)
+
+
+def _until(cond, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
+    """A snapshot's shared memory is unmapped in the writer process when the snapshot is
+    released, or when its optimizer is garbage-collected without that (the mapping would
+    keep gigabytes alive for the rest of the run)."""
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    save_module = importlib.import_module(SAVE_MODULE)
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    checkpoint.save(tmp_path / "a", model, opt, step=1, blocking=False).wait()
+    pid = writer._PROCESS._proc.pid
+    before = _snapshot_maps(pid)  # other tests' optimizers may still be mapped too
+    checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
+    mine = len(save_module._snapshot(opt).host_buffers())
+    # (<=: a collection may unmap other tests' dead optimizers at any time)
+    assert mine > 0 and _snapshot_maps(pid) <= before  # reused, not mapped again
+    save_module._snapshot(opt).release()
+    assert _until(lambda: _snapshot_maps(pid) <= before - mine)
+    before = _snapshot_maps(pid)
+    checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
+    assert writer._PROCESS._proc.pid == pid and _snapshot_maps(pid) <= before + mine
+    before = _snapshot_maps(pid)
+    del model, opt
+    gc.collect()
+    assert _until(lambda: _snapshot_maps(pid) <= before - mine)
+
+
+def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
+    """A child forked after the writer process started (a data loader worker) that drops a
+    snapshot or exits sends nothing down the parent's socket: the parent's mappings and
+    saves are intact."""
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    save_module = importlib.import_module(SAVE_MODULE)
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
+    proc = writer._PROCESS._proc
+    before = _snapshot_maps(proc.pid)
+    child = os.fork()
+    if child == 0:
+        try:
+            save_module._snapshot(opt).release()  # would queue unmaps of the parent's buffers
+            writer._PROCESS.close()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    time.sleep(0.2)
+    assert proc.poll() is None and _snapshot_maps(proc.pid) >= before
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    path = checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
+    assert writer._PROCESS._proc is proc
+    assert _checkpoint_bytes(Path(path)) == _checkpoint_bytes(Path(reference))
+
+
+def test_a_buffer_the_writer_process_cannot_map_fails_the_write_that_needs_it(tmp_path):
+    """A mapping that fails in the process (here: a descriptor of a directory) is answered
+    at the write that needs the buffer, as that write's error; the process lives on."""
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    proc = writer.WriterProcess()
+    try:
+        sock = proc._start()
+        fd = os.open(str(tmp_path), os.O_RDONLY)
+        try:
+            writer.protocol.send(sock, ["map", 7, 4096])
+            socket.send_fds(sock, [b"F"], [fd])
+        finally:
+            os.close(fd)
+        part = [0, 4, [7, 0]]
+        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "files": [["x", [part], 4]],
+                                              "block_bytes": 4, "buffers": [7]}])
+        (status, answer), _ = writer.protocol.recv(sock)
+        assert status == "error" and "mapping 4096 bytes of the snapshot failed" in answer
+        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
+                                              "files": [["y", [[0, 3, {"blob": 0}]], 3]],
+                                              "block_bytes": 4}], [b"abc"])
+        (status, answer), _ = writer.protocol.recv(sock)
+        assert status == "ok" and (tmp_path / "y").read_bytes() == b"abc"
+        assert not (tmp_path / "x").exists()
+    finally:
+        proc.close()
+
+
+def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, monkeypatch):
+    """The writer process is SIGKILLed in the middle of a save: that save fails on wait()
+    naming the process, nothing is committed, and the next save starts a new one."""
+    model, opt = trained_model
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    checkpoint.save(tmp_path, model, opt, step=1, blocking=False).wait()
+    proc = writer._PROCESS._proc
+    assert proc is not None and proc.poll() is None
+    real = writer.protocol.recv
+
+    def killed_while_writing(sock):  # the request is sent; the answer never comes
+        os.kill(proc.pid, signal.SIGKILL)
+        return real(sock)
+
+    monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    with pytest.raises(CheckpointError, match="writer process failed"):
+        handle.wait()
+    monkeypatch.undo()
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "step_00000001")
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    path = checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
+    assert writer._PROCESS._proc.pid != proc.pid
+    assert _checkpoint_bytes(Path(path)) == _checkpoint_bytes(Path(reference))
+
+
+def test_the_writer_process_names_the_file_it_could_not_write(trained_model, tmp_path,
+                                                              monkeypatch):
+    """An error inside the writer process (here: the file exists already) comes back as
+    the save's error, naming the file."""
+    model, opt = trained_model
+    save_module = importlib.import_module(SAVE_MODULE)
+    real = save_module._write_rank_files
+
+    def clash(tmp, jobs, *args, **kwargs):
+        (tmp / jobs[0][0]).write_bytes(b"in the way")
+        return real(tmp, jobs, *args, **kwargs)
+
+    monkeypatch.setattr(save_module, "_write_rank_files", clash)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    with pytest.raises(CheckpointError, match=r"FileExistsError.*\.safetensors"):
+        handle.wait()
+    assert checkpoint.latest(tmp_path) is None
