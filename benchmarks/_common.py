@@ -18,6 +18,7 @@ Memory probes:
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -98,6 +99,26 @@ def run_header(device: torch.device, config: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- statistics
+def timed_parts(owner: Any, names: Iterable[str], log: list, also: Iterable[Any] = ()) -> None:
+    """Wrap ``owner``'s functions ``names`` (a module or a class) so that each call appends
+    ``(name, start, end)`` (``time.perf_counter``) to ``log``; modules in ``also`` that
+    imported one of them by name get the wrapper too."""
+    for name in names:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*a, _fn=fn, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                log.append((_name, t0, time.perf_counter()))
+        setattr(owner, name, timed)
+        for other in also:
+            if getattr(other, name, None) is fn:
+                setattr(other, name, timed)
+
+
 def stats(values: Sequence[float]) -> dict[str, float]:
     """min / median / max (and the count) of repeated measurements."""
     if not values:

@@ -60,6 +60,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def single_rank_group(kind: str) -> torch.device:
+    """This process as the only rank of a process group (gloo, and NCCL for CUDA tensors on
+    ``kind == "cuda"``, whose first GPU becomes current); returns the device."""
+    device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return device
+
+
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, backend: str,
            run_dir: str, timeout_s: float, args: tuple) -> None:
     run = Path(run_dir)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,20 +29,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import _peers  # noqa: E402
-
-
-def _timed_parts(mod, names, log):
-    for name in names:
-        fn = getattr(mod, name)
-
-        @functools.wraps(fn)
-        def wrapper(*a, _fn=fn, _name=name, **k):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                log.setdefault(_name, []).append(time.perf_counter() - t0)
-        setattr(mod, name, wrapper)
 
 
 def main(argv=None) -> int:
@@ -61,22 +45,16 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="write,copy_only")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args(argv)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    device = _peers.single_rank_group("cuda")
     from shardopt import checkpoint
     save_mod = importlib.import_module("shardopt.checkpoint.save")
     snap_mod = importlib.import_module("shardopt.checkpoint.snapshot")
     commit_mod = importlib.import_module("shardopt.checkpoint.commit")
-    parts: dict[str, list[float]] = {}
-    _timed_parts(save_mod, ["_take_snapshot", "_state_contents", "_split", "_manifest_base",
-                            "agree"], parts)
-    _timed_parts(commit_mod, ["begin"], parts)
-    _timed_parts(snap_mod.Snapshot, ["take"], parts)
+    parts: list[tuple[str, float, float]] = []
+    _common.timed_parts(save_mod, ["_take_snapshot", "_state_contents", "_split",
+                                   "_manifest_base", "agree"], parts)
+    _common.timed_parts(commit_mod, ["begin"], parts)
+    _common.timed_parts(snap_mod.Snapshot, ["take"], parts)
     batches = _peers.make_batches(args.preset, 0, 1, args.micro_batch, 8, device)
     model = _peers.build_gpt(args.preset, device, seed=0)
     opt = _peers.setup_shardopt(model, _peers.Hyper(), device).optimizer
@@ -174,7 +152,7 @@ def main(argv=None) -> int:
                 shutil.rmtree(root, ignore_errors=True)
             key = f"{mode}:{snap}"
             result[key] = {"rows": rows[1:], "first": rows[0],
-                           "parts_s": {n: statistics.median(v[1:] or v) for n, v in parts.items()}}
+                           "parts_s": _median_parts(parts)}
             for r in rows[1:]:
                 print(key, {k2: round(v, 4) for k2, v in r.items() if isinstance(v, float)},
                       "after:", [round(a["stream_sync_s"], 3) for a in r["after"][:6]], flush=True)
@@ -184,6 +162,14 @@ def main(argv=None) -> int:
     _common.write_json(Path(args.out) / f"async_breakdown_1gpu{args.tag}.json", doc)
     dist.destroy_process_group()
     return 0
+
+
+def _median_parts(parts: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Median seconds of each part's calls, the first (which allocates) left out."""
+    by: dict[str, list[float]] = {}
+    for name, t0, t1 in parts:
+        by.setdefault(name, []).append(t1 - t0)
+    return {n: statistics.median(v[1:] or v) for n, v in by.items()}
 
 
 def _state_tensors(opt):

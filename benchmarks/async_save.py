@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -228,14 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("CUDA is not available; use --device cpu for a smoke run")
     started = time.perf_counter()
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    device = _peers.single_rank_group(args.device)
     n_batches = 8
     batches = _peers.make_batches(args.preset, 0, 1, args.micro_batch, n_batches, device)
     model = _peers.build_gpt(args.preset, device, seed=0)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import socket
 import sys
 import time
 from pathlib import Path
@@ -47,12 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    device = _peers.single_rank_group(args.device)
     small = {} if args.d_model == 2048 else {"d_model": args.d_model, "d_ff": 4 * args.d_model,
                                               "vocab_size": 512, "num_heads": 4}
     model = _peers.build_gpt(args.preset, device, seed=0, **small)

@@ -15,9 +15,7 @@ wrapped with a timer). A long gap during a part that runs Python or C code holdi
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
-import socket
 import statistics
 import sys
 import tempfile
@@ -42,26 +40,10 @@ PARTS = {
 
 
 def _wrap(log: list) -> None:
+    also = [importlib.import_module(m) for m in PARTS]  # modules that imported a name directly
     for mod_name, names in PARTS.items():
         mod = importlib.import_module(mod_name)
-        for name in names:
-            fn = getattr(mod, name, None)
-            if fn is None:
-                continue
-
-            @functools.wraps(fn)
-            def timed(*a, _fn=fn, _name=name, **k):
-                t0 = time.perf_counter()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    log.append((_name, t0, time.perf_counter()))
-            setattr(mod, name, timed)
-            # modules that imported the name directly
-            for other in ("shardopt.checkpoint.save", "shardopt.checkpoint.storage"):
-                o = importlib.import_module(other)
-                if getattr(o, name, None) is fn:
-                    setattr(o, name, timed)
+        _common.timed_parts(mod, [n for n in names if hasattr(mod, n)], log, also)
 
 
 def main(argv=None) -> int:
@@ -76,14 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    device = _peers.single_rank_group(args.device)
     from shardopt import checkpoint
     log: list = []
     _wrap(log)
