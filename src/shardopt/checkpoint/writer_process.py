@@ -129,8 +129,6 @@ class WriterProcess:
     def _map(self, sock: socket.socket, buf: PinnedBuffer) -> int:
         i = self._ids.get(buf)
         if i is None:
-            if buf.fd is None:
-                raise ValueError("a released or unshared buffer cannot be mapped")
             i, self._next = self._next, self._next + 1
             nbytes = buf.tensor.numel() * buf.tensor.element_size()
             protocol.send(sock, ["map", i, nbytes])
@@ -140,18 +138,22 @@ class WriterProcess:
         return i
 
     def write(self, directory: Path, files: list[tuple[str, list, int]],
-              block_bytes: int, buffers: list[PinnedBuffer]) -> dict[str, dict]:
-        """Write ``files`` (name, parts with ``("buf", index into buffers, offset)`` for
-        pieces of ``buffers``, size) into ``directory``; their records."""
+              block_bytes: int) -> dict[str, dict]:
+        """Write ``files`` (name, parts ``(start, nbytes, src)``, size) into ``directory``;
+        their records. ``src``: ``(buffer, byte offset)`` for a piece of a shared buffer,
+        bytes, or None for zeros."""
         with self._lock:
             sock = self._start()
             try:
-                ids = [self._map(sock, b) for b in buffers]
+                ids: dict[int, int] = {}  # id(buffer) -> its id in the process, mapped now
                 blobs: list[bytes] = []
 
                 def wire(src):
                     if isinstance(src, tuple):
-                        return [ids[src[1]], src[2]]
+                        buf, at = src
+                        if id(buf) not in ids:
+                            ids[id(buf)] = self._map(sock, buf)
+                        return [ids[id(buf)], at]
                     if isinstance(src, bytes):
                         blobs.append(src)
                         return {"blob": len(blobs) - 1}
@@ -159,8 +161,8 @@ class WriterProcess:
                 files = [[name, [[s, n, wire(src)] for s, n, src in parts], size]
                          for name, parts, size in files]
                 protocol.send(sock, ["write", {"dir": str(directory), "files": files,
-                                               "block_bytes": block_bytes, "buffers": ids}],
-                              blobs)
+                                               "block_bytes": block_bytes,
+                                               "buffers": list(ids.values())}], blobs)
                 (status, answer), _ = protocol.recv(sock)
             except (OSError, EOFError) as e:
                 self._close()
@@ -186,8 +188,8 @@ def write_files(tmp: Path, jobs: Sequence[tuple[str, Sequence[WriteEntry]]], blo
     """Coordinator-free. Write ``jobs`` (file name, entries) into ``tmp`` with the writer
     process, when every entry's bytes lie in ``buffers`` (shared) or are small; return the
     files' records, or None (nothing written) when some cannot go that way."""
-    spans = sorted((b.tensor.data_ptr(), b.tensor.data_ptr() + b.tensor.numel() *
-                    b.tensor.element_size(), i) for i, b in enumerate(buffers) if b.fd is not None)
+    spans = [(b.tensor.data_ptr(), b.tensor.numel() * b.tensor.element_size(), b)
+             for b in buffers if b.fd is not None]
     files = []
     for name, entries in jobs:
         if any(e.source is not None and (e.source.dtype != e.dtype or e.source.is_cuda)
@@ -198,23 +200,16 @@ def write_files(tmp: Path, jobs: Sequence[tuple[str, Sequence[WriteEntry]]], blo
             src = None
             if p.data is not None:
                 ptr = p.data.data_ptr()
-                where = next((i for lo, hi, i in spans if lo <= ptr and ptr + p.nbytes <= hi),
-                             None)
-                if where is not None:
-                    src = ("buf", where, ptr - buffers[where].tensor.data_ptr())
-                elif p.nbytes <= INLINE_BYTES:
+                src = next(((b, ptr - lo) for lo, n, b in spans
+                            if lo <= ptr and ptr + p.nbytes <= lo + n), None)
+                if src is None:
+                    if p.nbytes > INLINE_BYTES:
+                        return None
                     src = p.data.numpy().tobytes()
-                else:
-                    return None
             parts.append((p.start, p.nbytes, src))
             size = p.start + p.nbytes
         files.append((name, parts, size))
-    used = sorted({src[1] for _, parts, _ in files for *_, src in parts
-                   if isinstance(src, tuple)})
-    remap = {old: new for new, old in enumerate(used)}
-    files = [(name, [(s, n, ("buf", remap[src[1]], src[2]) if isinstance(src, tuple) else src)
-                     for s, n, src in parts], size) for name, parts, size in files]
-    return _PROCESS.write(tmp, files, block_bytes, [buffers[i] for i in used])
+    return _PROCESS.write(tmp, files, block_bytes)
 
 
 def available() -> bool:
