@@ -290,3 +290,17 @@ def test_demo_plan_kills_during_a_later_save():
         DemoPlan(steps=8, save_every=2, kill_at=2)
     with pytest.raises(ValueError, match="kill_at"):
         DemoPlan(steps=8, save_every=2, kill_at=5)
+
+
+def test_demo_reads_only_complete_lines_of_the_log_it_watches(tmp_path):
+    """The demo polls the job's log while the job appends to it: a line still being written
+    is not read (it once failed the demo with 'Unterminated string')."""
+    from shardopt.recipes.demo import _last_step
+    log = tmp_path / "run.jsonl"
+    assert _last_step(log) == 0
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert _last_step(log) == 1
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n')
+    assert _last_step(log) == 2
+    log.write_text('{"step": 1, "lo')
+    assert _last_step(log) == 0

@@ -67,10 +67,12 @@ def _read_log(path: Path) -> dict[int, float]:
 
 
 def _last_step(log: Path) -> int:
+    """The step of the last complete line of the run's log (the job may be writing the next)."""
     try:
-        lines = log.read_text().splitlines()
+        text = log.read_text()
     except FileNotFoundError:
         return 0
+    lines = text[:text.rfind("\n") + 1].splitlines()
     return json.loads(lines[-1])["step"] if lines else 0
 
 
