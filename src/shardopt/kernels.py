@@ -48,6 +48,7 @@ except ImportError:  # optional: the optimizer falls back to torch's fused AdamW
 
 BLOCK = 1024  # elements per program; BLOCK and NUM_WARPS are set by benchmarks/step_kernel_sweep.py
 NUM_WARPS = 4
+SHAPE = "2d"  # "1d" or "2d" block indexing: benchmarks/step_kernel_sweep.py compares them
 
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 2}
@@ -240,6 +241,102 @@ if triton is not None:
             tl.store(ptr + idx, x, mask=mask)
 
     @triton.jit
+    def _adamw_kernel_2d(table_ptr, main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
+                         scale_ptr, sq_ptr, m_scale_ptr, v_scale_ptr, lr_wd, beta1, beta2,
+                         step_size, bc2_sqrt, eps,
+                         FULL: tl.constexpr, SUM_SQ: tl.constexpr, ALIGNED: tl.constexpr,
+                         MAIN_GLOBAL: tl.constexpr, HAS_OUT: tl.constexpr,
+                         OUT_BF16: tl.constexpr, HAS_SCALE: tl.constexpr, M_KIND: tl.constexpr,
+                         V_KIND: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
+        # The block as (BLOCK // QBLOCK, QBLOCK): a scale block is a row, so its maximum and
+        # its scale's broadcast stay within a row's threads (no reshape between layouts).
+        row = table_ptr + tl.program_id(0).to(tl.int64) * (2 if FULL else 4)
+        local = tl.load(row)
+        glob = tl.load(row + 1)
+        if ALIGNED:
+            local = tl.multiple_of(local, 16)
+            glob = tl.multiple_of(glob, 16)
+        rows = tl.arange(0, BLOCK // QBLOCK)
+        offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+        if FULL:
+            mask = None
+            hit = None
+        else:
+            mask = (offs >= tl.load(row + 2)) & (offs < tl.load(row + 3))
+            hit = tl.max(mask.to(tl.int32), axis=1) > 0  # rows with an element of the launch
+        g_idx = glob + offs
+        l_idx = local + offs
+        m_idx = g_idx if MAIN_GLOBAL else l_idx
+        s_idx = local // QBLOCK + rows
+        grad = tl.load(grad_ptr + g_idx, mask=mask).to(tl.float32)
+        if SUM_SQ:  # this block's share of the squared grad norm, one slot per block
+            sq = grad * grad if FULL else tl.where(mask, grad * grad, 0.0)
+            tl.store(sq_ptr + tl.program_id(0), tl.sum(tl.sum(sq, axis=1), axis=0))
+        if HAS_SCALE:
+            grad = tl.div_rn(grad, tl.load(scale_ptr))
+        param = tl.load(main_ptr + m_idx, mask=mask)
+        exp_avg = _load_moment_2d(exp_avg_ptr, m_scale_ptr, l_idx, s_idx, mask, hit, M_KIND,
+                                  False, FULL)
+        exp_avg_sq = _load_moment_2d(exp_avg_sq_ptr, v_scale_ptr, l_idx, s_idx, mask, hit,
+                                     V_KIND, True, FULL)
+        param = param - lr_wd * param
+        exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+        exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+        denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt) + eps
+        param = param - tl.div_rn(step_size * exp_avg, denom)
+        tl.store(main_ptr + m_idx, param, mask=mask)
+        _store_moment_2d(exp_avg_ptr, m_scale_ptr, exp_avg, l_idx, s_idx, mask, hit, M_KIND,
+                         False, FULL)
+        _store_moment_2d(exp_avg_sq_ptr, v_scale_ptr, exp_avg_sq, l_idx, s_idx, mask, hit,
+                         V_KIND, True, FULL)
+        if OUT_BF16:
+            tl.store(out_ptr + g_idx, _to_bf16_rne(param), mask=mask)
+        elif HAS_OUT:
+            tl.store(out_ptr + g_idx, param.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _load_moment_2d(ptr, scale_ptr, idx, s_idx, mask, hit, KIND: tl.constexpr,
+                        SQRT: tl.constexpr, FULL: tl.constexpr):
+        if FULL:
+            raw = tl.load(ptr + idx)
+        else:  # masked lanes read as zero (they may lie past the end of the tensor)
+            raw = tl.load(ptr + idx, mask=mask, other=0)
+        x = raw.to(tl.float32)
+        if KIND == 2:
+            if FULL:
+                scale = tl.load(scale_ptr + s_idx)
+            else:
+                scale = tl.load(scale_ptr + s_idx, mask=hit, other=0.0)
+            x = x * scale[:, None]
+            if SQRT:
+                x = x * x
+        return x
+
+    @triton.jit
+    def _store_moment_2d(ptr, scale_ptr, x, idx, s_idx, mask, hit, KIND: tl.constexpr,
+                         SQRT: tl.constexpr, FULL: tl.constexpr):
+        if KIND == 2:
+            # As _store_moment: a row's scale is its absolute maximum over the largest code.
+            y = tl.sqrt_rn(x) if SQRT else x
+            a = tl.abs(y)
+            if not FULL:
+                a = tl.where(mask, a, 0.0)
+            top = 255.0 if SQRT else 127.0
+            scale = tl.div_rn(tl.max(a, axis=1), top)
+            safe = tl.where(scale == 0.0, 1.0, scale)
+            q = tl.minimum(tl.maximum(tl.div_rn(y, safe[:, None]), -top), top)
+            q = (q + 12582912.0) - 12582912.0
+            tl.store(ptr + idx, q.to(ptr.dtype.element_ty), mask=mask)
+            if FULL:
+                tl.store(scale_ptr + s_idx, scale)
+            else:
+                tl.store(scale_ptr + s_idx, scale, mask=hit)
+        elif KIND == 1:
+            tl.store(ptr + idx, _to_bf16_rne(x), mask=mask)
+        else:
+            tl.store(ptr + idx, x, mask=mask)
+
+    @triton.jit
     def _to_bf16_rne(x):
         """fp32 -> bf16, rounding to nearest even as torch does (NaN stays NaN). Spelled out
         in integer ops so that compiled and interpreted kernels round alike (Triton's
@@ -274,7 +371,8 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
         n = rows.shape[0]
         if n == 0:
             continue
-        _adamw_kernel[(n,)](
+        kernel = _adamw_kernel_2d if SHAPE == "2d" else _adamw_kernel
+        kernel[(n,)](
             rows, main, grads, m, v, out if out is not None else main,
             grad_scale if grad_scale is not None else main,
             sum_sq[first:first + n] if sum_sq is not None else main,
