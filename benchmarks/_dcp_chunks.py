@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, Wri
 def rank_entries(model: torch.nn.Module, opt) -> list:
     """This rank's chunks as a shardopt save writes them: model weights, then the three
     optimizer states (``WriteEntry`` records; empty chunks left out)."""
-    from shardopt.checkpoint.state import model_entries, optim_entries
+    from shardopt.checkpoint.state import frozen_tensors, model_entries, optim_entries
     from shardopt.optimizer import STATE_NAMES
 
-    entries = model_entries(model, opt)
+    entries = model_entries(opt, frozen_tensors(model, opt))
     for name in STATE_NAMES:
         entries += optim_entries(opt, name)
     missing = [e.key for e in entries if e.numel and e.source is None]
@@ -40,11 +40,12 @@ def rank_entries(model: torch.nn.Module, opt) -> list:
 
 def global_numels(model: torch.nn.Module, opt) -> dict[str, int]:
     """Every stored key's element count in model space (the size of the full tensor)."""
-    from shardopt.checkpoint.state import describe
+    from shardopt.checkpoint.state import ParamFacts, describe, frozen_tensors
     from shardopt.optimizer import STATE_NAMES
 
     out: dict[str, int] = {}
-    for fqn, info in describe(model, opt).items():
+    facts = ParamFacts.capture(opt, frozen_tensors(model, opt))
+    for fqn, info in describe(opt, facts).items():
         out[fqn] = math.prod(info["shape"])
         if info["trainable"]:
             out.update({f"{fqn}.{name}": out[fqn] for name in STATE_NAMES})

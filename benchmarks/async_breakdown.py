@@ -174,8 +174,9 @@ def _median_parts(parts: list[tuple[str, float, float]]) -> dict[str, float]:
 
 def _state_tensors(opt):
     from shardopt.checkpoint.save import _state_contents
+    from shardopt.checkpoint.state import frozen_tensors
     out = {}
-    for _, entries in _state_contents(_MODEL[0], opt):
+    for _, entries in _state_contents(opt, frozen_tensors(_MODEL[0], opt)):
         for e in entries:
             if e.source is not None:
                 out[(e.source.data_ptr(), e.source.numel())] = e.source

@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     save = importlib.import_module("shardopt.checkpoint.save")
     state = importlib.import_module("shardopt.checkpoint.state")
     snap = save._snapshot(opt)
-    plan = _timed(lambda: snap.take(save._state_contents(model, opt), False,
-                                    state.sources(model, opt)), args.repeats, device)
-    repeat = _timed(lambda: snap.retake(state.sources(model, opt), False), args.repeats, device)
-    sources = state.sources(model, opt)
+    frozen = state.frozen_tensors(model, opt)
+    plan = _timed(lambda: snap.take(save._state_contents(opt, frozen), False,
+                                    state.sources(opt, frozen)), args.repeats, device)
+    repeat = _timed(lambda: snap.retake(state.sources(opt, frozen), False), args.repeats, device)
+    sources = state.sources(opt, frozen)
     pairs = [(snap._buffers[d][at:at + n], sources[name].narrow(0, rel, n))
              for name, rel, n, d, at in snap._plan.runs]
     copies = _timed(lambda: snap._copy(pairs), args.repeats, device)

@@ -52,6 +52,8 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
     handle = checkpoint.save(f"{root}/async", model, opt, step=3, extra={"k": 1},
                              blocking=False, snapshot=where)
     assert isinstance(handle, SaveHandle)
+    for group in opt.param_groups:  # a scheduler's change after the call is not saved
+        group["lr"] *= 0.5
     train(model, opt, range(3, 6), rank, world_size)  # changes every saved tensor meanwhile
     async_path = handle.wait()
     assert handle.done() and handle.wait() == async_path  # wait() again: the same answer
@@ -70,7 +72,8 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
 def test_async_save_equals_sync_save_at_the_call(backend, world_size, where, tmp_path):
     """bf16 and fp32 params, a frozen param and a buffer: the async checkpoint's files are
     byte for byte those of a synchronous save at the same step, although the run took
-    three more steps before it was written, and it loads the state at the call. (On CPU a
+    three more steps (at another learning rate) before it was written, and it loads the state
+    at the call. (On CPU a
     device snapshot is a host one; with NCCL it is a copy in GPU memory.)"""
     require_world_size(backend, world_size)
     results = run_distributed(async_vs_sync_rank, world_size, backend, str(tmp_path), where,

@@ -139,18 +139,20 @@ def check_model(opt: Any, model: torch.nn.Module) -> None:
     """Coordinator-free. Raise :class:`UsageError` unless ``model`` is the one ``opt`` was
     built over: all of its params under the same names, and no trainable param it does
     not own (one frozen since construction is still the optimizer's)."""
+    # Keyed by id: a Parameter's own hash is a Python call, paid per param on every save.
+    fqn_of = {id(p): fqn for p, fqn in opt.fqn_of.items()}
     seen = set()
     for fqn, p in model.named_parameters():
-        owned = opt.fqn_of.get(p)
+        owned = fqn_of.get(id(p))
         if owned is None and p.requires_grad:
             raise UsageError(f"param {fqn!r} of the model passed in is not one this optimizer "
                              "owns: pass the model it was built over")
         if owned is not None and owned != fqn:
             raise UsageError(f"param {fqn!r} of the model passed in is the optimizer's "
                              f"{owned!r}: pass the model it was built over")
-        seen.add(p)
+        seen.add(id(p))
     for p, fqn in opt.fqn_of.items():
-        if p not in seen:
+        if id(p) not in seen:
             raise UsageError(f"the optimizer's param {fqn!r} is not in the model passed in: "
                              "pass the model it was built over")
 

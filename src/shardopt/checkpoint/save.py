@@ -23,6 +23,8 @@ waiting in a collective: all of them raise :class:`CheckpointError`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import datetime
 import json
 import os
@@ -134,7 +136,7 @@ def save(
     staged: commit.Staged | None = None
     try:
         error, extra_obj, threads, cfg, contents, event = None, None, 1, CheckpointConfig(), [], None
-        base: dict[str, Any] = {}
+        base: Callable[[], dict[str, Any]] = dict
         try:
             cfg = resolve_config(config, keep_last=keep_last, block_bytes=block_bytes,
                                  staging_bytes=staging_bytes, io_threads=io_threads,
@@ -145,14 +147,15 @@ def save(
                 optimizer.reseed_written()  # saved main params are the weights written since
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
+                frozen = state.frozen_tensors(model, optimizer)
                 if cfg.blocking:
-                    contents = _rank_contents(model, optimizer)
+                    contents = _rank_contents(optimizer, frozen)
                 else:  # split into files later, in the background
-                    contents, event = _take_snapshot(model, optimizer,
+                    contents, event = _take_snapshot(optimizer, frozen,
                                                      cfg.snapshot.startswith("device"))
                     optimizer.set_save_fence(event)
                 if dp.rank == 0:
-                    base = _manifest_base(model, optimizer, step, extra_obj)
+                    base = _manifest_base(optimizer, step, extra_obj, frozen)
                     staged = commit.begin(root, step_dir_name(step))
         except Exception as e:  # noqa: BLE001 - reported to every rank by agree
             error = e
@@ -210,7 +213,8 @@ _SNAPSHOTS: weakref.WeakKeyDictionary[DistributedOptimizer, Snapshot] = \
 
 
 def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
-                      base: dict[str, Any], dp: comm.DPGroup, cfg: CheckpointConfig,
+                      base: Callable[[], dict[str, Any]], dp: comm.DPGroup,
+                      cfg: CheckpointConfig,
                       threads: int, device: torch.device, step: int, what: str,
                       shared: list | None = None) -> None:
     """Collective over ``dp``. Phases 2 and 3: write this rank's files (through the writer
@@ -228,38 +232,38 @@ def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
     if dp.rank == 0:
         try:
             files = {name: rec for recs in all_records for name, rec in recs.items()}
-            commit.commit(staged, step_dir_name(step), _manifest_text(base, files),
+            commit.commit(staged, step_dir_name(step), _manifest_text(base(), files),
                           cfg.keep_last)
         except Exception as e:  # noqa: BLE001
             error = e
     agree(dp, error, f"committing {tmp.parent / step_dir_name(step)}")
 
 
-def _rank_contents(model: torch.nn.Module, opt: DistributedOptimizer) -> list[Job]:
+def _rank_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
     """Coordinator-free. What this rank writes, by file kind (``rng`` under its file name)."""
-    return [_rng_job(opt), *_state_contents(model, opt)]
+    return [_rng_job(opt), *_state_contents(opt, frozen)]
 
 
 def _rng_job(opt: DistributedOptimizer) -> Job:
     return (data_file_name("rng", opt.dp.rank), _rng_entries())  # new tensors: no snapshot
 
 
-def _state_contents(model: torch.nn.Module, opt: DistributedOptimizer) -> list[Job]:
-    contents = {"model": state.model_entries(model, opt)}
+def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
+    contents = {"model": state.model_entries(opt, frozen)}
     for name in STATE_NAMES:
         contents.setdefault(state_file_kind(name), []).extend(state.optim_entries(opt, name))
     return list(contents.items())
 
 
-def _take_snapshot(model: torch.nn.Module, opt: DistributedOptimizer, on_device: bool
+def _take_snapshot(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor], on_device: bool
                    ) -> tuple[list[Job], torch.cuda.Event | None]:
     """Coordinator-free. :func:`_rank_contents` with its state copied into the optimizer's
     snapshot: a repeat of the previous save's copies where the state lives in tensors of
     the same sizes (:meth:`.Snapshot.retake`), else built and copied afresh."""
-    snap, sources = _snapshot(opt), state.sources(model, opt)
+    snap, sources = _snapshot(opt), state.sources(opt, frozen)
     again = snap.retake(sources, on_device)
     jobs, event = again if again is not None else \
-        snap.take(_state_contents(model, opt), on_device, sources)
+        snap.take(_state_contents(opt, frozen), on_device, sources)
     return [_rng_job(opt), *jobs], event
 
 
@@ -308,11 +312,13 @@ def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_byte
     return {name: records[name] for name in sorted(records)}
 
 
-def _manifest_base(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
-                   extra: dict[str, Any]) -> dict[str, Any]:
-    """Everything the manifest holds but the file records, as it is at the call (new
-    objects throughout: nothing the caller changes later reaches it)."""
-    return {
+def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
+                   frozen: dict[str, torch.Tensor]) -> Callable[[], dict[str, Any]]:
+    """Everything the manifest holds but the file records, as it is at the call: what can
+    change later is copied now (new objects throughout: nothing the caller changes later
+    reaches it); the returned function builds the params table from those copies, in an
+    asynchronous save's background thread rather than in the training loop's."""
+    head = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "step": step,
@@ -322,10 +328,10 @@ def _manifest_base(model: torch.nn.Module, opt: DistributedOptimizer, step: int,
         "optimizer": {"kind": OPTIMIZER_KIND, "state": list(STATE_NAMES),
                       "moments": {k: e.to_json() for k, e in state.encodings(opt).items()}},
         "config": opt.config.to_dict(),
-        "params": state.describe(model, opt),
-        "aliases": dict(opt.aliases),
-        "extra": extra,
     }
+    facts = state.ParamFacts.capture(opt, frozen)
+    tail = {"aliases": dict(opt.aliases), "extra": extra}
+    return lambda: {**head, "params": state.describe(opt, facts), **tail}
 
 
 def _manifest_text(base: dict[str, Any], files: dict[str, dict]) -> bytes:

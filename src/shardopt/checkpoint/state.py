@@ -65,44 +65,63 @@ def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[st
     return out
 
 
-def describe(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, dict]:
+@dataclass(frozen=True)
+class ParamFacts:
+    """What the manifest's ``params`` table says that can change after a save's call (step
+    counts, hyperparameters, frozen tensors), copied at the call: cheap, so an asynchronous
+    save's call stays short, while :func:`describe` builds the table later from it."""
+
+    steps: dict[str, int]
+    groups: list[dict]
+    frozen: list[tuple[str, list[int], str]]
+
+    @classmethod
+    def capture(cls, opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> ParamFacts:
+        return cls(dict(opt.param_steps),
+                   [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+                     if k in GROUP_KEYS} for g in opt.param_groups],
+                   [(fqn, list(t.shape), dtype_name(t.dtype)) for fqn, t in frozen.items()])
+
+
+def describe(opt: DistributedOptimizer, facts: ParamFacts) -> dict[str, dict]:
     """Manifest ``params`` table: shape, dtype, trainable, step and hyperparameters per FQN."""
     table: dict[str, dict] = {}
     for fqn, slot in opt.layout.slots.items():
-        group = opt.param_groups[opt.group_of[fqn]]
         table[fqn] = {
             "shape": list(slot.shape),
             "dtype": dtype_name(opt.layout.buffers[slot.buffer_index].dtype),
             "trainable": True,
-            "step": opt.param_steps[fqn],
-            "group": {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
-                      if k in GROUP_KEYS},
+            "step": facts.steps[fqn],
+            "group": dict(facts.groups[opt.group_of[fqn]]),
         }
-    for fqn, t in frozen_tensors(model, opt).items():
-        table[fqn] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "trainable": False}
+    for fqn, shape, dtype in facts.frozen:
+        table[fqn] = {"shape": shape, "dtype": dtype, "trainable": False}
     return table
 
 
-def sources(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
+def sources(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
+            ) -> dict[str, torch.Tensor]:
     """The flat tensors everything :func:`model_entries` and :func:`optim_entries` write
     is a view of: the optimizer's :meth:`~DistributedOptimizer.state_sources` and, on rank
-    0, the frozen tensors flattened (a view where they are contiguous)."""
+    0, the ``frozen`` tensors (:func:`frozen_tensors`) flattened (a view where they are
+    contiguous)."""
     out = opt.state_sources()
     if opt.dp.rank == 0:
-        out.update({f"frozen.{fqn}": t.detach().reshape(-1)
-                    for fqn, t in frozen_tensors(model, opt).items()})
+        out.update({f"frozen.{fqn}": t.detach().reshape(-1) for fqn, t in frozen.items()})
     return out
 
 
-def model_entries(model: torch.nn.Module, opt: DistributedOptimizer) -> list[WriteEntry]:
-    """Model weights this rank writes: its shards of trainable params, and (rank 0) the rest."""
+def model_entries(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
+                  ) -> list[WriteEntry]:
+    """Model weights this rank writes: its shards of trainable params, and (rank 0) the
+    ``frozen`` tensors (:func:`frozen_tensors`)."""
     out = [
         WriteEntry(s.fqn, opt.layout.buffers[s.buffer_index].dtype, s.range_param.size,
                    s.range_param.start, opt.buffers.shard_params(s))
         for s in opt.shards
     ]
     if opt.dp.rank == 0:
-        for fqn, t in frozen_tensors(model, opt).items():
+        for fqn, t in frozen.items():
             out.append(WriteEntry(fqn, t.dtype, t.numel(), 0, t.detach().reshape(-1)))
     return out
 
