@@ -14,8 +14,12 @@ fp32 norms and routers) trained by shardopt as in ``train_iter.py``. In order:
    the device, not just to this process's allocator.
 4. More offload/onload cycles without training, up to ``--rss-cycles`` in all, for the
    host RSS after the 1st and the last (the pinned host copies are reused, not grown).
+   ``--h2d`` lists the ways onload copies to the device, taken in turn by the cycles
+   (``kernel``: a kernel reading the pinned host memory, the default; ``copy_engine``:
+   ``copy_``), each reported apart (``onload_by_h2d``): the same run, the same bytes.
 5. The same bytes copied raw between the optimizer's own pinned host copies and its
-   device tensors (one side stream, one sync: the ceiling), and with plain
+   device tensors (one side stream, one sync: the ceiling; host to device both by the copy
+   engine and by the kernel, the faster is the bar), and with plain
    ``.to("cpu")`` / ``.to("cuda")``; torch_memory_saver's pause/resume if importable.
 
 Targets (recorded in ``targets``): offload and onload each >= 90% of the raw pinned
@@ -49,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import _peers  # noqa: E402
+from shardopt import host_state, kernels  # noqa: E402
 
 _PROBE = """
 import sys, time, torch
@@ -103,18 +108,24 @@ def _raw_copies(opt, device: torch.device, reps: int) -> dict[str, Any]:
     if device.type != "cuda":
         return out
     stream = torch.cuda.Stream(device)
-    for name, d2h in (("d2h", True), ("h2d", False)):
+    for name in ("d2h", "h2d", "h2d_kernel"):
         times = []
         for _ in range(reps):
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             with torch.cuda.stream(stream):
                 for h, d in pairs:  # H2D writes back the values D2H just read: no change
-                    (h.copy_(d, non_blocking=True) if d2h else d.copy_(h, non_blocking=True))
+                    if name == "d2h":
+                        h.copy_(d, non_blocking=True)
+                    elif name == "h2d":
+                        d.copy_(h, non_blocking=True)
+                    else:  # what onload's kernel does: its loads read the host memory
+                        kernels.copy_from_host_(d, h)
             stream.synchronize()
             times.append(time.perf_counter() - t0)
         out[f"{name}_s"] = _common.stats(times)
         out[f"{name}_gbps"] = _gbps(nbytes, min(times))
+    out["h2d_bar_gbps"] = max(out["h2d_gbps"], out["h2d_kernel_gbps"])  # the faster way
     # What onload pays beyond the copy: fresh device memory for the same tensors (the
     # allocator's cache emptied first, as after an offload), alone and then with the copies
     # queued as each allocation returns.
@@ -220,6 +231,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
            "device_used_before_training": _device_used(device)}
     timeline.mark("setup")
     losses, cycles = [], []
+    modes = a.h2d.split(",")
+    default_h2d = host_state.H2D_BY_KERNEL
     for i, b in enumerate(batches):
         losses.append(float(sys_.step(*b)))
         timeline.mark("train")
@@ -242,10 +255,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                   "fits_only_after_offload": want > free_before,
                                   "device_used_seen": _probe(want)}
         timeline.mark("rollout")
+        c["h2d"] = modes[i % len(modes)]
+        host_state.H2D_BY_KERNEL = c["h2d"] == "kernel"
         t0 = time.perf_counter()
         opt.onload()
         _common.cuda_sync(device)
         c["onload_s"] = time.perf_counter() - t0
+        host_state.H2D_BY_KERNEL = default_h2d
         c["reserved_onloaded"] = _reserved(device)
         c["device_used_onloaded"] = _device_used(device)
         timeline.mark("onload")
@@ -265,7 +281,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     moved = sum(h.numel() * h.element_size() for h, _ in _moved_pairs(opt))
     steady = cycles[1:] or cycles  # the first offload also registers the host memory
     off_s = min(c["offload_s"] for c in steady)
-    on_s = min(c["onload_s"] for c in steady)
+    by_h2d = {m: [c["onload_s"] for c in steady if c["h2d"] == m] for m in modes}
+    by_h2d = {m: {"s": _common.stats(v), "gbps": _gbps(moved, min(v))}
+              for m, v in by_h2d.items() if v}
+    on_mode = "kernel" if default_h2d else "copy_engine"
+    on_s = min(c["onload_s"] for c in steady if c["h2d"] == on_mode)
     raw = _raw_copies(opt, device, a.reps)
     last = cycles[-1]
     mem.update(reserved_after_offload=last["reserved_offloaded"],
@@ -276,7 +296,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         cycles=cycles, memory=mem, moved_bytes=moved,
         offload={"s": _common.stats([c["offload_s"] for c in steady]), "gbps": _gbps(moved, off_s),
                  "first_s": cycles[0]["offload_s"]},
-        onload={"s": _common.stats([c["onload_s"] for c in steady]), "gbps": _gbps(moved, on_s)},
+        onload={"s": _common.stats([c["onload_s"] for c in steady if c["h2d"] == on_mode]),
+                "gbps": _gbps(moved, on_s), "h2d": on_mode},
+        onload_by_h2d=by_h2d,
         raw_pinned=raw, plain_to=_plain_to(opt, device),
         torch_memory_saver=_memory_saver(opt, device), timeline=timeline.as_list())
     if device.type == "cuda":
@@ -284,12 +306,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         worst = max(c["device_used_offloaded"] for c in cycles)
         result["targets"] = {
             "offload_vs_raw": result["offload"]["gbps"] / raw["d2h_gbps"],
-            "onload_vs_raw": result["onload"]["gbps"] / raw["h2d_gbps"],
+            "onload_vs_raw": result["onload"]["gbps"] / raw["h2d_bar_gbps"],
             "offloaded_used_above_context_gib": (worst - base) / _common.GIB,
             "other_process_fits_only_after_offload":
                 cycles[0]["other_process"]["fits_only_after_offload"],
             "met": (result["offload"]["gbps"] >= 0.9 * raw["d2h_gbps"]
-                    and result["onload"]["gbps"] >= 0.9 * raw["h2d_gbps"]
+                    and result["onload"]["gbps"] >= 0.9 * raw["h2d_bar_gbps"]
                     and worst - base <= 1 << 30 and result["losses_identical"]),
         }
     return result
@@ -326,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-cycles", type=int, default=100, help="offload/onload cycles in all")
     p.add_argument("--rollout-fraction", type=float, default=0.9)
     p.add_argument("--reps", type=int, default=3, help="repetitions of the raw copies")
+    p.add_argument("--h2d", default="kernel,copy_engine",
+                   help="onload's copy methods, taken in turn by the cycles")
     p.add_argument("--noise-check", action="store_true",
                    help="run the reference twice and record whether it repeats bit for bit")
     a = p.parse_args(argv)

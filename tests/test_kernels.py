@@ -113,3 +113,21 @@ def test_step_kernel_is_validated():
     with pytest.raises(ValueError, match="step_kernel must be one of"):
         OptimizerConfig(step_kernel="cuda")
 
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.uint8])
+def test_copy_from_host_copies_every_element(dtype):
+    """onload's host-to-device kernel: sizes that end mid-block, one element, none; nothing
+    past the end is written. On a GPU the source is page-locked host memory, read by the
+    kernel over PCIe."""
+    block = kernels.COPY_BLOCK_BYTES // dtype.itemsize
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, block - 1, 2 * block + 37):
+        src = torch.randint(-100, 100, (n,), generator=g).to(dtype)
+        if DEVICE.type == "cuda":
+            src = src.pin_memory()
+        dst = torch.full((n + 16,), 7, dtype=dtype, device=DEVICE)
+        kernels.copy_from_host_(dst[:n], src)
+        assert torch.equal(dst[:n].cpu(), src.cpu())
+        assert (dst[n:] == 7).all()

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import kernels
 from .moments import Moments
 from .quant import Moment
 from .pinned import PinnedBuffer
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
 
 KINDS = ("moments", "main_params", "grads", "params")
+# Host-to-device copies by a kernel that reads the page-locked host memory (where Triton
+# runs), not by a copy engine: see kernels.copy_from_host_ (benchmarks/onload_probe.py).
+H2D_BY_KERNEL = True
 
 
 class OffloadError(ValueError):
@@ -279,12 +283,22 @@ class HostState:
         # still queued: the copies wait for it (nothing new is queued there meanwhile).
         stream.wait_stream(current)
         zero = list(zero)
-        if nbytes is not None:  # for the current stream, which uses them from now on
-            for t, size in zip([d for d, _ in pairs] + zero, nbytes, strict=True):
-                t.untyped_storage().resize_(size)
-        with torch.cuda.stream(stream):
-            for dev, host in pairs:
-                dev.copy_(host, non_blocking=True)
+        sizes = list(nbytes) if nbytes is not None else None
+        if sizes is not None and len(sizes) != len(pairs) + len(zero):
+            raise ValueError(f"{len(sizes)} sizes for {len(pairs) + len(zero)} tensors")
+        for i, (dev, host) in enumerate(pairs):
+            # Each allocation (for the current stream, which uses the tensor from now on)
+            # returns while the copies before it run: with expandable segments an
+            # allocation maps its pages, which takes tens of ms for 5 GB.
+            if sizes is not None:
+                dev.untyped_storage().resize_(sizes[i])
+            with torch.cuda.stream(stream):
+                if H2D_BY_KERNEL and host.is_pinned() and kernels.available(dev.device):
+                    kernels.copy_from_host_(dev, host)
+                else:
+                    dev.copy_(host, non_blocking=True)
+        for t, size in zip(zero, sizes[len(pairs):] if sizes is not None else []):
+            t.untyped_storage().resize_(size)
         event = torch.cuda.Event()
         event.record(stream)
         for t in zero:

@@ -337,6 +337,12 @@ if triton is not None:
             tl.store(ptr + idx, x, mask=mask)
 
     @triton.jit
+    def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+    @triton.jit
     def _to_bf16_rne(x):
         """fp32 -> bf16, rounding to nearest even as torch does (NaN stays NaN). Spelled out
         in integer ops so that compiled and interpreted kernels round alike (Triton's
@@ -385,3 +391,21 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
             QBLOCK=QBLOCK, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
         first += n
+
+
+COPY_BLOCK_BYTES = 16 << 10  # bytes per program of copy_from_host_
+
+
+def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a contiguous device ``dst`` and a page-locked host ``src`` of
+    the same dtype and size, queued on the current stream as a kernel whose loads read the
+    host memory over PCIe, rather than by a copy engine. Right after memory is given back
+    to the driver (``empty_cache()``), something the driver then runs for tens of ms slows
+    copy-engine transfers but not kernels: ``benchmarks/onload_probe.py``."""
+    assert dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
+    n = dst.numel()
+    assert src.numel() == n
+    if n == 0:
+        return
+    block = max(1, COPY_BLOCK_BYTES // dst.element_size())
+    _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=4)
