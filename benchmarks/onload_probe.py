@@ -43,6 +43,12 @@ variant runs ``--reps`` times; the time is wall clock from the start of the oper
   (e.g. the driver scrubbing the pages given back); as slow as ``fresh``, the allocation.
 * ``fresh_interleaved_after_rollout`` (candidate): the rollout of ``fresh_after_rollout``, then
   the timed part of ``fresh_interleaved``: the colocation cycle with per-tensor allocation.
+* ``held_sm_4k4w``, ``held_sm_64k8w``: ``held_sm`` with 4 KiB per program and 4 warps, 64 KiB
+  and 8 warps (``held_sm``: ``kernels.COPY_BLOCK_BYTES`` and ``COPY_WARPS``).
+* ``held_mixedNN``, ``fresh_mixedNN``, ``fresh_after_rollout_mixedNN`` (NN = 15, 30, 50):
+  what onload runs, ``shardopt.host_state.queue_h2d``: NN% of the bytes by the kernel, the
+  rest by the copy engine on another stream at the same time; fresh ones re-allocate each
+  storage just before its copies (held: device tensors zeroed first, untimed).
 * ``held_sm``, ``fresh_sm``, ``fresh_after_rollout_sm``: ``held``, ``fresh`` and
   ``fresh_after_rollout`` with each copy done by a kernel whose loads read the pinned host
   memory over PCIe (``shardopt.kernels.copy_from_host_``) instead of a copy engine; held_sm
@@ -85,7 +91,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-from shardopt import kernels  # noqa: E402
+from shardopt import host_state, kernels  # noqa: E402
 from shardopt.pinned import PinnedBuffer  # noqa: E402
 
 # name, dtype, GB (1e9 bytes) at scale 1, copied (False: re-allocated and zeroed only)
@@ -99,8 +105,12 @@ TENSORS: tuple[tuple[str, torch.dtype, float, bool], ...] = (
 VARIANTS = ("held", "held_d2h", "fresh", "fresh_interleaved", "fresh_after_rollout",
             "fresh_wait_then_copy", "fresh_touch_then_copy", "fresh_two_streams",
             "held_two_streams", "fresh_chunked_256m", "fresh_cached", "fresh_settled_free",
-            "fresh_interleaved_after_rollout", "held_sm", "fresh_sm", "fresh_after_rollout_sm")
-BAR_VARIANTS = ("held", "held_two_streams", "held_sm")  # the raw H2D bar: the faster of these
+            "fresh_interleaved_after_rollout", "held_sm", "fresh_sm", "fresh_after_rollout_sm",
+            "held_sm_4k4w", "held_sm_64k8w",
+            *(f"{w}_mixed{n}" for w in ("held", "fresh", "fresh_after_rollout")
+              for n in (15, 30, 50)))
+BAR_VARIANTS = ("held", "held_two_streams", "held_sm", "held_sm_4k4w", "held_sm_64k8w",
+                "held_mixed15", "held_mixed30", "held_mixed50")  # the raw H2D bar: the faster of these
 CHUNK_BYTES_AT_SCALE_1 = 256 << 20
 CHECK_ELEMS = 1 << 18  # elements compared at each of head, middle and tail
 
@@ -147,6 +157,7 @@ class Probe:
         self.device_bytes = sum(s.nbytes for s in self.slots)
         self.streams: list[torch.cuda.Stream | None] = (
             [torch.cuda.Stream(device) for _ in range(2)] if self.cuda else [None, None])
+        self.mixed_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         # Views stay valid across resize_(0) / resize_(n): they hold the storage, not its address.
         self.whole: list[Job] = [(s.dev, s.host.tensor) for s in self.copied
                                    if s.host is not None]
@@ -331,6 +342,36 @@ class Probe:
         return {"total_s": time.perf_counter() - t0, "alloc_s": alloc_s,
                 "gpu_s": self.elapsed(start, end)}
 
+    def onload_mixed(self, fraction: float, alloc: bool) -> dict[str, float | None]:
+        """shardopt's own onload copies (``host_state.queue_h2d``): ``fraction`` of the bytes
+        by the kernel, the rest by the copy engine at the same time; with ``alloc``, each
+        storage re-allocated just before its copies; grads zeroed beside them."""
+        t0 = time.perf_counter()
+        start = self.event()
+        if self.cuda:
+            if self.mixed_streams is None:
+                self.mixed_streams = (torch.cuda.Stream(self.device),
+                                      torch.cuda.Stream(self.device))
+            sizes = [s.nbytes for s in self.copied] if alloc else None
+            event = host_state.queue_h2d(self.whole, self.mixed_streams, sizes, fraction)
+        else:
+            if alloc:
+                for s in self.copied:
+                    s.storage.resize_(s.nbytes)
+            for dst, src in self.whole:
+                dst.copy_(src)
+            event = None
+        if alloc:
+            for s in self.slots:
+                if s.host is None:
+                    s.storage.resize_(s.nbytes)
+        for g in self.grads:
+            g.zero_()
+        self.join([event])
+        end = self.event()
+        self.sync()
+        return {"total_s": time.perf_counter() - t0, "gpu_s": self.elapsed(start, end)}
+
     def d2h(self) -> dict[str, float | None]:
         return self.copies([(src, dst) for dst, src in self.whole], 1)
 
@@ -346,11 +387,28 @@ class Probe:
             rep |= self.copies(self.whole, 1)
         elif name == "held_d2h":
             rep |= self.d2h()
-        elif name == "held_sm":
+        elif name.startswith("held_sm"):
             for s in self.copied:  # so that check() sees what the kernel copied
                 s.dev.zero_()
             self.sync()
-            rep |= self.copies(self.whole, 1, sm=True)
+            saved = kernels.COPY_BLOCK_BYTES, kernels.COPY_WARPS
+            if name != "held_sm":  # held_sm_{KiB}k{warps}w
+                kib, warps = name.removeprefix("held_sm_").removesuffix("w").split("k")
+                kernels.COPY_BLOCK_BYTES, kernels.COPY_WARPS = int(kib) << 10, int(warps)
+            try:
+                rep |= self.copies(self.whole, 1, sm=True)
+            finally:
+                kernels.COPY_BLOCK_BYTES, kernels.COPY_WARPS = saved
+        elif "_mixed" in name:
+            where, pct = name.split("_mixed")
+            if where == "held":
+                for s in self.copied:  # so that check() sees what was copied
+                    s.dev.zero_()
+                self.sync()
+            if where == "fresh_after_rollout":
+                rep["rollout"] = self.rollout(self.device_bytes)
+                mem["after_rollout"] = self.memory()
+            rep |= self.onload_mixed(int(pct) / 100, alloc=where != "held")
         elif name == "fresh_sm":
             rep |= self.onload(self.whole, 1, sm=True)
         elif name == "fresh_after_rollout_sm":

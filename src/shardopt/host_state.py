@@ -45,9 +45,10 @@ if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
 
 KINDS = ("moments", "main_params", "grads", "params")
-# Host-to-device copies by a kernel that reads the page-locked host memory (where Triton
-# runs), not by a copy engine: see kernels.copy_from_host_ (benchmarks/onload_probe.py).
-H2D_BY_KERNEL = True
+# The share of host-to-device bytes copied by a kernel that reads the page-locked host
+# memory (kernels.copy_from_host_, where Triton runs) beside the copy engine's share; see
+# queue_h2d.
+H2D_KERNEL_FRACTION = 0.3
 
 
 class OffloadError(ValueError):
@@ -76,6 +77,7 @@ class HostState:
         self._dropped: list[torch.Tensor] = []  # grad buffers freed without a copy
         self._guards: list[torch.utils.hooks.RemovableHandle] = []
         self._stream: torch.cuda.Stream | None = None
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # H2D
         self._last_h2d: torch.cuda.Event | None = None
         # low_memory_resume: loaded moments wait here until the first step(), then their
         # pages are unlocked once the copies to the device are done.
@@ -272,35 +274,21 @@ class HostState:
     def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                    zero: Iterable[torch.Tensor] = (),
                    nbytes: Iterable[int] | None = None) -> torch.cuda.Event:
-        """Queue ``dev.copy_(host)`` for each pair on the side stream, after the current
+        """Queue ``dev.copy_(host)`` for each pair (:func:`queue_h2d`) after the current
         stream's work, and zero ``zero`` on the current stream beside them; then the current
         stream waits for the copies, the host does not. With ``nbytes``, the storage of
         each device tensor (pairs', then ``zero``'s) is first re-allocated to that many
         bytes. Returns the event after which the host tensors may be reused or unlocked."""
         current = torch.cuda.current_stream(self.opt.device)
-        stream = self._side_stream()
-        # Memory allocated for the current stream may have been freed by its earlier work,
-        # still queued: the copies wait for it (nothing new is queued there meanwhile).
-        stream.wait_stream(current)
+        if self._streams is None:
+            self._streams = (self._side_stream(), torch.cuda.Stream(self.opt.device))
         zero = list(zero)
         sizes = list(nbytes) if nbytes is not None else None
         if sizes is not None and len(sizes) != len(pairs) + len(zero):
             raise ValueError(f"{len(sizes)} sizes for {len(pairs) + len(zero)} tensors")
-        for i, (dev, host) in enumerate(pairs):
-            # Each allocation (for the current stream, which uses the tensor from now on)
-            # returns while the copies before it run: with expandable segments an
-            # allocation maps its pages, which takes tens of ms for 5 GB.
-            if sizes is not None:
-                dev.untyped_storage().resize_(sizes[i])
-            with torch.cuda.stream(stream):
-                if H2D_BY_KERNEL and host.is_pinned() and kernels.available(dev.device):
-                    kernels.copy_from_host_(dev, host)
-                else:
-                    dev.copy_(host, non_blocking=True)
+        event = queue_h2d(pairs, self._streams, None if sizes is None else sizes[:len(pairs)])
         for t, size in zip(zero, sizes[len(pairs):] if sizes is not None else []):
             t.untyped_storage().resize_(size)
-        event = torch.cuda.Event()
-        event.record(stream)
         for t in zero:
             t.zero_()
         current.wait_event(event)
@@ -348,3 +336,53 @@ def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
     if unknown or not kinds:
         raise OffloadError(f"cannot offload {unknown or 'nothing'}; choose from {list(KINDS)}")
     return tuple(k for k in KINDS if k in kinds)
+
+
+def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+              streams: tuple[torch.cuda.Stream, torch.cuda.Stream],
+              sizes: list[int] | None = None,
+              kernel_fraction: float | None = None) -> torch.cuda.Event:
+    """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair, both streams after
+    the current stream's work; returns an event after all of them.
+
+    The first ``kernel_fraction`` (default :data:`H2D_KERNEL_FRACTION`) of the bytes, where
+    the host tensors are page-locked and Triton runs, go by a kernel whose loads read the
+    host memory (``streams[1]``), the rest by the copy engine (``copy_``, ``streams[0]``),
+    both at once. For tens of ms after device memory goes back to the driver (an offload's
+    or an inference engine's ``empty_cache()``), copy-engine transfers barely move while
+    kernels run at full speed; alone the kernel reaches ~89% of the copy engine's PCIe rate
+    (``benchmarks/onload_probe.py``). With ``sizes``, each device storage is re-allocated to
+    that many bytes (for the current stream) just before its copies are queued, so that an
+    allocation returns while the copies before it run (with expandable segments an
+    allocation maps its pages: tens of ms for 5 GB)."""
+    if not pairs:
+        event = torch.cuda.Event()
+        event.record(streams[0])
+        return event
+    current = torch.cuda.current_stream(pairs[0][0].device)
+    # Memory allocated for the current stream may have been freed by its earlier work, still
+    # queued: the copies wait for it (nothing new is queued there meanwhile).
+    for st in streams:
+        st.wait_stream(current)
+    fraction = H2D_KERNEL_FRACTION if kernel_fraction is None else kernel_fraction
+    if not (kernels.available(pairs[0][0].device) and all(h.is_pinned() for _, h in pairs)):
+        fraction = 0.0
+    total = sum(h.numel() * h.element_size() for _, h in pairs)
+    left = int(total * fraction)  # bytes the kernel still takes
+    ce, kernel = streams
+    for i, (dev, host) in enumerate(pairs):
+        if sizes is not None:
+            dev.untyped_storage().resize_(sizes[i])
+        dev, host = dev.view(-1), host.view(-1)
+        k = min(dev.numel(), left // dev.element_size())
+        left -= k * dev.element_size()
+        if k:
+            with torch.cuda.stream(kernel):
+                kernels.copy_from_host_(dev[:k], host[:k])
+        if k < dev.numel():
+            with torch.cuda.stream(ce):
+                dev[k:].copy_(host[k:], non_blocking=True)
+    ce.wait_stream(kernel)
+    event = torch.cuda.Event()
+    event.record(ce)
+    return event

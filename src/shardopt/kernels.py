@@ -48,7 +48,7 @@ except ImportError:  # optional: the optimizer falls back to torch's fused AdamW
 
 BLOCK = 1024  # elements per program; BLOCK and NUM_WARPS are set by benchmarks/step_kernel_sweep.py
 NUM_WARPS = 4
-SHAPE = "2d"  # "1d" or "2d" block indexing: benchmarks/step_kernel_sweep.py compares them
+QUANT_BY_RECIPROCAL = False  # int8 codes as y * (top / max) instead of y / (max / top)
 
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 2}
@@ -139,7 +139,7 @@ if triton is not None:
                       FULL: tl.constexpr, SUM_SQ: tl.constexpr, ALIGNED: tl.constexpr,
                       MAIN_GLOBAL: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
                       HAS_SCALE: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
-                      QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                      QBLOCK: tl.constexpr, BLOCK: tl.constexpr, RECIP: tl.constexpr):
         row = table_ptr + tl.program_id(0).to(tl.int64) * (2 if FULL else 4)
         local = tl.load(row)
         glob = tl.load(row + 1)
@@ -174,9 +174,9 @@ if triton is not None:
         param = param - tl.div_rn(step_size * exp_avg, denom)
         tl.store(main_ptr + m_idx, param, mask=mask)
         _store_moment(exp_avg_ptr, m_scale_ptr, exp_avg, local, l_idx, mask, M_KIND, False,
-                      FULL, QBLOCK, BLOCK)
+                      FULL, QBLOCK, BLOCK, RECIP)
         _store_moment(exp_avg_sq_ptr, v_scale_ptr, exp_avg_sq, local, l_idx, mask, V_KIND, True,
-                      FULL, QBLOCK, BLOCK)
+                      FULL, QBLOCK, BLOCK, RECIP)
         if OUT_BF16:
             tl.store(out_ptr + g_idx, _to_bf16_rne(param), mask=mask)
         elif HAS_OUT:
@@ -210,7 +210,7 @@ if triton is not None:
     @triton.jit
     def _store_moment(ptr, scale_ptr, x, local, idx, mask, KIND: tl.constexpr,
                       SQRT: tl.constexpr, FULL: tl.constexpr, QBLOCK: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, RECIP: tl.constexpr):
         if KIND == 2:
             # One scale per QBLOCK elements: the block's absolute maximum over the largest
             # code (127; 255 for sqrt(v), never negative). Lanes outside the mask are padding
@@ -221,11 +221,19 @@ if triton is not None:
             if not FULL:
                 a = tl.where(mask, a, 0.0)
             top = 255.0 if SQRT else 127.0
-            scale = tl.div_rn(tl.max(tl.reshape(a, (BLOCK // QBLOCK, QBLOCK)), axis=1), top)
-            safe = tl.where(scale == 0.0, 1.0, scale)
-            per_elem = tl.reshape(tl.broadcast_to(safe[:, None], (BLOCK // QBLOCK, QBLOCK)),
-                                  (BLOCK,))
-            q = tl.minimum(tl.maximum(tl.div_rn(y, per_elem), -top), top)
+            amax = tl.max(tl.reshape(a, (BLOCK // QBLOCK, QBLOCK)), axis=1)
+            scale = tl.div_rn(amax, top)
+            if RECIP:  # one division per block, a product per element
+                inv = tl.div_rn(top, tl.where(amax == 0.0, 1.0, amax))
+                per_elem = tl.reshape(tl.broadcast_to(inv[:, None], (BLOCK // QBLOCK, QBLOCK)),
+                                      (BLOCK,))
+                q = y * per_elem
+            else:
+                safe = tl.where(scale == 0.0, 1.0, scale)
+                per_elem = tl.reshape(
+                    tl.broadcast_to(safe[:, None], (BLOCK // QBLOCK, QBLOCK)), (BLOCK,))
+                q = tl.div_rn(y, per_elem)
+            q = tl.minimum(tl.maximum(q, -top), top)
             # Round to nearest even as torch.round: adding 1.5 * 2**23 leaves no fraction bits.
             q = (q + 12582912.0) - 12582912.0
             tl.store(ptr + idx, q.to(ptr.dtype.element_ty), mask=mask)
@@ -235,102 +243,6 @@ if triton is not None:
             else:
                 hit = tl.reshape(mask.to(tl.int32), (BLOCK // QBLOCK, QBLOCK))
                 tl.store(scale_ptr + s_idx, scale, mask=tl.max(hit, axis=1) > 0)
-        elif KIND == 1:
-            tl.store(ptr + idx, _to_bf16_rne(x), mask=mask)
-        else:
-            tl.store(ptr + idx, x, mask=mask)
-
-    @triton.jit
-    def _adamw_kernel_2d(table_ptr, main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
-                         scale_ptr, sq_ptr, m_scale_ptr, v_scale_ptr, lr_wd, beta1, beta2,
-                         step_size, bc2_sqrt, eps,
-                         FULL: tl.constexpr, SUM_SQ: tl.constexpr, ALIGNED: tl.constexpr,
-                         MAIN_GLOBAL: tl.constexpr, HAS_OUT: tl.constexpr,
-                         OUT_BF16: tl.constexpr, HAS_SCALE: tl.constexpr, M_KIND: tl.constexpr,
-                         V_KIND: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
-        # The block as (BLOCK // QBLOCK, QBLOCK): a scale block is a row, so its maximum and
-        # its scale's broadcast stay within a row's threads (no reshape between layouts).
-        row = table_ptr + tl.program_id(0).to(tl.int64) * (2 if FULL else 4)
-        local = tl.load(row)
-        glob = tl.load(row + 1)
-        if ALIGNED:
-            local = tl.multiple_of(local, 16)
-            glob = tl.multiple_of(glob, 16)
-        rows = tl.arange(0, BLOCK // QBLOCK)
-        offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
-        if FULL:
-            mask = None
-            hit = None
-        else:
-            mask = (offs >= tl.load(row + 2)) & (offs < tl.load(row + 3))
-            hit = tl.max(mask.to(tl.int32), axis=1) > 0  # rows with an element of the launch
-        g_idx = glob + offs
-        l_idx = local + offs
-        m_idx = g_idx if MAIN_GLOBAL else l_idx
-        s_idx = local // QBLOCK + rows
-        grad = tl.load(grad_ptr + g_idx, mask=mask).to(tl.float32)
-        if SUM_SQ:  # this block's share of the squared grad norm, one slot per block
-            sq = grad * grad if FULL else tl.where(mask, grad * grad, 0.0)
-            tl.store(sq_ptr + tl.program_id(0), tl.sum(tl.sum(sq, axis=1), axis=0))
-        if HAS_SCALE:
-            grad = tl.div_rn(grad, tl.load(scale_ptr))
-        param = tl.load(main_ptr + m_idx, mask=mask)
-        exp_avg = _load_moment_2d(exp_avg_ptr, m_scale_ptr, l_idx, s_idx, mask, hit, M_KIND,
-                                  False, FULL)
-        exp_avg_sq = _load_moment_2d(exp_avg_sq_ptr, v_scale_ptr, l_idx, s_idx, mask, hit,
-                                     V_KIND, True, FULL)
-        param = param - lr_wd * param
-        exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
-        exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
-        denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt) + eps
-        param = param - tl.div_rn(step_size * exp_avg, denom)
-        tl.store(main_ptr + m_idx, param, mask=mask)
-        _store_moment_2d(exp_avg_ptr, m_scale_ptr, exp_avg, l_idx, s_idx, mask, hit, M_KIND,
-                         False, FULL)
-        _store_moment_2d(exp_avg_sq_ptr, v_scale_ptr, exp_avg_sq, l_idx, s_idx, mask, hit,
-                         V_KIND, True, FULL)
-        if OUT_BF16:
-            tl.store(out_ptr + g_idx, _to_bf16_rne(param), mask=mask)
-        elif HAS_OUT:
-            tl.store(out_ptr + g_idx, param.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _load_moment_2d(ptr, scale_ptr, idx, s_idx, mask, hit, KIND: tl.constexpr,
-                        SQRT: tl.constexpr, FULL: tl.constexpr):
-        if FULL:
-            raw = tl.load(ptr + idx)
-        else:  # masked lanes read as zero (they may lie past the end of the tensor)
-            raw = tl.load(ptr + idx, mask=mask, other=0)
-        x = raw.to(tl.float32)
-        if KIND == 2:
-            if FULL:
-                scale = tl.load(scale_ptr + s_idx)
-            else:
-                scale = tl.load(scale_ptr + s_idx, mask=hit, other=0.0)
-            x = x * scale[:, None]
-            if SQRT:
-                x = x * x
-        return x
-
-    @triton.jit
-    def _store_moment_2d(ptr, scale_ptr, x, idx, s_idx, mask, hit, KIND: tl.constexpr,
-                         SQRT: tl.constexpr, FULL: tl.constexpr):
-        if KIND == 2:
-            # As _store_moment: a row's scale is its absolute maximum over the largest code.
-            y = tl.sqrt_rn(x) if SQRT else x
-            a = tl.abs(y)
-            if not FULL:
-                a = tl.where(mask, a, 0.0)
-            top = 255.0 if SQRT else 127.0
-            scale = tl.div_rn(tl.max(a, axis=1), top)
-            safe = tl.where(scale == 0.0, 1.0, scale)
-            q = tl.minimum(tl.maximum(tl.div_rn(y, safe[:, None]), -top), top)
-            q = (q + 12582912.0) - 12582912.0
-            tl.store(ptr + idx, q.to(ptr.dtype.element_ty), mask=mask)
-            if FULL:
-                tl.store(scale_ptr + s_idx, scale)
-            else:
-                tl.store(scale_ptr + s_idx, scale, mask=hit)
         elif KIND == 1:
             tl.store(ptr + idx, _to_bf16_rne(x), mask=mask)
         else:
@@ -377,8 +289,7 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
         n = rows.shape[0]
         if n == 0:
             continue
-        kernel = _adamw_kernel_2d if SHAPE == "2d" else _adamw_kernel
-        kernel[(n,)](
+        _adamw_kernel[(n,)](
             rows, main, grads, m, v, out if out is not None else main,
             grad_scale if grad_scale is not None else main,
             sum_sq[first:first + n] if sum_sq is not None else main,
@@ -388,12 +299,13 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
             MAIN_GLOBAL=main_global, HAS_OUT=out is not None,
             OUT_BF16=out is not None and out.dtype == torch.bfloat16,
             HAS_SCALE=grad_scale is not None, M_KIND=_KIND[m.dtype], V_KIND=_KIND[v.dtype],
-            QBLOCK=QBLOCK, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            QBLOCK=QBLOCK, BLOCK=BLOCK, RECIP=QUANT_BY_RECIPROCAL, num_warps=NUM_WARPS,
         )
         first += n
 
 
 COPY_BLOCK_BYTES = 16 << 10  # bytes per program of copy_from_host_
+COPY_WARPS = 4
 
 
 def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -408,4 +320,4 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
     if n == 0:
         return
     block = max(1, COPY_BLOCK_BYTES // dst.element_size())
-    _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=4)
+    _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=COPY_WARPS)
