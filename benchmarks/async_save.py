@@ -13,6 +13,8 @@ side streams are waited for only where training itself waits for them) and is ti
   <= 2% of an iteration), the first save (which allocates the snapshot) apart, and so are
   saves called while the previous one was still being written (they wait for it; counted
   in ``saves_that_waited_for_the_previous``: make ``--sparse-every`` longer);
+  ``stall_local_s`` = the same against the median of the (up to 4) quiet iterations just
+  before each save, which drift less than the whole run;
   ``during_write`` = median iteration while a background write runs, against the
   baseline (target <= 3% slower).
 * ``every``: a save every iteration for ``--every-iters`` iterations (each save waits for
@@ -197,6 +199,18 @@ def _phase(name: str, rows: list[dict], baseline: float | None, rss) -> dict:
             out["stall_fraction_of_iter"] = statistics.median(stalls) / baseline
             out["save_call_s"] = _common.stats([r["save_call_s"] for r in clean])
             out["saves_that_waited_for_the_previous"] = len(waited)
+            # The same against the median of the up to 4 iterations just before each save
+            # that neither saved nor wrote: iterations drift and alternate by ~10 ms over a
+            # run, more than the stall being measured.
+            local = []
+            for r in clean:
+                i = next(k for k, x in enumerate(rows) if x is r)
+                quiet = [x["iter_s"] for x in rows[:i] if not x["saved"] and not x["writing"]]
+                if quiet:
+                    local.append(r["iter_s"] - statistics.median(quiet[-4:]))
+            if local:
+                out["stall_local_s"] = _common.stats(local)
+                out["stall_local_fraction_of_iter"] = statistics.median(local) / baseline
         if writing:
             out["during_write_slowdown"] = statistics.median(writing) / baseline - 1
         out["throughput_vs_none"] = baseline * len(rows) / sum(it)
@@ -289,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             ph["notes"] = getattr(saver, "notes", {})
             phases.append(ph)
             print(f"[{ph['phase']}] stall median {ph.get('stall_s', {}).get('median', 0):.4f} s "
+                  f"(local {ph.get('stall_local_s', {}).get('median', 0):.4f} s) "
                   f"({100 * ph.get('stall_fraction_of_iter', 0):.2f}% of {baseline:.3f} s), "
                   f"during write {100 * ph.get('during_write_slowdown', 0):+.2f}%, "
                   f"throughput {100 * ph['throughput_vs_none']:.1f}% of none, "

@@ -14,10 +14,10 @@ fp32 norms and routers) trained by shardopt as in ``train_iter.py``. In order:
    the device, not just to this process's allocator.
 4. More offload/onload cycles without training, up to ``--rss-cycles`` in all, for the
    host RSS after the 1st and the last (the pinned host copies are reused, not grown).
-   ``--h2d`` lists shares of the bytes onload copies to the device by a kernel reading
-   the pinned host memory (``host_state.H2D_KERNEL_FRACTION``; the rest by the copy
-   engine, at the same time), taken in turn by the cycles and reported apart
-   (``onload_by_h2d``): the same run, the same bytes.
+   ``--h2d`` lists the ways onload copies to the device, taken in turn by the cycles and
+   reported apart (``onload_by_h2d``: the same run, the same bytes): ``kernel`` (a kernel
+   reading the pinned host memory), ``copy_engine`` (``copy_``); the one
+   ``host_state.h2d_by_kernel()`` picks for this process is the reported ``onload``.
 5. The same bytes copied raw between the optimizer's own pinned host copies and its
    device tensors (one side stream, one sync: the ceiling; host to device both by the copy
    engine and by the kernel, the faster is the bar), and with plain
@@ -232,8 +232,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
            "device_used_before_training": _device_used(device)}
     timeline.mark("setup")
     losses, cycles = [], []
-    modes = [float(f) for f in a.h2d.split(",")]
-    default_h2d = host_state.H2D_KERNEL_FRACTION
+    modes = a.h2d.split(",")
+    default_h2d = "kernel" if host_state.h2d_by_kernel() else "copy_engine"
     for i, b in enumerate(batches):
         losses.append(float(sys_.step(*b)))
         timeline.mark("train")
@@ -257,12 +257,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                   "device_used_seen": _probe(want)}
         timeline.mark("rollout")
         c["h2d"] = modes[i % len(modes)]
-        host_state.H2D_KERNEL_FRACTION = c["h2d"]
+        host_state.H2D_BY_KERNEL = c["h2d"] == "kernel"
         t0 = time.perf_counter()
         opt.onload()
         _common.cuda_sync(device)
         c["onload_s"] = time.perf_counter() - t0
-        host_state.H2D_KERNEL_FRACTION = default_h2d
+        host_state.H2D_BY_KERNEL = None
         c["reserved_onloaded"] = _reserved(device)
         c["device_used_onloaded"] = _device_used(device)
         timeline.mark("onload")
@@ -285,7 +285,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # Onload times by copy method, of the steady cycles (all of them where it had none).
     times = {m: [c["onload_s"] for c in steady if c["h2d"] == m]
              or [c["onload_s"] for c in cycles if c["h2d"] == m] for m in modes}
-    by_h2d = {str(m): {"s": _common.stats(v), "gbps": _gbps(moved, min(v))}
+    by_h2d = {m: {"s": _common.stats(v), "gbps": _gbps(moved, min(v))}
               for m, v in times.items() if v}
     on_mode = default_h2d if default_h2d in modes else modes[0]
     on_s = min(times[on_mode])
@@ -351,9 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-cycles", type=int, default=100, help="offload/onload cycles in all")
     p.add_argument("--rollout-fraction", type=float, default=0.9)
     p.add_argument("--reps", type=int, default=3, help="repetitions of the raw copies")
-    p.add_argument("--h2d", default=f"{host_state.H2D_KERNEL_FRACTION},0,1",
-                   help="shares of onload's bytes copied by the kernel, taken in turn by the "
-                        "cycles (the first that is the library's default is the reported one)")
+    p.add_argument("--h2d", default="kernel,copy_engine",
+                   help="onload's ways to copy to the device, taken in turn by the cycles")
     p.add_argument("--noise-check", action="store_true",
                    help="run the reference twice and record whether it repeats bit for bit")
     a = p.parse_args(argv)

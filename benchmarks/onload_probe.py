@@ -45,10 +45,11 @@ variant runs ``--reps`` times; the time is wall clock from the start of the oper
   the timed part of ``fresh_interleaved``: the colocation cycle with per-tensor allocation.
 * ``held_sm_4k4w``, ``held_sm_64k8w``: ``held_sm`` with 4 KiB per program and 4 warps, 64 KiB
   and 8 warps (``held_sm``: ``kernels.COPY_BLOCK_BYTES`` and ``COPY_WARPS``).
-* ``held_mixedNN``, ``fresh_mixedNN``, ``fresh_after_rollout_mixedNN`` (NN = 15, 30, 50):
-  what onload runs, ``shardopt.host_state.queue_h2d``: NN% of the bytes by the kernel, the
-  rest by the copy engine on another stream at the same time; fresh ones re-allocate each
-  storage just before its copies (held: device tensors zeroed first, untimed).
+* ``fresh_onload``, ``fresh_after_rollout_onload``: what onload runs,
+  ``shardopt.host_state.queue_h2d`` (each storage re-allocated just before its copy, by the
+  kernel or the copy engine as ``h2d_by_kernel()`` picks for this allocator setting).
+  (A share of the bytes by the kernel and the rest by the copy engine at the same time, tried
+  with 15, 30 and 50%, was slower than either alone: ``results/2026-12-01d``.)
 * ``held_sm``, ``fresh_sm``, ``fresh_after_rollout_sm``: ``held``, ``fresh`` and
   ``fresh_after_rollout`` with each copy done by a kernel whose loads read the pinned host
   memory over PCIe (``shardopt.kernels.copy_from_host_``) instead of a copy engine; held_sm
@@ -106,11 +107,8 @@ VARIANTS = ("held", "held_d2h", "fresh", "fresh_interleaved", "fresh_after_rollo
             "fresh_wait_then_copy", "fresh_touch_then_copy", "fresh_two_streams",
             "held_two_streams", "fresh_chunked_256m", "fresh_cached", "fresh_settled_free",
             "fresh_interleaved_after_rollout", "held_sm", "fresh_sm", "fresh_after_rollout_sm",
-            "held_sm_4k4w", "held_sm_64k8w",
-            *(f"{w}_mixed{n}" for w in ("held", "fresh", "fresh_after_rollout")
-              for n in (15, 30, 50)))
-BAR_VARIANTS = ("held", "held_two_streams", "held_sm", "held_sm_4k4w", "held_sm_64k8w",
-                "held_mixed15", "held_mixed30", "held_mixed50")  # the raw H2D bar: the faster of these
+            "held_sm_4k4w", "held_sm_64k8w", "fresh_onload", "fresh_after_rollout_onload")
+BAR_VARIANTS = ("held", "held_two_streams", "held_sm", "held_sm_4k4w", "held_sm_64k8w")  # the raw H2D bar: the faster of these
 CHUNK_BYTES_AT_SCALE_1 = 256 << 20
 CHECK_ELEMS = 1 << 18  # elements compared at each of head, middle and tail
 
@@ -157,7 +155,6 @@ class Probe:
         self.device_bytes = sum(s.nbytes for s in self.slots)
         self.streams: list[torch.cuda.Stream | None] = (
             [torch.cuda.Stream(device) for _ in range(2)] if self.cuda else [None, None])
-        self.mixed_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         # Views stay valid across resize_(0) / resize_(n): they hold the storage, not its address.
         self.whole: list[Job] = [(s.dev, s.host.tensor) for s in self.copied
                                    if s.host is not None]
@@ -342,29 +339,25 @@ class Probe:
         return {"total_s": time.perf_counter() - t0, "alloc_s": alloc_s,
                 "gpu_s": self.elapsed(start, end)}
 
-    def onload_mixed(self, fraction: float, alloc: bool) -> dict[str, float | None]:
-        """shardopt's own onload copies (``host_state.queue_h2d``): ``fraction`` of the bytes
-        by the kernel, the rest by the copy engine at the same time; with ``alloc``, each
-        storage re-allocated just before its copies; grads zeroed beside them."""
+    def onload_library(self) -> dict[str, float | None]:
+        """shardopt's own onload copies (``host_state.queue_h2d``): each storage re-allocated
+        just before its copy, by kernel or copy engine as ``h2d_by_kernel()`` picks; grads
+        re-allocated and zeroed beside them."""
         t0 = time.perf_counter()
         start = self.event()
         if self.cuda:
-            if self.mixed_streams is None:
-                self.mixed_streams = (torch.cuda.Stream(self.device),
-                                      torch.cuda.Stream(self.device))
-            sizes = [s.nbytes for s in self.copied] if alloc else None
-            event = host_state.queue_h2d(self.whole, self.mixed_streams, sizes, fraction)
+            assert self.streams[0] is not None
+            event = host_state.queue_h2d(self.whole, self.streams[0],
+                                         [s.nbytes for s in self.copied])
         else:
-            if alloc:
-                for s in self.copied:
-                    s.storage.resize_(s.nbytes)
+            for s in self.copied:
+                s.storage.resize_(s.nbytes)
             for dst, src in self.whole:
                 dst.copy_(src)
             event = None
-        if alloc:
-            for s in self.slots:
-                if s.host is None:
-                    s.storage.resize_(s.nbytes)
+        for s in self.slots:
+            if s.host is None:
+                s.storage.resize_(s.nbytes)
         for g in self.grads:
             g.zero_()
         self.join([event])
@@ -399,16 +392,12 @@ class Probe:
                 rep |= self.copies(self.whole, 1, sm=True)
             finally:
                 kernels.COPY_BLOCK_BYTES, kernels.COPY_WARPS = saved
-        elif "_mixed" in name:
-            where, pct = name.split("_mixed")
-            if where == "held":
-                for s in self.copied:  # so that check() sees what was copied
-                    s.dev.zero_()
-                self.sync()
-            if where == "fresh_after_rollout":
+        elif name.endswith("_onload"):
+            if name == "fresh_after_rollout_onload":
                 rep["rollout"] = self.rollout(self.device_bytes)
                 mem["after_rollout"] = self.memory()
-            rep |= self.onload_mixed(int(pct) / 100, alloc=where != "held")
+            rep["by_kernel"] = host_state.h2d_by_kernel()
+            rep |= self.onload_library()
         elif name == "fresh_sm":
             rep |= self.onload(self.whole, 1, sm=True)
         elif name == "fresh_after_rollout_sm":

@@ -64,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated exp_avg/exp_avg_sq/grad dtypes (fp32, bf16, int8)")
     ap.add_argument("--configs", default=",".join(f"{b}x{w}" for b, w in CONFIGS),
                     help="comma-separated BLOCKxnum_warps pairs")
-    ap.add_argument("--recip", default="0",
-                    help="comma-separated kernels.QUANT_BY_RECIPROCAL settings to time (0, 1)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="", help="suffix of the result file name")
     args = ap.parse_args(argv)
@@ -81,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     del dst
     copy_gbps = 8 * n / copy["median"] / 1e6
     rows, results = [], []
-    default = (kernels.BLOCK, kernels.NUM_WARPS, kernels.QUANT_BY_RECIPROCAL)
-    recips = [bool(int(r)) for r in args.recip.split(",")]
+    default = (kernels.BLOCK, kernels.NUM_WARPS)
     try:
         for combo in args.combos.split(","):
             m_kind, v_kind, g_kind = combo.split("/")
@@ -90,30 +87,28 @@ def main(argv: list[str] | None = None) -> int:
             m = _moment(m_kind, n, device, sqrt=False)
             v = _moment(v_kind, n, device, sqrt=True)
             per_elem = _bytes_per_element(m_kind, v_kind, g_kind)
-            for recip, (block, warps) in ((r, c) for r in recips for c in configs):
+            for block, warps in configs:
                 kernels.BLOCK, kernels.NUM_WARPS = block, warps
-                kernels.QUANT_BY_RECIPROCAL = recip
-                is_default = (block, warps, recip) == default
+                is_default = (block, warps) == default
                 table = kernels.chunk_table([kernels.ChunkPart(0, 0, 0, n)], device)
                 r = _time_ms(lambda t=table: kernels.adamw_(
                     t, main_, grads, m, v, out, main_global=False, lr=1e-4,
                     beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3,
                     grad_scale=None), args.repeats)
                 gbps = per_elem * n / r["median"] / 1e6
-                results.append({"combo": combo, "recip": recip, "block": block,
+                results.append({"combo": combo, "block": block,
                                 "num_warps": warps, "ms": r, "gbps": gbps,
                                 "of_copy": gbps / copy_gbps, "bytes_per_element": per_elem,
                                 "default": is_default})
-                rows.append([combo, int(recip), block, warps, r["median"], gbps,
+                rows.append([combo, block, warps, r["median"], gbps,
                              f"{100 * gbps / copy_gbps:.1f}%", "*" if is_default else ""])
     finally:
-        kernels.BLOCK, kernels.NUM_WARPS, kernels.QUANT_BY_RECIPROCAL = default
+        kernels.BLOCK, kernels.NUM_WARPS = default
     print(f"copy: {copy['median']:.3f} ms, {copy_gbps:.0f} GB/s")
-    print(_common.format_table(rows, ["m/v/grad", "recip", "BLOCK", "warps", "median ms", "GB/s",
+    print(_common.format_table(rows, ["m/v/grad", "BLOCK", "warps", "median ms", "GB/s",
                                       "of copy", "default"]))
     doc = _common.run_header(device, {"numel": n, "repeats": args.repeats,
-                                      "combos": args.combos, "configs": args.configs,
-                                      "recip": args.recip})
+                                      "combos": args.combos, "configs": args.configs})
     doc.update({"benchmark": "step_kernel_sweep", "copy_ms": copy, "copy_gbps": copy_gbps,
                 "results": results})
     _common.write_json(Path(args.out) / f"step_kernel_sweep{args.tag}.json", doc)

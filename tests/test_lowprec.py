@@ -49,8 +49,9 @@ def round_moment(x: torch.Tensor, kind: Any, sqrt: bool) -> torch.Tensor:
     y = x.sqrt() if sqrt else x  # sqrt(v) >= 0: unsigned codes up to 255, m: signed to 127
     top = 255 if sqrt else 127
     blocks = F.pad(y, (0, -y.numel() % QBLOCK)).view(-1, QBLOCK)
-    scale = blocks.abs().amax(dim=1, keepdim=True) / top
-    q = (blocks / torch.where(scale == 0, 1.0, scale)).round().clamp(-top, top)
+    amax = blocks.abs().amax(dim=1, keepdim=True)
+    scale = amax / top
+    q = (blocks * (top / torch.where(amax == 0, 1.0, amax))).round().clamp(-top, top)
     y = (q * scale).view(-1)[:x.numel()]
     return y.square() if sqrt else y
 

@@ -480,3 +480,18 @@ def test_reload_model_params_while_params_are_offloaded_is_refused():
     opt.onload()
     for s in opt.shards:
         assert bool((opt.state_view("master_param", s) == 0.5).all())
+
+
+def test_onload_copies_by_kernel_unless_the_allocator_has_expandable_segments(monkeypatch):
+    from shardopt import host_state
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    assert host_state.h2d_by_kernel()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
+    assert not host_state.h2d_by_kernel()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert host_state.h2d_by_kernel()
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert not host_state.h2d_by_kernel()
+    monkeypatch.setattr(host_state, "H2D_BY_KERNEL", True)
+    assert host_state.h2d_by_kernel()

@@ -16,10 +16,10 @@ are copied only when a backward left some pending (``no_sync`` accumulation):
 otherwise the buffer is freed without a copy and zeroed at onload (its param
 regions are overwritten by the next backward, its padding must be zero).
 
-Onload: every storage is re-allocated for the current stream (about 2 ms for 18 GB on
-an H200), then the H2D copies are queued on the side stream back to back, the current
-stream zeroes dropped grads beside the copies and then waits for them; the host does not
-wait. The host copies are kept for the
+Onload: each storage is re-allocated for the current stream and its H2D copy queued on
+the side stream in turn (:func:`queue_h2d`; by a kernel that reads the host memory, unless
+the allocator has expandable segments: :func:`h2d_by_kernel`), the current stream zeroes
+dropped grads beside the copies and then waits for them; the host does not wait. The host copies are kept for the
 next cycle (the same addresses) until :meth:`HostState.release`.
 
 Off CUDA nothing can be freed safely (a CPU kernel reading an empty storage
@@ -31,6 +31,7 @@ the same as on CUDA.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -45,10 +46,9 @@ if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
 
 KINDS = ("moments", "main_params", "grads", "params")
-# The share of host-to-device bytes copied by a kernel that reads the page-locked host
-# memory (kernels.copy_from_host_, where Triton runs) beside the copy engine's share; see
-# queue_h2d.
-H2D_KERNEL_FRACTION = 0.3
+# Host-to-device copies by a kernel that reads the page-locked host memory (True), by the
+# copy engine (False), or chosen by the allocator's settings (None): see h2d_by_kernel.
+H2D_BY_KERNEL: bool | None = None
 
 
 class OffloadError(ValueError):
@@ -77,7 +77,6 @@ class HostState:
         self._dropped: list[torch.Tensor] = []  # grad buffers freed without a copy
         self._guards: list[torch.utils.hooks.RemovableHandle] = []
         self._stream: torch.cuda.Stream | None = None
-        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # H2D
         self._last_h2d: torch.cuda.Event | None = None
         # low_memory_resume: loaded moments wait here until the first step(), then their
         # pages are unlocked once the copies to the device are done.
@@ -280,13 +279,12 @@ class HostState:
         each device tensor (pairs', then ``zero``'s) is first re-allocated to that many
         bytes. Returns the event after which the host tensors may be reused or unlocked."""
         current = torch.cuda.current_stream(self.opt.device)
-        if self._streams is None:
-            self._streams = (self._side_stream(), torch.cuda.Stream(self.opt.device))
         zero = list(zero)
         sizes = list(nbytes) if nbytes is not None else None
         if sizes is not None and len(sizes) != len(pairs) + len(zero):
             raise ValueError(f"{len(sizes)} sizes for {len(pairs) + len(zero)} tensors")
-        event = queue_h2d(pairs, self._streams, None if sizes is None else sizes[:len(pairs)])
+        event = queue_h2d(pairs, self._side_stream(),
+                          None if sizes is None else sizes[:len(pairs)])
         for t, size in zip(zero, sizes[len(pairs):] if sizes is not None else []):
             t.untyped_storage().resize_(size)
         for t in zero:
@@ -338,51 +336,47 @@ def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
     return tuple(k for k in KINDS if k in kinds)
 
 
-def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]],
-              streams: tuple[torch.cuda.Stream, torch.cuda.Stream],
-              sizes: list[int] | None = None,
-              kernel_fraction: float | None = None) -> torch.cuda.Event:
-    """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair, both streams after
+def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream,
+              sizes: list[int] | None = None, by_kernel: bool | None = None
+              ) -> torch.cuda.Event:
+    """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair on ``stream``, after
     the current stream's work; returns an event after all of them.
 
-    The first ``kernel_fraction`` (default :data:`H2D_KERNEL_FRACTION`) of the bytes, where
-    the host tensors are page-locked and Triton runs, go by a kernel whose loads read the
-    host memory (``streams[1]``), the rest by the copy engine (``copy_``, ``streams[0]``),
-    both at once. For tens of ms after device memory goes back to the driver (an offload's
-    or an inference engine's ``empty_cache()``), copy-engine transfers barely move while
-    kernels run at full speed; alone the kernel reaches ~89% of the copy engine's PCIe rate
-    (``benchmarks/onload_probe.py``). With ``sizes``, each device storage is re-allocated to
-    that many bytes (for the current stream) just before its copies are queued, so that an
-    allocation returns while the copies before it run (with expandable segments an
-    allocation maps its pages: tens of ms for 5 GB)."""
-    if not pairs:
-        event = torch.cuda.Event()
-        event.record(streams[0])
-        return event
-    current = torch.cuda.current_stream(pairs[0][0].device)
+    By a kernel whose loads read the page-locked host memory (``kernels.copy_from_host_``)
+    or by the copy engine (``copy_``): ``by_kernel``, by default :func:`h2d_by_kernel`. For
+    ~40 ms after device memory goes back to the driver (an offload's, or an inference
+    engine's ``empty_cache()``), copy-engine transfers barely move while kernels run at full
+    speed (``benchmarks/onload_probe.py``). With ``sizes``, each device storage is
+    re-allocated to that many bytes (for the current stream) just before its copy is queued,
+    so that an allocation returns while the copies before it run (with expandable segments
+    an allocation maps its pages: tens of ms for 5 GB)."""
+    device = pairs[0][0].device if pairs else torch.device("cuda")
     # Memory allocated for the current stream may have been freed by its earlier work, still
     # queued: the copies wait for it (nothing new is queued there meanwhile).
-    for st in streams:
-        st.wait_stream(current)
-    fraction = H2D_KERNEL_FRACTION if kernel_fraction is None else kernel_fraction
-    if not (kernels.available(pairs[0][0].device) and all(h.is_pinned() for _, h in pairs)):
-        fraction = 0.0
-    total = sum(h.numel() * h.element_size() for _, h in pairs)
-    left = int(total * fraction)  # bytes the kernel still takes
-    ce, kernel = streams
+    stream.wait_stream(torch.cuda.current_stream(device))
+    kernel = h2d_by_kernel() if by_kernel is None else by_kernel
+    kernel = kernel and kernels.available(device) and all(h.is_pinned() for _, h in pairs)
     for i, (dev, host) in enumerate(pairs):
         if sizes is not None:
             dev.untyped_storage().resize_(sizes[i])
-        dev, host = dev.view(-1), host.view(-1)
-        k = min(dev.numel(), left // dev.element_size())
-        left -= k * dev.element_size()
-        if k:
-            with torch.cuda.stream(kernel):
-                kernels.copy_from_host_(dev[:k], host[:k])
-        if k < dev.numel():
-            with torch.cuda.stream(ce):
-                dev[k:].copy_(host[k:], non_blocking=True)
-    ce.wait_stream(kernel)
+        with torch.cuda.stream(stream):
+            if kernel:
+                kernels.copy_from_host_(dev.view(-1), host.view(-1))
+            else:
+                dev.copy_(host, non_blocking=True)
     event = torch.cuda.Event()
-    event.record(ce)
+    event.record(stream)
     return event
+
+
+def h2d_by_kernel() -> bool:
+    """Whether onload copies to the device by kernel (:func:`queue_h2d`): :data:`H2D_BY_KERNEL`
+    if set, else unless the allocator has expandable segments (``PYTORCH_CUDA_ALLOC_CONF`` or
+    ``PYTORCH_ALLOC_CONF``). There an allocation maps its pages itself, the slow part moves into
+    ``resize_`` and overlaps the copies before it, and the copy engine then reaches 98% of its
+    rate against the kernel's 89-90% (``benchmarks/onload_probe.py``)."""
+    if H2D_BY_KERNEL is not None:
+        return H2D_BY_KERNEL
+    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                     "PYTORCH_ALLOC_CONF"))
+    return "expandable_segments:true" not in conf.replace(" ", "").lower()

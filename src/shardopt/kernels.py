@@ -48,7 +48,6 @@ except ImportError:  # optional: the optimizer falls back to torch's fused AdamW
 
 BLOCK = 1024  # elements per program; BLOCK and NUM_WARPS are set by benchmarks/step_kernel_sweep.py
 NUM_WARPS = 4
-QUANT_BY_RECIPROCAL = False  # int8 codes as y * (top / max) instead of y / (max / top)
 
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 2}
@@ -139,7 +138,7 @@ if triton is not None:
                       FULL: tl.constexpr, SUM_SQ: tl.constexpr, ALIGNED: tl.constexpr,
                       MAIN_GLOBAL: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
                       HAS_SCALE: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
-                      QBLOCK: tl.constexpr, BLOCK: tl.constexpr, RECIP: tl.constexpr):
+                      QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
         row = table_ptr + tl.program_id(0).to(tl.int64) * (2 if FULL else 4)
         local = tl.load(row)
         glob = tl.load(row + 1)
@@ -174,9 +173,9 @@ if triton is not None:
         param = param - tl.div_rn(step_size * exp_avg, denom)
         tl.store(main_ptr + m_idx, param, mask=mask)
         _store_moment(exp_avg_ptr, m_scale_ptr, exp_avg, local, l_idx, mask, M_KIND, False,
-                      FULL, QBLOCK, BLOCK, RECIP)
+                      FULL, QBLOCK, BLOCK)
         _store_moment(exp_avg_sq_ptr, v_scale_ptr, exp_avg_sq, local, l_idx, mask, V_KIND, True,
-                      FULL, QBLOCK, BLOCK, RECIP)
+                      FULL, QBLOCK, BLOCK)
         if OUT_BF16:
             tl.store(out_ptr + g_idx, _to_bf16_rne(param), mask=mask)
         elif HAS_OUT:
@@ -210,7 +209,7 @@ if triton is not None:
     @triton.jit
     def _store_moment(ptr, scale_ptr, x, local, idx, mask, KIND: tl.constexpr,
                       SQRT: tl.constexpr, FULL: tl.constexpr, QBLOCK: tl.constexpr,
-                      BLOCK: tl.constexpr, RECIP: tl.constexpr):
+                      BLOCK: tl.constexpr):
         if KIND == 2:
             # One scale per QBLOCK elements: the block's absolute maximum over the largest
             # code (127; 255 for sqrt(v), never negative). Lanes outside the mask are padding
@@ -223,17 +222,13 @@ if triton is not None:
             top = 255.0 if SQRT else 127.0
             amax = tl.max(tl.reshape(a, (BLOCK // QBLOCK, QBLOCK)), axis=1)
             scale = tl.div_rn(amax, top)
-            if RECIP:  # one division per block, a product per element
-                inv = tl.div_rn(top, tl.where(amax == 0.0, 1.0, amax))
-                per_elem = tl.reshape(tl.broadcast_to(inv[:, None], (BLOCK // QBLOCK, QBLOCK)),
-                                      (BLOCK,))
-                q = y * per_elem
-            else:
-                safe = tl.where(scale == 0.0, 1.0, scale)
-                per_elem = tl.reshape(
-                    tl.broadcast_to(safe[:, None], (BLOCK // QBLOCK, QBLOCK)), (BLOCK,))
-                q = tl.div_rn(y, per_elem)
-            q = tl.minimum(tl.maximum(q, -top), top)
+            # One division per block and a product per element (quant.Moment.store_): a
+            # division per element made the int8 kernel compute-bound (81% of the copy rate
+            # against 88% with bf16 grads, benchmarks/step_kernel_sweep.py --recip).
+            inv = tl.div_rn(top, tl.where(amax == 0.0, 1.0, amax))
+            per_elem = tl.reshape(tl.broadcast_to(inv[:, None], (BLOCK // QBLOCK, QBLOCK)),
+                                  (BLOCK,))
+            q = tl.minimum(tl.maximum(y * per_elem, -top), top)
             # Round to nearest even as torch.round: adding 1.5 * 2**23 leaves no fraction bits.
             q = (q + 12582912.0) - 12582912.0
             tl.store(ptr + idx, q.to(ptr.dtype.element_ty), mask=mask)
@@ -299,12 +294,13 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
             MAIN_GLOBAL=main_global, HAS_OUT=out is not None,
             OUT_BF16=out is not None and out.dtype == torch.bfloat16,
             HAS_SCALE=grad_scale is not None, M_KIND=_KIND[m.dtype], V_KIND=_KIND[v.dtype],
-            QBLOCK=QBLOCK, BLOCK=BLOCK, RECIP=QUANT_BY_RECIPROCAL, num_warps=NUM_WARPS,
+            QBLOCK=QBLOCK, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
         first += n
 
 
-COPY_BLOCK_BYTES = 16 << 10  # bytes per program of copy_from_host_
+COPY_BLOCK_BYTES = 4 << 10  # bytes per program of copy_from_host_ (onload_probe.py: 4 KiB,
+# 4 warps read 50.0 GB/s; 16 KiB 49.2; 64 KiB and 8 warps 49.5)
 COPY_WARPS = 4
 
 

@@ -6,9 +6,9 @@ kept between steps and converts a rank's local state tensor to and from fp32.
 * ``torch.bfloat16``: the fp32 result rounded to nearest even (torch's cast).
 * ``"int8"``: 8-bit codes and one fp32 scale per block of :data:`QBLOCK`
   elements, linear within the block (absmax scaling). ``exp_avg`` is stored as
-  signed codes ``q = rne(m / scale)`` in ``[-127, 127]`` with
+  signed codes ``q = rne(m * (127 / max|m|))`` in ``[-127, 127]`` with
   ``scale = max|m| / 127``. ``exp_avg_sq`` is stored as its square root, in
-  unsigned codes ``q = rne(sqrt(v) / scale)`` in ``[0, 255]`` with
+  unsigned codes ``q = rne(sqrt(v) * (255 / max sqrt(v)))`` in ``[0, 255]`` with
   ``scale = max sqrt(v) / 255``, and read back as ``v = (q * scale) ** 2``: v
   spans many decades, sqrt halves that in exponent, so far fewer small entries of
   a block flush to zero next to a large one (a flushed v makes that element's
@@ -111,7 +111,7 @@ class Moment:
             return
         top = code_max(self.sqrt)
         y = (x.sqrt() if self.sqrt else x).view(-1, QBLOCK)
-        torch.div(y.abs().amax(dim=1), top, out=self.scales)
-        safe = torch.where(self.scales == 0, 1.0, self.scales)  # an all-zero block stays 0
-        self.values.view(-1, QBLOCK).copy_(
-            (y / safe[:, None]).round_().clamp_(-top, top))
+        amax = y.abs().amax(dim=1)
+        torch.div(amax, top, out=self.scales)
+        inv = top / torch.where(amax == 0, 1.0, amax)  # an all-zero block stays 0
+        self.values.view(-1, QBLOCK).copy_((y * inv[:, None]).round_().clamp_(-top, top))
