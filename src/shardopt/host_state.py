@@ -19,8 +19,8 @@ regions are overwritten by the next backward, its padding must be zero).
 Onload: each storage is re-allocated for the current stream and its H2D copy queued on
 the side stream in turn (:func:`queue_h2d`; by a kernel that reads the host memory, unless
 the allocator has expandable segments: :func:`h2d_by_kernel`), the current stream zeroes
-dropped grads beside the copies and then waits for them; the host does not wait. The host copies are kept for the
-next cycle (the same addresses) until :meth:`HostState.release`.
+dropped grads beside the copies and then waits for them; the host does not wait. The host
+copies are kept for the next cycle (the same addresses) until :meth:`HostState.release`.
 
 Off CUDA nothing can be freed safely (a CPU kernel reading an empty storage
 crashes), so offload copies the state aside and fills the live tensors with NaN,
@@ -373,8 +373,8 @@ def h2d_by_kernel() -> bool:
     """Whether onload copies to the device by kernel (:func:`queue_h2d`): :data:`H2D_BY_KERNEL`
     if set, else unless the allocator has expandable segments (``PYTORCH_CUDA_ALLOC_CONF`` or
     ``PYTORCH_ALLOC_CONF``). There an allocation maps its pages itself, the slow part moves into
-    ``resize_`` and overlaps the copies before it, and the copy engine then reaches 98% of its
-    rate against the kernel's 89-90% (``benchmarks/onload_probe.py``)."""
+    ``resize_`` and overlaps the copies before it, and the copy engine then reaches 97-98% of
+    its raw rate against the kernel's 86-89% (``benchmarks/onload_probe.py``, ``offload.py``)."""
     if H2D_BY_KERNEL is not None:
         return H2D_BY_KERNEL
     conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF",

@@ -222,9 +222,9 @@ if triton is not None:
             top = 255.0 if SQRT else 127.0
             amax = tl.max(tl.reshape(a, (BLOCK // QBLOCK, QBLOCK)), axis=1)
             scale = tl.div_rn(amax, top)
-            # One division per block and a product per element (quant.Moment.store_): a
-            # division per element made the int8 kernel compute-bound (81% of the copy rate
-            # against 88% with bf16 grads, benchmarks/step_kernel_sweep.py --recip).
+            # One division per block and a product per element (as quant.Moment.store_): a
+            # division per element made the int8 kernel compute-bound (with bf16 grads 81% of
+            # the copy rate against 88%: benchmarks/results/2026-12-01d, step_kernel_sweep).
             inv = tl.div_rn(top, tl.where(amax == 0.0, 1.0, amax))
             per_elem = tl.reshape(tl.broadcast_to(inv[:, None], (BLOCK // QBLOCK, QBLOCK)),
                                   (BLOCK,))

@@ -23,12 +23,11 @@ waiting in a collective: all of them raise :class:`CheckpointError`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import datetime
 import json
 import os
 import weakref
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
