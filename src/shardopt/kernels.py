@@ -138,7 +138,7 @@ if triton is not None:
                       FULL: tl.constexpr, SUM_SQ: tl.constexpr, ALIGNED: tl.constexpr,
                       MAIN_GLOBAL: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
                       HAS_SCALE: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
-                      QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                      QBLOCK: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
         row = table_ptr + tl.program_id(0).to(tl.int64) * (2 if FULL else 4)
         local = tl.load(row)
         glob = tl.load(row + 1)
@@ -159,8 +159,15 @@ if triton is not None:
                 tl.store(sq_ptr + tl.program_id(0), tl.sum(grad * grad))
             else:
                 tl.store(sq_ptr + tl.program_id(0), tl.sum(tl.where(mask, grad * grad, 0.0)))
+        # With 8-bit moments (FAST) the step is not torch's to the bit anyway: per element a
+        # product by a reciprocal and a fast division replace three IEEE divisions, which
+        # made that kernel compute-bound (benchmarks/results/2026-12-01d: the int8 kernel in
+        # the 160-tensor layout of optimizer_step.py took 4.93 ms, 88% of its bytes' limit).
         if HAS_SCALE:
-            grad = tl.div_rn(grad, tl.load(scale_ptr))
+            if FAST:
+                grad = grad * (1.0 / tl.load(scale_ptr))
+            else:
+                grad = tl.div_rn(grad, tl.load(scale_ptr))
         param = tl.load(main_ptr + m_idx, mask=mask)
         exp_avg = _load_moment(exp_avg_ptr, m_scale_ptr, local, l_idx, mask, M_KIND, False, FULL,
                                QBLOCK, BLOCK)
@@ -169,8 +176,12 @@ if triton is not None:
         param = param - lr_wd * param
         exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
         exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
-        denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt) + eps
-        param = param - tl.div_rn(step_size * exp_avg, denom)
+        if FAST:
+            denom = tl.sqrt_rn(exp_avg_sq) * (1.0 / bc2_sqrt) + eps
+            param = param - (step_size * exp_avg) / denom
+        else:
+            denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt) + eps
+            param = param - tl.div_rn(step_size * exp_avg, denom)
         tl.store(main_ptr + m_idx, param, mask=mask)
         _store_moment(exp_avg_ptr, m_scale_ptr, exp_avg, local, l_idx, mask, M_KIND, False,
                       FULL, QBLOCK, BLOCK)
@@ -294,7 +305,8 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
             MAIN_GLOBAL=main_global, HAS_OUT=out is not None,
             OUT_BF16=out is not None and out.dtype == torch.bfloat16,
             HAS_SCALE=grad_scale is not None, M_KIND=_KIND[m.dtype], V_KIND=_KIND[v.dtype],
-            QBLOCK=QBLOCK, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            QBLOCK=QBLOCK, BLOCK=BLOCK, FAST=_KIND[m.dtype] == 2 or _KIND[v.dtype] == 2,
+            num_warps=NUM_WARPS,
         )
         first += n
 
