@@ -21,7 +21,9 @@ fp32 norms and routers) trained by shardopt as in ``train_iter.py``. In order:
 5. The same bytes copied raw between the optimizer's own pinned host copies and its
    device tensors (one side stream, one sync: the ceiling; host to device both by the copy
    engine and by the kernel, the faster is the bar), and with plain
-   ``.to("cpu")`` / ``.to("cuda")``; torch_memory_saver's pause/resume if importable.
+   ``.to("cpu")`` / ``.to("cuda")``; torch_memory_saver's pause/resume of the same bytes if
+   it is importable (its wheel carried to the GPU host: ``pip install --no-deps --target
+   /tmp/site .whl/torch_memory_saver-*.whl``).
 
 Targets (recorded in ``targets``): offload and onload each >= 90% of the raw pinned
 copy's GB/s; device memory in use after offload <= 1 GiB above the CUDA-context
@@ -166,15 +168,57 @@ def _plain_to(opt, device: torch.device) -> dict[str, Any]:
             "to_cpu_gbps": _gbps(nbytes, t1 - t0), "to_device_gbps": _gbps(nbytes, t2 - t1)}
 
 
-def _memory_saver(opt, device: torch.device) -> dict[str, Any]:
+def _memory_saver(opt, device: torch.device, reps: int) -> dict[str, Any]:
+    """torch_memory_saver's ``pause()`` / ``resume()`` of the same bytes: a copy of every tensor
+    ``offload()`` moves, allocated in its region with a CPU backup (``hook_mode="torch"``: its
+    allocator in a MemPool of this process, no LD_PRELOAD), paused and resumed ``reps`` times
+    after a first cycle that allocates its host backup, then again with
+    ``retain_cpu_backup`` (the backup kept between cycles, as ``offload()`` keeps its pinned
+    copies). Values are checked after the last resume."""
     try:
         import torch_memory_saver  # type: ignore[import-not-found]
+        from torch_memory_saver import torch_memory_saver as tms  # type: ignore[import-not-found]
     except Exception as e:  # noqa: BLE001 - recorded: why it was not measured
         return {"measured": False, "why": f"not importable: {type(e).__name__}: {e}"}
-    return {"measured": False, "why": "importable (version "
-            f"{getattr(torch_memory_saver, '__version__', '?')}) but it must own the "
-            "allocations from their creation (LD_PRELOAD hook and region()); shardopt's "
-            "buffers exist already, so a fair run needs its own process: not done here"}
+    version = _common._package_version("torch_memory_saver") or getattr(
+        torch_memory_saver, "__version__", "?")
+    if device.type != "cuda":
+        return {"measured": False, "version": version, "why": "CUDA only"}
+    if not host_state.h2d_by_kernel():
+        return {"measured": False, "version": version,
+                "why": "torch_memory_saver refuses expandable_segments"}
+    try:
+        tms.hook_mode = "torch"
+        devs = [d for _, d in _moved_pairs(opt)]
+        with tms.region(enable_cpu_backup=True):
+            theirs = [torch.empty_like(d) for d in devs]
+        for t, d in zip(theirs, devs):
+            t.copy_(d)
+        nbytes = sum(t.numel() * t.element_size() for t in theirs)
+        out: dict[str, Any] = {"measured": True, "version": version, "bytes": nbytes}
+        for name, retain in (("default", False), ("retain_cpu_backup", True)):
+            tms.retain_cpu_backup = retain
+            pause, resume = [], []
+            for _ in range(reps + 1):
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                tms.pause()
+                torch.cuda.synchronize(device)
+                t1 = time.perf_counter()
+                tms.resume()
+                torch.cuda.synchronize(device)
+                pause.append(t1 - t0)
+                resume.append(time.perf_counter() - t1)
+            out[name] = {"first_pause_s": pause[0], "first_resume_s": resume[0],
+                         "pause_s": _common.stats(pause[1:]), "resume_s": _common.stats(resume[1:]),
+                         "pause_gbps": _gbps(nbytes, min(pause[1:])),
+                         "resume_gbps": _gbps(nbytes, min(resume[1:]))}
+        out["values_kept"] = all(torch.equal(t, d) for t, d in zip(theirs, devs))
+        del theirs
+        torch.cuda.empty_cache()
+        return out
+    except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the run goes on
+        return {"measured": False, "version": version, "why": f"{type(e).__name__}: {e}"}
 
 
 def _rollout(freed: int, fraction: float, device: torch.device) -> dict[str, Any]:
@@ -303,7 +347,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 "gbps": _gbps(moved, on_s), "h2d": on_mode},
         onload_by_h2d=by_h2d,
         raw_pinned=raw, plain_to=_plain_to(opt, device),
-        torch_memory_saver=_memory_saver(opt, device), timeline=timeline.as_list())
+        torch_memory_saver=_memory_saver(opt, device, a.reps), timeline=timeline.as_list())
     if device.type == "cuda":
         base = result["baseline_cuda_context_used"]
         worst = max(c["device_used_offloaded"] for c in cycles)
