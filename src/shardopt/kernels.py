@@ -22,9 +22,11 @@ Moments may be stored in fp32, bf16 (rounded to nearest even) or blockwise int8
 with one fp32 scale per :data:`shardopt.quant.QBLOCK` elements (``exp_avg_sq`` as
 unsigned codes of its square root); the kernel widens them to fp32 in registers,
 updates, and narrows them again: per element, 30 bytes become 22 (bf16) or about
-20 (int8); with bf16 grads, 2 fewer. A block's scale is its new absolute maximum, so each scale block
-must lie whole inside one launch: :mod:`shardopt.quant` explains why the layout
-guarantees it.
+20 (int8); with bf16 grads, 2 fewer. A block's scale is its new absolute maximum, so each
+scale block must lie whole inside one launch: :mod:`shardopt.quant` explains why the layout
+guarantees it. With int8 moments, whose step is not torch's to the bit anyway, the grad is
+multiplied by the reciprocal of ``grad_scale`` and ``exp_avg / denom`` is a fast division:
+three IEEE divisions per element made that kernel compute-bound (docs/lowprec.md).
 
 Triton is optional: :func:`available` says whether this path can run (CUDA, or
 Triton's interpreter on the CPU with ``TRITON_INTERPRET=1``, which the tests use).
