@@ -3,7 +3,9 @@
 One flat bf16-param shard of ``--numel`` elements (fp32 main params; grads and moments in
 each ``--combos`` setting), one param group, every block full: what each (BLOCK, num_warps)
 pair gets from memory (the bytes that setting moves), against a device copy measured in the
-same run. Prints a table and writes ``step_kernel_sweep.json``.
+same run. ``--modes`` adds the kernel as a clipped step runs it (``clip``: a grad scale) and as
+a step without clipping does (``norm``: per-block sums of squared grads for the grad norm).
+Prints a table and writes ``step_kernel_sweep.json``.
 
     PYTHONPATH=src python3 benchmarks/step_kernel_sweep.py --out benchmarks/results \\
         --combos fp32/fp32/fp32,bf16/bf16/fp32,int8/int8/fp32,int8/int8/bf16
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated exp_avg/exp_avg_sq/grad dtypes (fp32, bf16, int8)")
     ap.add_argument("--configs", default=",".join(f"{b}x{w}" for b, w in CONFIGS),
                     help="comma-separated BLOCKxnum_warps pairs")
+    ap.add_argument("--modes", default="plain",
+                    help="comma-separated: plain; clip (a grad scale, as a clipped step); "
+                         "norm (the per-block sums of squared grads, as a step without "
+                         "clipping computes the grad norm)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="", help="suffix of the result file name")
     args = ap.parse_args(argv)
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = 8 * n / copy["median"] / 1e6
     rows, results = [], []
     default = (kernels.BLOCK, kernels.NUM_WARPS)
+    modes = args.modes.split(",")
+    scale = torch.tensor(1.5, device=device)  # what a clipped step divides the grads by
     try:
         for combo in args.combos.split(","):
             m_kind, v_kind, g_kind = combo.split("/")
@@ -87,28 +95,31 @@ def main(argv: list[str] | None = None) -> int:
             m = _moment(m_kind, n, device, sqrt=False)
             v = _moment(v_kind, n, device, sqrt=True)
             per_elem = _bytes_per_element(m_kind, v_kind, g_kind)
-            for block, warps in configs:
+            for mode, (block, warps) in ((md, c) for md in modes for c in configs):
                 kernels.BLOCK, kernels.NUM_WARPS = block, warps
                 is_default = (block, warps) == default
                 table = kernels.chunk_table([kernels.ChunkPart(0, 0, 0, n)], device)
-                r = _time_ms(lambda t=table: kernels.adamw_(
+                sum_sq = (torch.empty(table.num_blocks, device=device) if mode == "norm"
+                          else None)
+                r = _time_ms(lambda t=table, sq=sum_sq, md=mode: kernels.adamw_(
                     t, main_, grads, m, v, out, main_global=False, lr=1e-4,
                     beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3,
-                    grad_scale=None), args.repeats)
+                    grad_scale=scale if md == "clip" else None, sum_sq=sq), args.repeats)
                 gbps = per_elem * n / r["median"] / 1e6
-                results.append({"combo": combo, "block": block,
+                results.append({"combo": combo, "mode": mode, "block": block,
                                 "num_warps": warps, "ms": r, "gbps": gbps,
                                 "of_copy": gbps / copy_gbps, "bytes_per_element": per_elem,
                                 "default": is_default})
-                rows.append([combo, block, warps, r["median"], gbps,
+                rows.append([combo, mode, block, warps, r["median"], gbps,
                              f"{100 * gbps / copy_gbps:.1f}%", "*" if is_default else ""])
     finally:
         kernels.BLOCK, kernels.NUM_WARPS = default
     print(f"copy: {copy['median']:.3f} ms, {copy_gbps:.0f} GB/s")
-    print(_common.format_table(rows, ["m/v/grad", "BLOCK", "warps", "median ms", "GB/s",
+    print(_common.format_table(rows, ["m/v/grad", "mode", "BLOCK", "warps", "median ms", "GB/s",
                                       "of copy", "default"]))
     doc = _common.run_header(device, {"numel": n, "repeats": args.repeats,
-                                      "combos": args.combos, "configs": args.configs})
+                                      "combos": args.combos, "configs": args.configs,
+                                      "modes": args.modes})
     doc.update({"benchmark": "step_kernel_sweep", "copy_ms": copy, "copy_gbps": copy_gbps,
                 "results": results})
     _common.write_json(Path(args.out) / f"step_kernel_sweep{args.tag}.json", doc)
