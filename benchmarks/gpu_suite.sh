@@ -18,6 +18,19 @@
 #   storage  storage_decision.py on /dev/shm, 1b: shardopt's writer against DCP's
 #            HuggingFaceStorageWriter on the same chunks, same threads, 3 rounds          ~1.5 min
 #
+# Parts run only when named (the open measurements of issues 15-17, 1 GPU):
+#
+#   lowprec  optimizer_step.py for int8 moments with fp32 and bf16 grads (torchao's
+#            AdamW8bit beside it when its wheel is carried), and step_kernel_sweep.py
+#            timing the kernel as each kind of step runs it (--modes)                    ~1 min
+#   offload  offload.py, default allocator (torch_memory_saver beside it when carried),
+#            20 cycles, and with expandable segments, 8 cycles                             ~2.5 min
+#   async    async_save.py, 3 micro-batches, 8 saves per snapshot mode, /dev/shm then
+#            /tmp, and 50 iterations of a save each (the budget skips what will not fit)    ~8 min
+#
+# Wheels in .whl/ (carried: torchao, torch_memory_saver, megatron-core) are installed into
+# /tmp/site first and put on PYTHONPATH.
+#
 # Each part writes its result JSON into $OUT and appends its output to $OUT/suite.log; the
 # checkpoint parts' --budget skips whole rounds (and says so) rather than run past the time.
 # The peers left out here for time (torch.save, FSDP2 + DCP) run with
@@ -34,6 +47,10 @@ read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 export PYTHONPATH=${PYTHONPATH:-src}
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 PARTS=${*:-tests shm disk storage}
 status=0
 
@@ -65,8 +82,26 @@ for part in $PARTS; do
     storage)
       run storage "$PY" benchmarks/storage_decision.py --nproc 1 --dir /dev/shm --repeats 3 \
         --timeout 240 --out "$OUT" "${EXTRA[@]}" ;;
+    lowprec)
+      for g in float32 bfloat16; do
+        run "lowprec-$g" "$PY" benchmarks/optimizer_step.py --repeats 20 --out "$OUT" \
+          --exp-avg-dtype int8 --exp-avg-sq-dtype int8 --grad-dtype $g "${EXTRA[@]}"
+      done
+      run sweep "$PY" benchmarks/step_kernel_sweep.py --configs 1024x4 --modes plain,clip,norm \
+        --combos fp32/fp32/fp32,bf16/bf16/fp32,int8/int8/fp32,int8/int8/bf16 --tag _modes \
+        --out "$OUT" ;;
+    offload)
+      run offload "$PY" benchmarks/offload.py --cycles 20 --rss-cycles 20 \
+        --out "$OUT/offload_1gpu.json" --plot "$OUT/offload_1gpu.png" "${EXTRA[@]}"
+      run offload-expandable env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        "$PY" benchmarks/offload.py --cycles 8 --rss-cycles 8 --h2d copy_engine,kernel \
+        --out "$OUT/offload_1gpu_expandable.json" "${EXTRA[@]}" ;;
+    async)
+      run async "$PY" benchmarks/async_save.py --dirs /dev/shm,/tmp --accumulate 3 \
+        --systems shardopt,shardopt_device --sparse-every 9 --sparse-saves 8 \
+        --phase-cap-s 90 --every-iters 50 --budget-s 470 --tag _acc3 --out "$OUT" "${EXTRA[@]}" ;;
     *)
-      echo "unknown part '$part' (tests, shm, disk, storage)" | tee -a "$LOG"
+      echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async)" | tee -a "$LOG"
       status=1 ;;
   esac
 done
