@@ -1,5 +1,6 @@
 """Threaded block writes and segment reads (checkpoint.transfer) against plain byte files."""
 
+import importlib
 import os
 
 import pytest
@@ -113,7 +114,7 @@ def test_run_parallel_raises_the_earliest_failure_and_stops_taking_jobs():
 
 
 def test_many_views_are_written_and_read_past_iov_max(tmp_path, monkeypatch):
-    monkeypatch.setattr(transfer, "_IOV_MAX", 3)
+    monkeypatch.setattr(importlib.import_module("shardopt.checkpoint._writer_main"), "IOV_MAX", 3)
     views = [memoryview(bytes([i]) * (i + 1)) for i in range(10)]
     path = str(tmp_path / "v.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

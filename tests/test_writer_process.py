@@ -177,3 +177,25 @@ def test_the_writer_process_names_the_file_it_could_not_write(trained_model, tmp
     with pytest.raises(CheckpointError, match=r"FileExistsError.*\.safetensors"):
         handle.wait()
     assert checkpoint.latest(tmp_path) is None
+
+
+def test_a_block_of_more_pieces_than_one_write_call_takes(tmp_path):
+    """1,500 params of 8 elements: one 8 MiB block of the model file holds 1,500 pieces, more
+    than a vectored write takes at once (IOV_MAX, 1,024 on Linux). The writer process writes
+    it in several calls, and the checkpoint is the synchronous save's."""
+    import torch
+    from torch import nn
+
+    from shardopt import DistributedOptimizer, OptimizerConfig
+
+    torch.manual_seed(0)
+    model = nn.ParameterList(nn.Parameter(torch.randn(8)) for _ in range(1500))
+    opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-2))
+    sum((p * p).sum() for p in model).backward()
+    opt.step()
+    sync = checkpoint.save(tmp_path / "sync", model, opt, step=1)
+    asyn = checkpoint.save(tmp_path / "async", model, opt, step=1, blocking=False).wait()
+    a, b = _checkpoint_bytes(Path(sync)), _checkpoint_bytes(Path(asyn))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name] == b[name], name

@@ -58,13 +58,23 @@ def send(sock: socket.socket, obj, blobs: list = ()) -> None:
     sock.sendall(b"".join(out))
 
 
-def _pwritev(fd: int, views: list, offset: int, path: str) -> None:
+# The most views one preadv/pwritev call takes: the system's, or the limit POSIX guarantees.
+POSIX_IOV_MAX = 1024
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else POSIX_IOV_MAX
+
+
+def vectored(call, fd: int, views: list, offset: int, stuck: Exception) -> None:
+    """``call(fd, views, pos)`` (``os.preadv`` or ``os.pwritev``) until every view is done, at
+    most :data:`IOV_MAX` views at a time; ``stuck`` (with the byte position added) when a
+    call moves nothing. Also the threads' reads and writes (:mod:`.transfer`)."""
+    views = [v for v in views if len(v)]
+    pos = offset
     while views:
-        n = os.pwritev(fd, views, offset)
+        n = call(fd, views[:IOV_MAX], pos)
         if n <= 0:
-            raise OSError(f"{path}: short write at byte {offset}")
-        offset += n
-        while views and n >= len(views[0]):
+            raise type(stuck)(f"{stuck} at byte {pos}")
+        pos += n
+        while views and n >= len(views[0]):  # drop what was moved (a short call: part)
             n -= len(views[0])
             views.pop(0)
         if views and n:
@@ -106,7 +116,7 @@ def write_file(path: str, parts: list, size: int, block_bytes: int, maps: dict,
             h = xxhash.xxh3_64()
             for v in views:
                 h.update(v)
-            _pwritev(fd, views, start, path)
+            vectored(os.pwritev, fd, views, start, OSError(f"{path}: nothing written"))
             hashes.append(h.hexdigest())
         os.fsync(fd)
     finally:

@@ -29,14 +29,13 @@ import torch
 import xxhash
 
 from ..layout import Range
+from ._writer_main import vectored
 from .format import FormatError
 
 # Most threads a rank moves checkpoint data on by default (io_threads()).
 MAX_IO_THREADS = 16
 # Largest piece one thread moves at a time (and the size of its scratch buffer).
 PIECE_BYTES = 8 << 20
-POSIX_IOV_MAX = 1024  # the limit POSIX guarantees, where the system cannot be asked
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else POSIX_IOV_MAX
 
 
 def io_threads(requested: int | None = None) -> int:
@@ -61,35 +60,12 @@ def host_bytes(t: torch.Tensor) -> memoryview:
 
 def preadv_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
     """Fill ``views`` (in order) from consecutive bytes of ``fd`` at ``offset``."""
-    _vectored(os.preadv, fd, views, offset, FormatError(f"{path}: unexpected end of file"))
+    vectored(os.preadv, fd, views, offset, FormatError(f"{path}: unexpected end of file"))
 
 
 def pwritev_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
     """Write ``views`` (in order) as consecutive bytes of ``fd`` at ``offset``."""
-    _vectored(os.pwritev, fd, views, offset, OSError(f"{path}: nothing written"))
-
-
-def _vectored(call: Callable, fd: int, views: list[memoryview], offset: int,
-              stuck: Exception) -> None:
-    """``call(fd, views, pos)`` until every view is done, at most IOV_MAX views at a time;
-    ``stuck`` (with the byte position added) when a call moves nothing."""
-    views = [v for v in views if len(v)]
-    pos = offset
-    while views:
-        n = call(fd, views[:_IOV_MAX], pos)
-        if n <= 0:
-            raise type(stuck)(f"{stuck} at byte {pos}")
-        pos += n
-        _advance(views, n)
-
-
-def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes of ``views`` (after a short read or write)."""
-    while views and n >= len(views[0]):
-        n -= len(views[0])
-        views.pop(0)
-    if views and n:
-        views[0] = views[0][n:]
+    vectored(os.pwritev, fd, views, offset, OSError(f"{path}: nothing written"))
 
 
 def run_parallel(jobs: list, work: Callable, threads: int, scratch: Scratch | None = None) -> None:
