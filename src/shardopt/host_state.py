@@ -374,7 +374,7 @@ def h2d_by_kernel() -> bool:
     if set, else unless the allocator has expandable segments (``PYTORCH_CUDA_ALLOC_CONF`` or
     ``PYTORCH_ALLOC_CONF``). There an allocation maps its pages itself, the slow part moves into
     ``resize_`` and overlaps the copies before it, and the copy engine then reaches 97-98% of
-    its raw rate against the kernel's 86-89% (``benchmarks/onload_probe.py``, ``offload.py``)."""
+    its raw rate against the kernel's 79-86% (``benchmarks/onload_probe.py``, ``offload.py``)."""
     if H2D_BY_KERNEL is not None:
         return H2D_BY_KERNEL
     conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF",
