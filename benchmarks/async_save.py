@@ -91,6 +91,19 @@ class ShardoptDeviceStagedSaver(ShardoptSaver):
     snapshot = "device_staged"  # a copy in spare GPU memory, written out through pinned staging
 
 
+class ShardoptWholeFenceSaver(ShardoptSaver):
+    """A host snapshot whose next ``step()`` waits for all of its copies before its first
+    write, as before the step waited bucket by bucket (the comparison for that change)."""
+
+    def save(self, step: int) -> None:
+        from shardopt.checkpoint import snapshot
+        piece, snapshot.FENCE_PIECE_BYTES = snapshot.FENCE_PIECE_BYTES, float("inf")
+        try:
+            super().save(step)
+        finally:
+            snapshot.FENCE_PIECE_BYTES = piece
+
+
 class DcpSaver:
     def __init__(self, model, opt, root: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -152,7 +165,8 @@ class DcpSaver:
 
 
 SAVERS = {"shardopt": ShardoptSaver, "shardopt_device": ShardoptDeviceSaver,
-          "shardopt_device_staged": ShardoptDeviceStagedSaver, "dcp": DcpSaver}
+          "shardopt_device_staged": ShardoptDeviceStagedSaver,
+          "shardopt_whole_fence": ShardoptWholeFenceSaver, "dcp": DcpSaver}
 
 
 def _loop(step_fn: Callable[[Callable[[], None]], None], device: torch.device, iters: int,

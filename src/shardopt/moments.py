@@ -148,14 +148,3 @@ def no_fp32_view(opt: DistributedOptimizer, name: str) -> str:
     return (f"[dp rank {opt.dp.rank}] state_view({name!r}) is an fp32 view; this optimizer "
             f"stores its moments as {kinds['exp_avg_dtype']!r} / {kinds['exp_avg_sq_dtype']!r}: "
             "use moment_view()")
-
-
-def wait(event: torch.cuda.Event | None, device: torch.device, host: bool) -> None:
-    """Wait for ``event`` (an asynchronous save's copies): the host, or with ``host=False``
-    only ``device``'s current stream."""
-    if event is None:
-        return
-    if host:
-        event.synchronize()
-    else:
-        torch.cuda.current_stream(device).wait_event(event)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from .moments import Moments
 from .param_watch import ParamWatch
 from .sync import GradientOrderError, GradSync, ParamSync
 from .update import STATE_NAMES, Update
+
+if TYPE_CHECKING:
+    from .checkpoint.snapshot import SaveFence
 
 __all__ = ["SUPPORTED_DTYPES", "STATE_NAMES", "DistributedOptimizer", "GradientOrderError",
            "LowPrecisionStateError", "ParamGroupFn"]
@@ -133,7 +136,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Updates applied to each param (torch's state[p]["step"]): a param that got no
         # gradient on any rank in a step is not updated and its count stays.
         self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
-        self._save_fence: torch.cuda.Event | None = None  # checkpoint.snapshot's copies
+        self._save_fence: SaveFence | None = None  # an asynchronous save's copies
         self._grad_norm: torch.Tensor | None = None
         self._kept_grads = step_plan.KeptGrads()
         self.step_kernel = build.choose_kernel(self.config, self.device)
@@ -202,6 +205,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             got = self._norm.agree(None)[1]
         else:
             self._grad_norm, grad_scale, got = self._norm.global_norm()
+        if self._host.staged is not None:  # their pinned memory is released after the step
+            self.wait_for_save_copies()
         self._ensure_moments()
         got = self._kept_grads.step(got, self._fqns)
         steps = step_plan.next_steps(self.param_steps, self._group_fqns, got)
@@ -210,6 +215,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if sq is not None:
                 self._grad_norm = self._norm.finish(sq)
         else:
+            self.wait_for_save_copies(host=False)
             self._update.torch(grad_scale, steps, got)
         step_plan.advance(self.param_steps, self._group_fqns, got, steps)
         self.param_sync.publish(own_written=self.step_kernel == "triton",
@@ -347,9 +353,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def reseed_written(self) -> None:
         """Re-seed the main params of params written in place since the optimizer last wrote
         them, as ``step()``, ``state_dict()`` and ``checkpoint.save`` do first."""
-        self.wait_for_save_copies(host=False)  # before the first write into the state
         if not self._host.refuses_reseed(self._watch):
-            self._reseed(self._watch.written())
+            written = self._watch.written()
+            if written:
+                self.wait_for_save_copies(host=False)  # before the first write into the state
+            self._reseed(written)
 
     def _reseed(self, fqns: Iterable[str]) -> None:
         """Copy the params of ``fqns`` into this rank's fp32 main params where they differ
@@ -373,16 +381,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.wait_for_save_copies()
         state_dicts.load_state_dict(self, state_dict)
 
-    def set_save_fence(self, event: torch.cuda.Event | None) -> None:
-        """An asynchronous ``checkpoint.save`` is copying this optimizer's state aside until
-        ``event`` (None: the copies are done); see :mod:`shardopt.checkpoint.snapshot`."""
-        self._save_fence = event
+    def set_save_fence(self, fence: SaveFence | None) -> None:
+        """An asynchronous ``checkpoint.save`` is copying this optimizer's state aside, as
+        ``fence`` tells (None: the copies are done); see :mod:`shardopt.checkpoint.snapshot`."""
+        self._save_fence = fence
 
     def wait_for_save_copies(self, host: bool = True) -> None:
         """Before anything writes or frees the state: wait for the copies of an asynchronous
         save (the host waits, or with ``host=False`` only the current CUDA stream)."""
-        event, self._save_fence = self._save_fence, None
-        moments_.wait(event, self.device, host)
+        fence, self._save_fence = self._save_fence, None
+        if fence is not None:
+            fence.wait_all(host)
+
+    @property
+    def save_copies_pending(self) -> bool:
+        """Whether ``step()`` must wait for copies of an asynchronous save before writing."""
+        return self._save_fence is not None
+
+    def wait_for_save_copies_of(self, regions: Iterable[torch.Tensor]) -> None:
+        """Before ``step()`` writes ``regions`` (views of the state): the current CUDA stream
+        waits for the copies of an asynchronous save that read them (bucket by bucket)."""
+        fence = self._save_fence
+        if fence is not None:
+            fence.wait_for(regions)
+            if fence.waited:
+                self._save_fence = None
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise a ``ValueError`` naming a param unless ``model`` is the one built over."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import kernels, step_plan
+from .quant import QBLOCK
 
 if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
@@ -25,6 +26,7 @@ class Update:
     def __init__(self, opt: DistributedOptimizer) -> None:
         self.opt = opt
         self.chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
+        self.launch_ids: dict[tuple[int, int], list[int]] = {}  # the shards of each table
         self._subset_tables: dict[tuple[int, ...], kernels.ChunkTable] = {}
         self.views: list[list[list[torch.Tensor]]] | None = None  # reset when moments move
 
@@ -36,25 +38,29 @@ class Update:
         the local sum of squared grads (a device scalar)."""
         opt = self.opt
         if self.chunk_tables is None:
-            ids: dict[tuple[int, int], list[int]] = {}
+            self.launch_ids = {}
             for i, s in enumerate(opt.shards):
-                ids.setdefault((s.buffer_index, opt.group_of[s.fqn]), []).append(i)
-            self.chunk_tables = {k: self._chunk_table(v) for k, v in ids.items()}
-        launches = [(bi, gi, steps[gi], table) for (bi, gi), table in self.chunk_tables.items()
-                    if steps[gi] is not None]
+                self.launch_ids.setdefault((s.buffer_index, opt.group_of[s.fqn]), []).append(i)
+            self.chunk_tables = {k: self._chunk_table(v) for k, v in self.launch_ids.items()}
+        launches = [(bi, gi, steps[gi], table, None)
+                    for (bi, gi), table in self.chunk_tables.items() if steps[gi] is not None]
         for gi, n in enumerate(steps):
             if n is None:
                 parts = step_plan.split(opt.group_shards[gi], opt.shards, opt.param_steps, got)
-                launches += [(bi, gi, count, self._subset_table(tuple(ids)))
+                launches += [(bi, gi, count, self._subset_table(tuple(ids)), None)
                              for (bi, count), ids in parts.items()]
+        if opt.save_copies_pending:  # wait for an asynchronous save's copies bucket by bucket
+            launches = self._by_bucket(launches, steps, got)
         partials = None
         if sum_sq:
-            partials = torch.empty(sum(t.num_blocks for *_, t in launches),
+            partials = torch.empty(sum(launch[3].num_blocks for launch in launches),
                                    dtype=torch.float32, device=opt.device)
         moments = opt.moments
         assert moments is not None
         first = 0
-        for bi, gi, count, table in launches:
+        for bi, gi, count, table, bucket in launches:
+            if bucket is not None:
+                opt.wait_for_save_copies_of(self._bucket_state(bi, bucket))
             group = opt.param_groups[gi]
             main = opt.main_params[bi]
             params = opt.buffers.param_buffers[bi]
@@ -68,6 +74,44 @@ class Update:
             )
             first += table.num_blocks
         return None if partials is None else partials.sum()
+
+    def _by_bucket(self, launches: list, steps: list[int | None],
+                   got: frozenset[str] | None) -> list:
+        """``launches`` cut into one per bucket, in bucket order within each buffer (the order
+        an asynchronous save copies the state in), each naming its bucket."""
+        opt = self.opt
+        out = []
+        for bi, gi, count, _, _ in launches:
+            if steps[gi] is not None:
+                ids = self.launch_ids[(bi, gi)]
+            else:
+                ids = step_plan.split(opt.group_shards[gi], opt.shards, opt.param_steps,
+                                      got)[(bi, count)]
+            by_bucket: dict[int, list[int]] = {}
+            for i in ids:
+                by_bucket.setdefault(opt.shards[i].bucket_index, []).append(i)
+            out += [(bi, gi, count, self._subset_table(tuple(b_ids)), b)
+                    for b, b_ids in by_bucket.items()]
+        out.sort(key=lambda launch: (launch[0], launch[4]))
+        return out
+
+    def _bucket_state(self, bi: int, b: int) -> list[torch.Tensor]:
+        """This rank's state of bucket ``b`` of buffer ``bi`` that a step writes: its shard of
+        the param buffer, and its part of the main params and the moments (with scales)."""
+        opt = self.opt
+        buf = opt.layout.buffers[bi]
+        n, lo = buf.buckets[b].shard_numel, buf.local_offset(b)
+        start = buf.buckets[b].shard_range_global(opt.dp.rank).start
+        out = [opt.buffers.param_buffers[bi].narrow(0, start, n)]
+        if opt.main_params[bi] is not None:
+            out.append(opt.main_params[bi].narrow(0, lo, n))
+        moments = opt.moments
+        assert moments is not None
+        for m in (moments.exp_avg[bi], moments.exp_avg_sq[bi]):
+            out.append(m.values.narrow(0, lo, n))
+            if m.scales is not None:
+                out.append(m.scales[lo // QBLOCK:-(-(lo + n) // QBLOCK)])
+        return out
 
     def _chunk_table(self, shard_ids: tuple[int, ...] | list[int]) -> kernels.ChunkTable:
         """The Triton launch table of ``opt.shards[i]`` for ``i`` in ``shard_ids`` (one buffer)."""

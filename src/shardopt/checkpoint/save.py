@@ -44,7 +44,7 @@ from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, dat
                      manifest_checksum, state_file_kind, step_dir_name)
 from .storage import (FILE_THREADS, WriteEntry, entry_bytes, part_counts, split_entries,
                       write_file, write_scratch)
-from .snapshot import Job, Snapshot
+from .snapshot import Job, SaveFence, Snapshot
 from .transfer import io_threads as resolve_threads
 from .transfer import run_parallel
 
@@ -134,7 +134,7 @@ def save(
     what = f"saving step {step!r} to {root}"
     staged: commit.Staged | None = None
     try:
-        error, extra_obj, threads, cfg, contents, event = None, None, 1, CheckpointConfig(), [], None
+        error, extra_obj, threads, cfg, contents, fence = None, None, 1, CheckpointConfig(), [], None
         base: Callable[[], dict[str, Any]] = dict
         try:
             cfg = resolve_config(config, keep_last=keep_last, block_bytes=block_bytes,
@@ -150,9 +150,9 @@ def save(
                 if cfg.blocking:
                     contents = _rank_contents(optimizer, frozen)
                 else:  # split into files later, in the background
-                    contents, event = _take_snapshot(optimizer, frozen,
+                    contents, fence = _take_snapshot(optimizer, frozen,
                                                      cfg.snapshot.startswith("device"))
-                    optimizer.set_save_fence(event)
+                    optimizer.set_save_fence(fence)
                 if dp.rank == 0:
                     base = _manifest_base(optimizer, step, extra_obj, frozen)
                     staged = commit.begin(root, step_dir_name(step))
@@ -183,8 +183,8 @@ def save(
 
         def work() -> None:
             try:
-                if event is not None:
-                    event.synchronize()
+                if fence is not None:
+                    fence.done.synchronize()
                 jobs = contents if staged_out else snap.drain(contents)
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     _write_and_commit(tmp, owned, _split(jobs, rank, threads), base, group,
@@ -255,15 +255,15 @@ def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) 
 
 
 def _take_snapshot(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor], on_device: bool
-                   ) -> tuple[list[Job], torch.cuda.Event | None]:
+                   ) -> tuple[list[Job], SaveFence | None]:
     """Coordinator-free. :func:`_rank_contents` with its state copied into the optimizer's
     snapshot: a repeat of the previous save's copies where the state lives in tensors of
     the same sizes (:meth:`.Snapshot.retake`), else built and copied afresh."""
     snap, sources = _snapshot(opt), state.sources(opt, frozen)
     again = snap.retake(sources, on_device)
-    jobs, event = again if again is not None else \
+    jobs, fence = again if again is not None else \
         snap.take(_state_contents(opt, frozen), on_device, sources)
-    return [_rng_job(opt), *jobs], event
+    return [_rng_job(opt), *jobs], fence
 
 
 def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:

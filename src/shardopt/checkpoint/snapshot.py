@@ -31,16 +31,20 @@ builds no per-param views at all; anything else (a frozen tensor added, the mome
 allocated) plans anew.
 
 Copies (CUDA): queued on a side stream behind the work already queued on the current
-stream, so the call returns at once. One event covers all of them: the optimizer's
-:meth:`~shardopt.optimizer.DistributedOptimizer.wait_for_save_copies` makes the current
-stream (``step()``: the host does not wait) or the host (everything else that writes or
-frees the state) wait for it before the first write; the background writer waits for it
-on the host before reading the buffers. Off CUDA the copies are plain, finished at once.
+stream, so the call returns at once, in pieces of at most :data:`FENCE_PIECE_BYTES`, each
+followed by an event, and in the order the next ``step()`` writes the state: by position in
+their tensor, so the first bucket of every state tensor comes first. The :class:`SaveFence`
+they return lets ``step()`` make the current stream wait, bucket by bucket, only for the
+pieces of the bucket it is about to update (the host does not wait); everything else that
+writes or frees the state waits for all of them (the host, or the current stream); the
+background writer waits on the host for the last event before reading the buffers. Off
+CUDA the copies are plain, finished at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -52,6 +56,60 @@ from .storage import WriteEntry
 SHARED = writer_process.available()
 
 Job = tuple[str, list[WriteEntry]]  # a file name and the entries it holds
+
+# The largest piece of state a step waits for at once after an asynchronous save (math.inf:
+# one piece per run of adjacent elements, and a step waits for all of them before its first
+# write, as before buckets were waited for one by one).
+FENCE_PIECE_BYTES: float = 256 << 20
+
+
+class SaveFence:
+    """The copies of one asynchronous save that the state's next writes must wait for: a
+    list of pieces (storage address, first and end byte read, the event after the piece's
+    copy), in the order they were queued on one stream, and the event after all of them."""
+
+    def __init__(self, pieces: list[tuple[int, int, int, torch.cuda.Event]],
+                 done: torch.cuda.Event, device: torch.device) -> None:
+        self.pieces, self.done, self.device = pieces, done, device
+        self.whole = math.isinf(FENCE_PIECE_BYTES)
+
+    def wait_all(self, host: bool) -> None:
+        """The host (or with ``host=False`` the current stream) waits for every copy."""
+        if host:
+            self.done.synchronize()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(self.done)
+        self.pieces = []
+
+    def wait_for(self, regions: Iterable[torch.Tensor]) -> None:
+        """The current stream waits for the copies that read any byte of ``regions``
+        (contiguous views), and with them for every piece queued before them; those are
+        forgotten. The host does not wait."""
+        if self.whole:
+            return self.wait_all(host=False)
+        last = self.last_reading(regions)
+        if last >= 0:
+            torch.cuda.current_stream(self.device).wait_event(self.pieces[last][3])
+            self.pieces = self.pieces[last + 1:]
+
+    def last_reading(self, regions: Iterable[torch.Tensor]) -> int:
+        """The index of the last piece that reads a byte of ``regions`` (-1: none)."""
+        last = -1
+        for t in regions:
+            ptr = t.untyped_storage().data_ptr()
+            lo = t.storage_offset() * t.element_size()
+            hi = lo + t.numel() * t.element_size()
+            for i in range(len(self.pieces) - 1, last, -1):
+                p, a, b, _ = self.pieces[i]
+                if p == ptr and a < hi and lo < b:
+                    last = i
+                    break
+        return last
+
+    @property
+    def waited(self) -> bool:
+        """Whether the current stream already waits for every copy."""
+        return not self.pieces
 
 
 class Snapshot:
@@ -116,7 +174,7 @@ class Snapshot:
                         for e in entries]) for name, entries in jobs]
 
     def retake(self, sources: dict[str, torch.Tensor], on_device: bool = False
-               ) -> tuple[list[Job], torch.cuda.Event | None] | None:
+               ) -> tuple[list[Job], SaveFence | None] | None:
         """Coordinator-free. The jobs of the last :meth:`take` again, with its copies queued
         anew from ``sources`` (the flat tensors the state lives in now, by name; see
         :meth:`~shardopt.optimizer.DistributedOptimizer.state_sources`), when they have
@@ -132,11 +190,11 @@ class Snapshot:
 
     def take(self, jobs: Sequence[Job], on_device: bool = False,
              sources: dict[str, torch.Tensor] | None = None
-             ) -> tuple[list[Job], torch.cuda.Event | None]:
+             ) -> tuple[list[Job], SaveFence | None]:
         """Coordinator-free. Queue copies of every entry's source into the buffers (in
         device memory with ``on_device`` and a GPU, else on the host); return the jobs with
-        the copies as sources and the event after which they hold the values (None off
-        CUDA: already there).
+        the copies as sources and the :class:`SaveFence` of the copies (None off CUDA:
+        already there).
 
         The sources are mostly adjacent views of a few flat buffers (a rank's shard of each
         bucket): each run of adjacent or overlapping elements of one storage is copied at
@@ -185,7 +243,7 @@ class Snapshot:
                 self._pinned[dtype] = PinnedBuffer(numel, dtype, shared=SHARED, lock=self.cuda)
                 self._buffers[dtype] = self._pinned[dtype].tensor
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> SaveFence | None:
         if not self.cuda:
             for dst, src in pairs:
                 dst.copy_(src.detach().reshape(-1))
@@ -194,14 +252,39 @@ class Snapshot:
             self._stream = torch.cuda.Stream(self.device)
         # The sources are final once the work queued so far on the current stream has run.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        pieces = []
         with torch.cuda.stream(self._stream):
-            for dst, src in pairs:
-                dst.copy_(src.detach().reshape(-1), non_blocking=True)
+            for dst, src, where in _pieces(pairs):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                pieces.append((*where, event))
         # Blocking: the background writer waits on it for as long as the copies take, asleep
         # (a spinning wait would take a core from the training loop).
-        event = torch.cuda.Event(blocking=True)
-        event.record(self._stream)
-        return event
+        done = torch.cuda.Event(blocking=True)
+        done.record(self._stream)
+        return SaveFence(pieces, done, self.device)
+
+
+def _pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]]
+            ) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]]:
+    """``pairs`` cut into pieces of at most :data:`FENCE_PIECE_BYTES`, ordered by where they
+    lie in their source's storage (a fraction of it, so that the pieces of every state
+    tensor's first bucket come first, as a step updates them), each with (storage address,
+    first byte, end byte) of what it reads."""
+    out = []
+    for dst, src in pairs:
+        src = src.detach().reshape(-1)
+        size, storage = src.element_size(), src.untyped_storage()
+        step = src.numel() if math.isinf(FENCE_PIECE_BYTES) else \
+            max(1, int(FENCE_PIECE_BYTES) // size)
+        for lo in range(0, src.numel(), step):
+            n = min(step, src.numel() - lo)
+            first = (src.storage_offset() + lo) * size
+            out.append((first / max(1, storage.nbytes()), dst[lo:lo + n], src[lo:lo + n],
+                        (storage.data_ptr(), first, first + n * size)))
+    out.sort(key=lambda piece: piece[0])
+    return [piece[1:] for piece in out]
 
 
 def _release(buffers) -> None:
