@@ -47,7 +47,7 @@ variant runs ``--reps`` times; the time is wall clock from the start of the oper
   and 8 warps (``held_sm``: ``kernels.COPY_BLOCK_BYTES`` and ``COPY_WARPS``).
 * ``fresh_onload``, ``fresh_after_rollout_onload``: what onload runs,
   ``shardopt.host_state.queue_h2d`` (each storage re-allocated just before its copy, by the
-  kernel and the copy engine as ``h2d_kernel_bytes()`` picks for this allocator setting).
+  kernel or the copy engine as ``h2d_by_kernel()`` picks for this allocator setting).
   (A share of the bytes by the kernel and the rest by the copy engine at the same time, tried
   with 15, 30 and 50%, was slower than either alone: ``results/2026-12-01d``.)
 * ``held_sm``, ``fresh_sm``, ``fresh_after_rollout_sm``: ``held``, ``fresh`` and
@@ -341,7 +341,7 @@ class Probe:
 
     def onload_library(self) -> dict[str, float | None]:
         """shardopt's own onload copies (``host_state.queue_h2d``): each storage re-allocated
-        just before its copy, by kernel and copy engine as ``h2d_kernel_bytes()`` picks; grads
+        just before its copy, by kernel or copy engine as ``h2d_by_kernel()`` picks; grads
         re-allocated and zeroed beside them."""
         t0 = time.perf_counter()
         start = self.event()
@@ -396,7 +396,7 @@ class Probe:
             if name == "fresh_after_rollout_onload":
                 rep["rollout"] = self.rollout(self.device_bytes)
                 mem["after_rollout"] = self.memory()
-            rep["kernel_bytes"] = host_state.h2d_kernel_bytes()
+            rep["by_kernel"] = host_state.h2d_by_kernel()
             rep |= self.onload_library()
         elif name == "fresh_sm":
             rep |= self.onload(self.whole, 1, sm=True)

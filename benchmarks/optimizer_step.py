@@ -123,7 +123,18 @@ class Timer:
                 fn()
                 times.append((time.perf_counter() - h0) * 1e3)
                 host.append(times[-1])
-        return {"ms": _common.stats(times), "host_ms": _common.stats(host)}
+        out = {"ms": _common.stats(times), "host_ms": _common.stats(host)}
+        if self.device.type == "cuda":
+            # Back to back, no sync between calls: the GPU's time per call when the host runs
+            # ahead of it, as in a training loop where step() is queued behind backward.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.repeats):
+                fn()
+            end.record()
+            end.synchronize()
+            out["pipelined_ms"] = start.elapsed_time(end) / self.repeats
+        return out
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, timer: Timer) -> dict[str, object]:
@@ -365,10 +376,13 @@ def main(argv: list[str] | None = None) -> int:
                            if name.startswith("torchao") else None)
         limit_ms = moved / gbps / 1e6
         med = r["ms"]["median"]
+        piped = r.get("pipelined_ms")
         figures[name] = {"bytes_must_move": moved, "limit_ms": limit_ms,
-                         "fraction_of_limit": limit_ms / med, "effective_gbps": moved / med / 1e6}
+                         "fraction_of_limit": limit_ms / med, "effective_gbps": moved / med / 1e6,
+                         "fraction_of_limit_pipelined": piped and limit_ms / piped}
         rows.append([name, med, r["ms"]["min"], r["ms"]["max"], r["host_ms"]["median"], limit_ms,
-                     f"{100 * limit_ms / med:.1f}%"])
+                     f"{100 * limit_ms / med:.1f}%",
+                     "-" if piped is None else f"{piped:.3f} ({100 * limit_ms / piped:.1f}%)"])
 
     targets = {}
     for tag in ("clip", "noclip"):
@@ -378,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         frac = figures[f"shardopt_{tag}"]["fraction_of_limit"]
         targets[tag] = {
             "fraction_of_limit": frac,
+            "fraction_of_limit_pipelined": figures[f"shardopt_{tag}"]["fraction_of_limit_pipelined"],
             "vs_adamw_fused_fp32": s / peer,
             "vs_adamw_fused_master": s / master,
             "pass_85pct_of_limit": frac >= 0.85,
@@ -388,16 +403,20 @@ def main(argv: list[str] | None = None) -> int:
     doc.update({"copy_bandwidth": bw, "results": results, "figures": figures, "targets": targets,
                 "profile": profile_info,
                 "notes": ["limit = bytes the step must move / measured copy bandwidth (median)",
+                          "ms: each call timed alone (the host launches it into an idle GPU); "
+                          "pipelined_ms: calls back to back (the host ahead of the GPU)",
                           "ratios vs_* are shardopt time / peer time (below 1 = shardopt faster)"]})
     _common.write_json(out / f"optimizer_step{suffix}.json", doc)
 
     print()
     print(_common.format_table(rows, ["system", "median ms", "min ms", "max ms", "host ms",
-                                      "limit ms", "of limit"]))
+                                      "limit ms", "of limit", "back to back ms"]))
     print()
     for tag, t in targets.items():
+        piped = t["fraction_of_limit_pipelined"]
         print(f"[{tag:6s}] shardopt at {100 * t['fraction_of_limit']:.1f}% of the bandwidth limit "
-              f"(target 85%): {'PASS' if t['pass_85pct_of_limit'] else 'FAIL'}; "
+              f"(target 85%): {'PASS' if t['pass_85pct_of_limit'] else 'FAIL'}"
+              + ("" if piped is None else f" ({100 * piped:.1f}% back to back)") + "; "
               f"{t['vs_adamw_fused_fp32']:.3f}x fused AdamW fp32 time (target <= 1): "
               f"{'PASS' if t['pass_no_slower_than_fused_adamw'] else 'FAIL'}; "
               f"{t['vs_adamw_fused_master']:.3f}x bf16+master by hand")

@@ -7,7 +7,6 @@ offload: params, moments and losses must match bit for bit.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -483,29 +482,26 @@ def test_reload_model_params_while_params_are_offloaded_is_refused():
         assert bool((opt.state_view("master_param", s) == 0.5).all())
 
 
-def test_onload_copies_its_head_by_kernel_unless_the_allocator_has_expandable_segments(
-        monkeypatch):
+def test_onload_copies_by_kernel_unless_the_allocator_has_expandable_segments(monkeypatch):
     from shardopt import host_state
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(key, raising=False)
-    lead = host_state.H2D_KERNEL_LEAD_BYTES
-    assert 0 < lead < math.inf and host_state.h2d_kernel_bytes() == lead
+    assert host_state.h2d_by_kernel()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
-    assert host_state.h2d_kernel_bytes() == 0
+    assert not host_state.h2d_by_kernel()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    assert host_state.h2d_kernel_bytes() == lead
+    assert host_state.h2d_by_kernel()
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    assert host_state.h2d_kernel_bytes() == 0
-    monkeypatch.setattr(host_state, "H2D_KERNEL_BYTES", math.inf)
-    assert host_state.h2d_kernel_bytes() == math.inf
+    assert not host_state.h2d_by_kernel()
+    monkeypatch.setattr(host_state, "H2D_BY_KERNEL", True)
+    assert host_state.h2d_by_kernel()
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel_bytes", [0, 1, 4098, 3 * 4096 * 2, 3 * 4096 * 2 + 6, 10 ** 9,
-                                          math.inf])
-def test_onload_copies_split_between_kernel_and_copy_engine_are_exact(kernel_bytes):
-    """Whatever share the kernel takes (inside a tensor, at a boundary, an odd byte count),
-    every element arrives, in every dtype, into storage re-allocated for the copy."""
+@pytest.mark.parametrize("by_kernel", [True, False], ids=["kernel", "copy_engine"])
+def test_onload_copies_are_exact_by_kernel_and_by_copy_engine(by_kernel):
+    """Every element arrives, in every dtype and at odd sizes, into storage re-allocated
+    just before its copy."""
     from shardopt import host_state
     torch.manual_seed(0)
     specs = [(3 * 4096, torch.bfloat16), (5000, torch.float32), (777, torch.int8),
@@ -518,7 +514,7 @@ def test_onload_copies_split_between_kernel_and_copy_engine_are_exact(kernel_byt
     for d in devs:
         d.untyped_storage().resize_(0)
     pairs = [(d, h.tensor) for d, h in zip(devs, hosts)]
-    event = host_state.queue_h2d(pairs, torch.cuda.Stream(), sizes, kernel_bytes=kernel_bytes)
+    event = host_state.queue_h2d(pairs, torch.cuda.Stream(), sizes, by_kernel=by_kernel)
     event.synchronize()
     for d, h in zip(devs, hosts):
         assert torch.equal(d.cpu(), h.tensor)

@@ -17,8 +17,8 @@ otherwise the buffer is freed without a copy and zeroed at onload (its param
 regions are overwritten by the next backward, its padding must be zero).
 
 Onload: each storage is re-allocated for the current stream and its H2D copy queued on
-the side stream in turn (:func:`queue_h2d`; the first bytes by a kernel that reads the host
-memory, the rest by the copy engine: :func:`h2d_kernel_bytes`), the current stream zeroes
+the side stream in turn (:func:`queue_h2d`; by a kernel that reads the host memory, unless
+the allocator has expandable segments: :func:`h2d_by_kernel`), the current stream zeroes
 dropped grads beside the copies and then waits for them; the host does not wait. The host
 copies are kept for the next cycle (the same addresses) until :meth:`HostState.release`.
 
@@ -46,13 +46,9 @@ if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
 
 KINDS = ("moments", "main_params", "grads", "params")
-# Onload's host-to-device copies: the bytes at the head copied by a kernel that reads the
-# page-locked host memory, the rest by the copy engine (0: copy engine only; math.inf: kernel
-# only); None: chosen by the allocator's settings (h2d_kernel_bytes).
-H2D_KERNEL_BYTES: float | None = None
-# The kernel's share by default: about the time (at the kernel's ~50 GB/s) for which copy-engine
-# transfers crawl after device memory went back to the driver.
-H2D_KERNEL_LEAD_BYTES = 2 << 30
+# Host-to-device copies by a kernel that reads the page-locked host memory (True), by the
+# copy engine (False), or chosen by the allocator's settings (None): see h2d_by_kernel.
+H2D_BY_KERNEL: bool | None = None
 
 
 class OffloadError(ValueError):
@@ -341,60 +337,46 @@ def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
 
 
 def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream,
-              sizes: list[int] | None = None, kernel_bytes: float | None = None
+              sizes: list[int] | None = None, by_kernel: bool | None = None
               ) -> torch.cuda.Event:
     """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair on ``stream``, after
     the current stream's work; returns an event after all of them.
 
-    The first ``kernel_bytes`` (by default :func:`h2d_kernel_bytes`) are copied by a kernel
-    whose loads read the page-locked host memory (``kernels.copy_from_host_``), the rest by
-    the copy engine (``copy_``). For ~40 ms after device memory goes back to the driver (an
-    offload's, or an inference engine's ``empty_cache()``), copy-engine transfers barely move
-    while kernels run at full speed (``benchmarks/onload_probe.py``); after that the copy
-    engine is the faster. With ``sizes``, each device storage is re-allocated to that many
-    bytes (for the current stream) just before its copy is queued, so that an allocation
-    returns while the copies before it run (with expandable segments an allocation maps its
-    pages: tens of ms for 5 GB)."""
+    By a kernel whose loads read the page-locked host memory (``kernels.copy_from_host_``)
+    or by the copy engine (``copy_``): ``by_kernel``, by default :func:`h2d_by_kernel`. For
+    ~40 ms after device memory goes back to the driver (an offload's, or an inference
+    engine's ``empty_cache()``), copy-engine transfers barely move while kernels run at full
+    speed (``benchmarks/onload_probe.py``). With ``sizes``, each device storage is
+    re-allocated to that many bytes (for the current stream) just before its copy is queued,
+    so that an allocation returns while the copies before it run (with expandable segments
+    an allocation maps its pages: tens of ms for 5 GB)."""
     device = pairs[0][0].device if pairs else torch.device("cuda")
     # Memory allocated for the current stream may have been freed by its earlier work, still
     # queued: the copies wait for it (nothing new is queued there meanwhile).
     stream.wait_stream(torch.cuda.current_stream(device))
-    lead = h2d_kernel_bytes() if kernel_bytes is None else kernel_bytes
-    if not (kernels.available(device) and all(h.is_pinned() for _, h in pairs)):
-        lead = 0
+    kernel = h2d_by_kernel() if by_kernel is None else by_kernel
+    kernel = kernel and kernels.available(device) and all(h.is_pinned() for _, h in pairs)
     for i, (dev, host) in enumerate(pairs):
         if sizes is not None:
             dev.untyped_storage().resize_(sizes[i])
-        dst, src = dev.view(-1), host.view(-1)
-        k = dst.numel() if lead >= dst.numel() * dst.element_size() \
-            else int(lead) // dst.element_size()  # elements by kernel
-        lead = max(0, lead - k * dst.element_size())
         with torch.cuda.stream(stream):
-            if k:
-                kernels.copy_from_host_(dst[:k], src[:k])
-            if k < dst.numel():
-                dst[k:].copy_(src[k:], non_blocking=True)
+            if kernel:
+                kernels.copy_from_host_(dev.view(-1), host.view(-1))
+            else:
+                dev.copy_(host, non_blocking=True)
     event = torch.cuda.Event()
     event.record(stream)
     return event
 
 
-def h2d_kernel_bytes() -> float:
-    """How many bytes at the head of each onload :func:`queue_h2d` copies by kernel (0: none;
-    ``math.inf``: all): :data:`H2D_KERNEL_BYTES` if set; else none if the allocator has
-    expandable segments (:func:`expandable_segments`), where an
-    allocation maps its pages itself, the slow part moves into ``resize_`` and overlaps the
-    copies before it, and the copy engine reaches 97-98% of its raw rate against the kernel's
-    79-86% (``benchmarks/onload_probe.py``, ``offload.py``); else
-    :data:`H2D_KERNEL_LEAD_BYTES`."""
-    if H2D_KERNEL_BYTES is not None:
-        return H2D_KERNEL_BYTES
-    return 0 if expandable_segments() else H2D_KERNEL_LEAD_BYTES
-
-
-def expandable_segments() -> bool:
-    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` turns on the CUDA
-    allocator's expandable segments."""
+def h2d_by_kernel() -> bool:
+    """Whether onload copies to the device by kernel (:func:`queue_h2d`): :data:`H2D_BY_KERNEL`
+    if set, else unless the allocator has expandable segments (``PYTORCH_CUDA_ALLOC_CONF`` or
+    ``PYTORCH_ALLOC_CONF``). There an allocation maps its pages itself, the slow part moves into
+    ``resize_`` and overlaps the copies before it, and the copy engine then reaches 97-98% of
+    its raw rate against the kernel's 79-86% (``benchmarks/onload_probe.py``, ``offload.py``)."""
+    if H2D_BY_KERNEL is not None:
+        return H2D_BY_KERNEL
     conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF",
                                                      "PYTORCH_ALLOC_CONF"))
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
+    return "expandable_segments:true" not in conf.replace(" ", "").lower()
