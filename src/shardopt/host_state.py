@@ -343,10 +343,12 @@ def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda
     the current stream's work; returns an event after all of them.
 
     By a kernel whose loads read the page-locked host memory (``kernels.copy_from_host_``)
-    or by the copy engine (``copy_``): ``by_kernel``, by default :func:`h2d_by_kernel`. For
-    ~40 ms after device memory goes back to the driver (an offload's, or an inference
-    engine's ``empty_cache()``), copy-engine transfers barely move while kernels run at full
-    speed (``benchmarks/onload_probe.py``). With ``sizes``, each device storage is
+    or by the copy engine (``copy_``): ``by_kernel``, by default :func:`h2d_by_kernel`. Into
+    device memory allocated within ~50 ms of memory going back to the driver (an offload's,
+    or an inference engine's ``empty_cache()``), copy-engine transfers run ~15% slower for
+    their whole length (a first share copied by kernel does not help: the rest stays slow),
+    while kernels run at full speed (``benchmarks/onload_probe.py``, ``offload.py``). With
+    ``sizes``, each device storage is
     re-allocated to that many bytes (for the current stream) just before its copy is queued,
     so that an allocation returns while the copies before it run (with expandable segments
     an allocation maps its pages: tens of ms for 5 GB)."""

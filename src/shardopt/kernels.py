@@ -191,8 +191,8 @@ if triton is not None:
             tl.store(out_ptr + g_idx, param.to(out_ptr.dtype.element_ty), mask=mask)
         # This block's share of the squared grad norm, one slot per block. Last: a block-wide
         # sum waits for the grads and synchronises the warps, so right after the grad load it
-        # held back the loads behind it (the int8 step with bf16 grads took 4.89 ms without
-        # clipping, against 4.97 ms with it, which reads the grads a second time).
+        # held back the loads behind it (the int8 step with bf16 grads without clipping: 4.89 ms
+        # then, 4.61-4.65 ms now; benchmarks/results/2026-12-01e).
         if SUM_SQ:
             if FULL:
                 tl.store(sq_ptr + tl.program_id(0), tl.sum(raw_grad * raw_grad))
@@ -327,9 +327,9 @@ COPY_WARPS = 4
 def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for a contiguous device ``dst`` and a page-locked host ``src`` of
     the same dtype and size, queued on the current stream as a kernel whose loads read the
-    host memory over PCIe, rather than by a copy engine. Right after memory is given back
-    to the driver (``empty_cache()``), something the driver then runs for tens of ms slows
-    copy-engine transfers but not kernels: ``benchmarks/onload_probe.py``."""
+    host memory over PCIe, rather than by a copy engine. Into device memory allocated soon
+    after memory went back to the driver (``empty_cache()``), copy-engine transfers run ~15%
+    slower for their whole length, kernels do not: ``benchmarks/onload_probe.py``."""
     assert dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
     n = dst.numel()
     assert src.numel() == n
