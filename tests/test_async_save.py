@@ -475,7 +475,11 @@ class _RecordingFence:
     def wait_all(self, host: bool) -> None:
         self.waited_all += 1
 
+    def finished(self) -> bool:
+        return self.done
+
     waited = False
+    done = False
 
 
 @pytest.mark.parametrize("moments", ["float32", "int8"])
@@ -526,6 +530,15 @@ def test_step_after_async_save_waits_bucket_by_bucket_for_what_it_writes(moments
                          (t.storage_offset() + t.numel()) * t.element_size()) for t in want[0]]
         size = buf.buckets[b].shard_numel * torch.tensor([], dtype=buf.dtype).element_size()
         assert call[0][2] - call[0][1] == size  # the bucket's own shard of the param buffer
+    # Copies that have run cost the next step nothing: no waits, one launch per group, and
+    # the fence is forgotten.
+    fence.done, calls = True, len(fence.calls)
+    opt_b.set_save_fence(fence)
+    assert not opt_b.save_copies_pending and opt_b._save_fence is None
+    for p in model_b.parameters():
+        p.grad = torch.ones_like(p)
+    opt_b.step()
+    assert len(fence.calls) == calls
     # Together the waits cover every byte of state the step writes.
     state = opt_b.state_sources()
     for name, t in state.items():

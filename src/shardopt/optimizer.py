@@ -395,8 +395,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def save_copies_pending(self) -> bool:
-        """Whether ``step()`` must wait for copies of an asynchronous save before writing."""
-        return self._save_fence is not None
+        """Whether copies of an asynchronous save are still running, which ``step()`` must
+        wait for before writing (it then updates bucket by bucket). Copies that have run
+        (or that no step writes over, like frozen tensors', once they have run) are
+        forgotten here."""
+        fence = self._save_fence
+        if fence is not None and fence.finished():
+            self._save_fence = fence = None
+        return fence is not None
 
     def wait_for_save_copies_of(self, regions: Iterable[torch.Tensor]) -> None:
         """Before ``step()`` writes ``regions`` (views of the state): the current CUDA stream

@@ -111,6 +111,10 @@ class SaveFence:
         """Whether the current stream already waits for every copy."""
         return not self.pieces
 
+    def finished(self) -> bool:
+        """Whether every copy has run (nothing need wait for them any more)."""
+        return self.done.query()
+
 
 class Snapshot:
     """Reused host buffers for one optimizer's asynchronous saves (one at a time)."""
