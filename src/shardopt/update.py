@@ -41,7 +41,8 @@ class Update:
             self.launch_ids = {}
             for i, s in enumerate(opt.shards):
                 self.launch_ids.setdefault((s.buffer_index, opt.group_of[s.fqn]), []).append(i)
-            self.chunk_tables = {k: self._chunk_table(v) for k, v in self.launch_ids.items()}
+            self.chunk_tables = {k: self._chunk_table(v, by_bucket=True)
+                                 for k, v in self.launch_ids.items()}
         launches = [(bi, gi, steps[gi], table, None)
                     for (bi, gi), table in self.chunk_tables.items() if steps[gi] is not None]
         for gi, n in enumerate(steps):
@@ -78,15 +79,19 @@ class Update:
     def _by_bucket(self, launches: list, steps: list[int | None],
                    got: frozenset[str] | None) -> list:
         """``launches`` cut into one per bucket, in bucket order within each buffer (the order
-        an asynchronous save copies the state in), each naming its bucket."""
+        an asynchronous save copies the state in), each naming its bucket. A whole group's
+        table is cut into views of its rows (no new table, no copy to the device); a group
+        updated in subsets (some params got no gradient) takes a table per bucket subset."""
         opt = self.opt
         out = []
-        for bi, gi, count, _, _ in launches:
+        for bi, gi, count, table, _ in launches:
             if steps[gi] is not None:
-                ids = self.launch_ids[(bi, gi)]
-            else:
-                ids = step_plan.split(opt.group_shards[gi], opt.shards, opt.param_steps,
-                                      got)[(bi, count)]
+                pieces = [(b, table.piece(b))
+                          for b in range(len(opt.layout.buffers[bi].buckets))]
+                out += [(bi, gi, count, t, b) for b, t in pieces if t.num_blocks]
+                continue
+            ids = step_plan.split(opt.group_shards[gi], opt.shards, opt.param_steps,
+                                  got)[(bi, count)]
             by_bucket: dict[int, list[int]] = {}
             for i in ids:
                 by_bucket.setdefault(opt.shards[i].bucket_index, []).append(i)
@@ -113,8 +118,10 @@ class Update:
                 out.append(m.scales[lo // QBLOCK:-(-(lo + n) // QBLOCK)])
         return out
 
-    def _chunk_table(self, shard_ids: tuple[int, ...] | list[int]) -> kernels.ChunkTable:
-        """The Triton launch table of ``opt.shards[i]`` for ``i`` in ``shard_ids`` (one buffer)."""
+    def _chunk_table(self, shard_ids: tuple[int, ...] | list[int],
+                     by_bucket: bool = False) -> kernels.ChunkTable:
+        """The Triton launch table of ``opt.shards[i]`` for ``i`` in ``shard_ids`` (one buffer);
+        ``by_bucket``: cut at its buckets' ends (:meth:`~kernels.ChunkTable.piece`)."""
         opt = self.opt
         parts = []
         for i in shard_ids:
@@ -125,7 +132,11 @@ class Update:
             start = s.range_local.start - local_base
             parts.append(kernels.ChunkPart(local_base, global_base, start,
                                            start + s.range_local.size))
-        return kernels.chunk_table(parts, opt.device)
+        cuts = ()
+        if by_bucket and shard_ids:
+            buf = opt.layout.buffers[opt.shards[shard_ids[0]].buffer_index]
+            cuts = [buf.local_offset(b + 1) for b in range(len(buf.buckets))]
+        return kernels.chunk_table(parts, opt.device, cuts)
 
     def _subset_table(self, shard_ids: tuple[int, ...]) -> kernels.ChunkTable:
         """Cached: once a param skipped a step its group splits in every later step too."""
