@@ -595,7 +595,7 @@ def test_save_copies_are_cut_into_pieces_in_bucket_order(monkeypatch):
     monkeypatch.setattr(snap, "FENCE_PIECE_BYTES", 400)
     big, small = torch.arange(1000, dtype=torch.float32), torch.arange(300, dtype=torch.bfloat16)
     pairs = [(torch.empty(600), big[200:800]), (torch.empty(300, dtype=torch.bfloat16), small)]
-    pieces = snap._pieces(pairs)
+    pieces = snap._pieces(pairs + [(torch.empty(0), big[:0])])  # an empty run: no piece
     for dst, src, (ptr, a, b) in pieces:
         assert dst.numel() == src.numel() and b - a == src.numel() * src.element_size() <= 400
         assert (ptr, a) == (src.untyped_storage().data_ptr(),
@@ -614,3 +614,6 @@ def test_save_copies_are_cut_into_pieces_in_bucket_order(monkeypatch):
     assert pieces[last][2][1] <= 700 * 4 < pieces[last][2][2]
     assert pieces[fence.last_reading([small[-1:]])][2] == (small.untyped_storage().data_ptr(),
                                                           400, 600)
+    monkeypatch.setattr(snap, "FENCE_PIECE_BYTES", float("inf"))  # one piece per run
+    assert [p[2][2] - p[2][1] for p in snap._pieces(pairs + [(torch.empty(0), big[:0])])] \
+        == [600, 2400]

@@ -280,8 +280,8 @@ def _pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]]
     for dst, src in pairs:
         src = src.detach().reshape(-1)
         size, storage = src.element_size(), src.untyped_storage()
-        step = src.numel() if math.isinf(FENCE_PIECE_BYTES) else \
-            max(1, int(FENCE_PIECE_BYTES) // size)
+        step = max(1, src.numel() if math.isinf(FENCE_PIECE_BYTES)
+                   else int(FENCE_PIECE_BYTES) // size)
         for lo in range(0, src.numel(), step):
             n = min(step, src.numel() - lo)
             first = (src.storage_offset() + lo) * size
