@@ -25,8 +25,9 @@
 #            timing the kernel as each kind of step runs it (--modes)                    ~1 min
 #   offload  offload.py, default allocator (torch_memory_saver beside it when carried),
 #            20 cycles, and with expandable segments, 8 cycles                             ~2.5 min
-#   async    async_save.py, 3 micro-batches, 8 saves per snapshot mode, /dev/shm then
-#            /tmp, and 50 iterations of a save each (the budget skips what will not fit)    ~8 min
+#   async    async_save.py, 3 micro-batches, 8 saves per snapshot mode (and with the step
+#            waiting for all copies at once), /dev/shm then /tmp, and 50 iterations of a
+#            save each (the budget skips what will not fit)                                ~8 min
 #
 # Wheels in .whl/ (carried: torchao, torch_memory_saver, megatron-core) are installed into
 # /tmp/site first and put on PYTHONPATH.
@@ -98,7 +99,7 @@ for part in $PARTS; do
         --out "$OUT/offload_1gpu_expandable.json" "${EXTRA[@]}" ;;
     async)
       run async "$PY" benchmarks/async_save.py --dirs /dev/shm,/tmp --accumulate 3 \
-        --systems shardopt,shardopt_device --sparse-every 9 --sparse-saves 8 \
+        --systems shardopt,shardopt_whole_fence,shardopt_device --sparse-every 9 --sparse-saves 8 \
         --phase-cap-s 90 --every-iters 50 --budget-s 470 --tag _acc3 --out "$OUT" "${EXTRA[@]}" ;;
     *)
       echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async)" | tee -a "$LOG"
