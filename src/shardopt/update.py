@@ -34,8 +34,9 @@ class Update:
                steps: list[int | None], got: frozenset[str] | None) -> torch.Tensor | None:
         """Two kernel launches per (buffer, param group), or per (buffer, param group, step
         count) for a group that is not updated whole at one count (``steps``, ``got``: see
-        :mod:`.step_plan`): update and write model-dtype params. With ``sum_sq``, return
-        the local sum of squared grads (a device scalar)."""
+        :mod:`.step_plan`): update and write model-dtype params; cut further per bucket
+        while an asynchronous save's copies run (:meth:`_by_bucket`). With ``sum_sq``,
+        return the local sum of squared grads (a device scalar)."""
         opt = self.opt
         if self.chunk_tables is None:
             self.launch_ids = {}
