@@ -20,6 +20,11 @@ side streams are waited for only where training itself waits for them) and is ti
 * ``every``: a save every iteration for ``--every-iters`` iterations (each save waits for
   the one before): throughput against ``none``.
 
+``--systems megatron`` adds megatron-core's asynchronous ``dist_checkpointing.save`` of its own
+DDP model and distributed optimizer (same preset, same batches, its own training loop and its
+own baseline, the phase ``none:megatron``): it needs megatron-core (and psutil, which its save
+worker imports) importable, e.g. wheels carried in ``.whl/`` and installed into ``/tmp/site``.
+
 DCP is used as torchtitan does: ``DefaultStager(StagingOptions(pinned memory, async
 staging, non-blocking copies))`` where torch has it, a new one per save (see
 ``DcpSaver._new_stager``); the step after a save waits for its
@@ -164,9 +169,56 @@ class DcpSaver:
             shutil.rmtree(self.kept.pop(0), ignore_errors=True)
 
 
+class MegatronAsyncSaver:
+    """megatron-core's asynchronous ``dist_checkpointing.save`` (``async_sharded_save=True``,
+    its default torch_dist strategy in the fully-parallel wrapper, as ``_ckpt_systems``
+    saves synchronously) of its own DDP model and distributed optimizer, trained in its own
+    loop: the request is scheduled on an ``AsyncCallsQueue`` and finished saves are finalized
+    before each step without blocking, as megatron's training loop does."""
+
+    def __init__(self, system, root: Path, device: torch.device) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        import _ckpt_systems
+        self.ckpt = _ckpt_systems.MegatronCkpt(system, 0, device, 1)
+        self.queue, self.root, self.kept = AsyncCallsQueue(), root, []
+        self.notes = {"strategy": "torch_dist, fully parallel, async_sharded_save"}
+
+    def save(self, step: int) -> None:
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy)
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper)
+        self.finish()  # one save in flight, as shardopt
+        path = self.root / f"step_{step:08d}"
+        path.mkdir()
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy(),
+            parallel_state.get_data_parallel_group(with_context_parallel=True))
+        request = dist_checkpointing.save(self.ckpt._sharded(False), str(path),
+                                          sharded_strategy=strategy, async_sharded_save=True)
+        self.queue.schedule_async_request(request)
+        self.kept.append(path)
+
+    def before_step(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def busy(self) -> bool:
+        return self.queue.get_num_unfinalized_calls() > 0
+
+    def finish(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True)
+        while len(self.kept) > 1:  # keep_last=1, as shardopt
+            shutil.rmtree(self.kept.pop(0), ignore_errors=True)
+
+    def close(self) -> None:
+        self.queue.close()
+
+
 SAVERS = {"shardopt": ShardoptSaver, "shardopt_device": ShardoptDeviceSaver,
           "shardopt_device_staged": ShardoptDeviceStagedSaver,
-          "shardopt_whole_fence": ShardoptWholeFenceSaver, "dcp": DcpSaver}
+          "shardopt_whole_fence": ShardoptWholeFenceSaver, "dcp": DcpSaver,
+          "megatron": MegatronAsyncSaver}
 
 
 def _loop(step_fn: Callable[[Callable[[], None]], None], device: torch.device, iters: int,
@@ -231,6 +283,46 @@ def _phase(name: str, rows: list[dict], baseline: float | None, rss) -> dict:
     return out
 
 
+def _trainer_of(system: str) -> str:
+    """Whose model and loop a system saves: megatron's own, or shardopt's (DCP saves that)."""
+    return "megatron" if system == "megatron" else "shardopt"
+
+
+class _Trainer:
+    """One model, optimizer and training loop (``step_fn``): shardopt's, whose state the
+    shardopt and DCP savers save, or megatron-core's DDP and distributed optimizer."""
+
+    def __init__(self, kind: str, args: argparse.Namespace, batches: list, device: torch.device
+                 ) -> None:
+        self.baseline = 0.0
+        self.model = _peers.build_gpt(args.preset, device, seed=0)
+        setup = _peers.setup_megatron if kind == "megatron" else _peers.setup_shardopt
+        self.system = setup(self.model, _peers.Hyper(), device)
+        self.opt = self.system.optimizer
+        counter, acc = [0], args.accumulate
+        ddp = self.system.wrapped
+
+        def step_fn(before_step: Callable[[], None]) -> None:
+            if ddp is not None:
+                ddp.zero_grad_buffer()
+                self.opt.zero_grad()
+            for a in range(acc):
+                x, y = batches[counter[0] % len(batches)]
+                counter[0] += 1
+                last = a == acc - 1
+                sync = (ddp or self.opt).no_sync  # reduce once, at the last micro-batch
+                with contextlib.nullcontext() if last else sync():
+                    ((ddp or self.model)(x, y) / acc).backward()
+            if ddp is not None:
+                ddp.finish_grad_sync()
+            before_step()
+            self.opt.step()
+            if ddp is None:
+                self.opt.zero_grad()
+
+        self.step_fn = step_fn
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -258,27 +350,24 @@ def main(argv: list[str] | None = None) -> int:
     device = _peers.single_rank_group(args.device)
     n_batches = 8
     batches = _peers.make_batches(args.preset, 0, 1, args.micro_batch, n_batches, device)
-    model = _peers.build_gpt(args.preset, device, seed=0)
-    opt = _peers.setup_shardopt(model, _peers.Hyper(), device).optimizer
-    counter = [0]
-
-    def step_fn(before_step: Callable[[], None]) -> None:
-        for a in range(args.accumulate):
-            x, y = batches[counter[0] % n_batches]
-            counter[0] += 1
-            last = a == args.accumulate - 1
-            with contextlib.nullcontext() if last else opt.no_sync():  # reduce once, at the last
-                (model(x, y) / args.accumulate).backward()
-        before_step()
-        opt.step()
-        opt.zero_grad()
-
-    _loop(step_fn, device, args.warmup, None, lambda i: False, 0)
     phases, skipped = [], []
-    with _common.HostRssSampler(0.005) as rss:
-        none = _loop(step_fn, device, args.none_iters, None, lambda i: False, 0)
-    baseline = statistics.median(r["iter_s"] for r in none)
-    phases.append(_phase("none", none, None, rss))
+    trainers: dict[str, _Trainer] = {}
+
+    def trainer(kind: str) -> _Trainer:
+        """The model, optimizer and loop of ``kind`` (shardopt, or megatron's own), built at
+        first use, with its baseline from its own phase without checkpoints."""
+        if kind not in trainers:
+            t = _Trainer(kind, args, batches, device)
+            _loop(t.step_fn, device, args.warmup, None, lambda i: False, 0)
+            with _common.HostRssSampler(0.005) as rss:
+                none = _loop(t.step_fn, device, args.none_iters, None, lambda i: False, 0)
+            t.baseline = statistics.median(r["iter_s"] for r in none)
+            phases.append(_phase("none" if kind == "shardopt" else f"none:{kind}", none, None,
+                                 rss))
+            trainers[kind] = t
+        return trainers[kind]
+
+    baseline = trainer("shardopt").baseline
     # Seconds one save of a system into a directory takes, learnt from the wait for its last
     # save at the end of an earlier phase.
     est_save_s: dict[tuple[str, str], float] = {}
@@ -291,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     first_step = 1
     for kind, d, system in plan:
         iters = args.sparse_every * args.sparse_saves if kind == "sparse" else args.every_iters
+        baseline = trainers.get(_trainer_of(system), trainers["shardopt"]).baseline
         save_s = est_save_s.get((d, system), 10.0)
         loop_s = iters * (baseline if kind == "sparse" else max(baseline, save_s))
         guess = min(args.phase_cap_s, loop_s) + 2 * save_s
@@ -300,13 +390,17 @@ def main(argv: list[str] | None = None) -> int:
                             "left_s": left})
             continue
         root = Path(tempfile.mkdtemp(prefix=f"async-save-bench-{system}-", dir=d))
-        saver = SAVERS[system](model, opt, root)
+        saver = None
         try:
+            t = trainer(_trainer_of(system))
+            baseline = t.baseline
+            saver = (MegatronAsyncSaver(t.system, root, device) if system == "megatron"
+                     else SAVERS[system](t.model, t.opt, root))
             every = args.sparse_every if kind == "sparse" else 1
             with _common.HostRssSampler(0.005) as rss:
                 t0 = time.perf_counter()
-                rows = _loop(step_fn, device, iters, saver, lambda i: i % every == 0, first_step,
-                             args.phase_cap_s)
+                rows = _loop(t.step_fn, device, iters, saver, lambda i: i % every == 0,
+                             first_step, args.phase_cap_s)
                 t1 = time.perf_counter()
                 saver.finish()
                 total = time.perf_counter() - t0
@@ -329,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
             getattr(saver, "close", lambda: None)()
             shutil.rmtree(root, ignore_errors=True)
     doc = {**_common.run_header(device, vars(args)), "benchmark": "async_save",
-           "baseline_iter_s": baseline, "phases": phases, "skipped": skipped,
+           "baseline_iter_s": trainers["shardopt"].baseline,
+           "baseline_iter_s_by_trainer": {k: t.baseline for k, t in trainers.items()},
+           "phases": phases, "skipped": skipped,
            "wall_s": time.perf_counter() - started, "pid": os.getpid()}
     name = f"async_save_{'1gpu' if device.type == 'cuda' else 'cpu'}{args.tag}.json"
     _common.write_json(Path(args.out) / name, doc)
