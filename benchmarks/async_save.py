@@ -98,15 +98,17 @@ class ShardoptDeviceStagedSaver(ShardoptSaver):
 
 class ShardoptWholeFenceSaver(ShardoptSaver):
     """A host snapshot whose next ``step()`` waits for all of its copies before its first
-    write, as before the step waited bucket by bucket (the comparison for that change)."""
+    write, as before the step waited bucket by bucket (the comparison for that change):
+    ``SaveFence.wait_for`` waits for every copy while this saver lives."""
 
-    def save(self, step: int) -> None:
-        from shardopt.checkpoint import snapshot
-        piece, snapshot.FENCE_PIECE_BYTES = snapshot.FENCE_PIECE_BYTES, float("inf")
-        try:
-            super().save(step)
-        finally:
-            snapshot.FENCE_PIECE_BYTES = piece
+    def __init__(self, model, opt, root: Path) -> None:
+        super().__init__(model, opt, root)
+        from shardopt.checkpoint.snapshot import SaveFence
+        self._fence_cls, self._wait_for = SaveFence, SaveFence.wait_for
+        SaveFence.wait_for = lambda fence, regions: fence.wait_all(host=False)
+
+    def close(self) -> None:
+        self._fence_cls.wait_for = self._wait_for
 
 
 class DcpSaver:

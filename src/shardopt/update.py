@@ -26,7 +26,6 @@ class Update:
     def __init__(self, opt: DistributedOptimizer) -> None:
         self.opt = opt
         self.chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
-        self.launch_ids: dict[tuple[int, int], list[int]] = {}  # the shards of each table
         self._subset_tables: dict[tuple[int, ...], kernels.ChunkTable] = {}
         self.views: list[list[list[torch.Tensor]]] | None = None  # reset when moments move
 
@@ -39,11 +38,10 @@ class Update:
         return the local sum of squared grads (a device scalar)."""
         opt = self.opt
         if self.chunk_tables is None:
-            self.launch_ids = {}
+            ids: dict[tuple[int, int], list[int]] = {}
             for i, s in enumerate(opt.shards):
-                self.launch_ids.setdefault((s.buffer_index, opt.group_of[s.fqn]), []).append(i)
-            self.chunk_tables = {k: self._chunk_table(v, by_bucket=True)
-                                 for k, v in self.launch_ids.items()}
+                ids.setdefault((s.buffer_index, opt.group_of[s.fqn]), []).append(i)
+            self.chunk_tables = {k: self._chunk_table(v, by_bucket=True) for k, v in ids.items()}
         launches = [(bi, gi, steps[gi], table, None)
                     for (bi, gi), table in self.chunk_tables.items() if steps[gi] is not None]
         for gi, n in enumerate(steps):

@@ -43,7 +43,6 @@ CUDA the copies are plain, finished at once.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -57,10 +56,8 @@ SHARED = writer_process.available()
 
 Job = tuple[str, list[WriteEntry]]  # a file name and the entries it holds
 
-# The largest piece of state a step waits for at once after an asynchronous save (math.inf:
-# one piece per run of adjacent elements, and a step waits for all of them before its first
-# write, as before buckets were waited for one by one).
-FENCE_PIECE_BYTES: float = 256 << 20
+# The largest piece of state a step waits for at once after an asynchronous save.
+FENCE_PIECE_BYTES = 256 << 20
 
 
 class SaveFence:
@@ -71,7 +68,6 @@ class SaveFence:
     def __init__(self, pieces: list[tuple[int, int, int, torch.cuda.Event]],
                  done: torch.cuda.Event, device: torch.device) -> None:
         self.pieces, self.done, self.device = pieces, done, device
-        self.whole = math.isinf(FENCE_PIECE_BYTES)
 
     def wait_all(self, host: bool) -> None:
         """The host (or with ``host=False`` the current stream) waits for every copy."""
@@ -85,8 +81,6 @@ class SaveFence:
         """The current stream waits for the copies that read any byte of ``regions``
         (contiguous views), and with them for every piece queued before them; those are
         forgotten. The host does not wait."""
-        if self.whole:
-            return self.wait_all(host=False)
         last = self.last_reading(regions)
         if last >= 0:
             torch.cuda.current_stream(self.device).wait_event(self.pieces[last][3])
@@ -280,8 +274,7 @@ def _pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]]
     for dst, src in pairs:
         src = src.detach().reshape(-1)
         size, storage = src.element_size(), src.untyped_storage()
-        step = max(1, src.numel() if math.isinf(FENCE_PIECE_BYTES)
-                   else int(FENCE_PIECE_BYTES) // size)
+        step = max(1, FENCE_PIECE_BYTES // size)
         for lo in range(0, src.numel(), step):
             n = min(step, src.numel() - lo)
             first = (src.storage_offset() + lo) * size
