@@ -379,7 +379,12 @@ def _big(device="cuda"):
 
 
 @pytest.mark.cuda
-def test_offload_returns_device_memory_and_reuses_pinned_host_buffers():
+@pytest.mark.parametrize("expandable", [True, False], ids=["expandable", "cudamalloc"])
+def test_offload_returns_device_memory_and_reuses_pinned_host_buffers(monkeypatch, expandable):
+    """Cycles after the first free each storage as its copy ends (expandable segments) or
+    all after the copies (cudaMalloc'd memory): either way the memory goes back."""
+    from shardopt import host_state
+    monkeypatch.setattr(host_state, "ONLOAD_EXPANDABLE", expandable)
     model, opt = _big()
     x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
     # cuBLAS keeps its workspace through empty_cache(): allocate it before the baseline
@@ -410,6 +415,12 @@ def test_offload_returns_device_memory_and_reuses_pinned_host_buffers():
         opt.onload()
         for p, r in zip(model.parameters(), ref):
             assert torch.equal(p.cpu(), r)
+        assert opt._host._expandable == expandable
+        assert not host_state.allocator_expandable()  # switched on for onload alone
+        segments = {s["address"]: s for s in torch.cuda.memory_snapshot()}
+        for t in opt.buffers.param_buffers:
+            seg = max((a for a in segments if a <= t.data_ptr()), default=None)
+            assert seg is not None and segments[seg].get("is_expandable", False) == expandable
     opt.release_host_memory()
 
 
@@ -495,6 +506,36 @@ def test_onload_copies_by_kernel_unless_the_allocator_has_expandable_segments(mo
     assert not host_state.h2d_by_kernel()
     monkeypatch.setattr(host_state, "H2D_BY_KERNEL", True)
     assert host_state.h2d_by_kernel()
+
+
+@pytest.mark.skipif(not hasattr(torch._C, "_accelerator_setAllocatorSettings"),
+                    reason="this torch sets allocator settings by another name")
+def test_expandable_segments_is_switched_on_inside_only_and_keeps_other_settings(monkeypatch):
+    from shardopt import host_state
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    get = torch._C._accelerator_getAllocatorSettings
+    assert not host_state.allocator_expandable()
+    with host_state.expandable_segments():
+        assert host_state.allocator_expandable()
+        assert get().split(",") == ["garbage_collection_threshold:0.8",
+                                    "expandable_segments:True"]
+    assert not host_state.allocator_expandable()
+    assert get().split(",") == ["garbage_collection_threshold:0.8", "expandable_segments:False"]
+    with host_state.expandable_segments(on=False):
+        assert not host_state.allocator_expandable()
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")  # the user's
+    try:
+        with host_state.expandable_segments():  # already on: left alone
+            assert get() == "expandable_segments:True"
+        assert get() == "expandable_segments:True"
+    finally:
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    assert host_state.onload_expandable()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    assert not host_state.onload_expandable()  # that backend has no segments
+    monkeypatch.setattr(host_state, "ONLOAD_EXPANDABLE", True)
+    assert host_state.onload_expandable()
 
 
 @pytest.mark.cuda
