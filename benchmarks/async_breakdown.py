@@ -50,11 +50,17 @@ def main(argv=None) -> int:
     save_mod = importlib.import_module("shardopt.checkpoint.save")
     snap_mod = importlib.import_module("shardopt.checkpoint.snapshot")
     commit_mod = importlib.import_module("shardopt.checkpoint.commit")
+    state_mod = importlib.import_module("shardopt.checkpoint.state")
+    bg_mod = importlib.import_module("shardopt.checkpoint.background")
+    from shardopt import DistributedOptimizer
     parts: list[tuple[str, float, float]] = []
-    _common.timed_parts(save_mod, ["_take_snapshot", "_state_contents", "_split",
-                                   "_manifest_base", "agree"], parts)
+    # The call's parts in the order it runs them (take, retake: the snapshot's copies queued).
+    _common.timed_parts(bg_mod, ["settle", "start"], parts)
+    _common.timed_parts(state_mod, ["frozen_tensors", "sources"], parts)
+    _common.timed_parts(DistributedOptimizer, ["reseed_written"], parts)
+    _common.timed_parts(save_mod, ["_take_snapshot", "_manifest_base"], parts)
+    _common.timed_parts(snap_mod.Snapshot, ["take", "retake"], parts)
     _common.timed_parts(commit_mod, ["begin"], parts)
-    _common.timed_parts(snap_mod.Snapshot, ["take"], parts)
     batches = _peers.make_batches(args.preset, 0, 1, args.micro_batch, 8, device)
     model = _peers.build_gpt(args.preset, device, seed=0)
     opt = _peers.setup_shardopt(model, _peers.Hyper(), device).optimizer

@@ -105,6 +105,14 @@ def test_checkpoint_with_a_model_the_optimizer_does_not_own(tmp_path):
     renamed = nn.ModuleDict({"embedding": model.emb})
     with pytest.raises(ValueError, match="'embedding.weight' .* is the optimizer's 'emb.weight'"):
         opt.check_model(renamed)
+    # A save checks the params its one walk of the model's state dict finds, alike.
+    for blocking in (True, False):
+        for wrong, match in ((nn.ModuleDict({"emb": model.emb}), "param 'up.weight' is not in"),
+                             (renamed, "'embedding.weight' .* is the optimizer's 'emb.weight'"),
+                             (other, "'emb.weight' of the model passed in is not one")):
+            with pytest.raises(checkpoint.CheckpointError, match=match):
+                checkpoint.save(tmp_path, wrong, opt, step=2, blocking=blocking)
+    assert checkpoint.latest(tmp_path) == path
 
 
 def misuse_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:

@@ -135,14 +135,17 @@ def _first_difference(lists: list[Any]) -> str:
     return "the layouts differ"
 
 
-def check_model(opt: Any, model: torch.nn.Module) -> None:
+def check_model(opt: Any, model: torch.nn.Module,
+                named: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """Coordinator-free. Raise :class:`UsageError` unless ``model`` is the one ``opt`` was
     built over: all of its params under the same names, and no trainable param it does
-    not own (one frozen since construction is still the optimizer's)."""
+    not own (one frozen since construction is still the optimizer's). ``named``: the
+    model's ``named_parameters()`` where the caller has them already (a walk of the module
+    tree costs milliseconds on a large model)."""
     # Keyed by id: a Parameter's own hash is a Python call, paid per param on every save.
     fqn_of = {id(p): fqn for p, fqn in opt.fqn_of.items()}
     seen = set()
-    for fqn, p in model.named_parameters():
+    for fqn, p in model.named_parameters() if named is None else named:
         owned = fqn_of.get(id(p))
         if owned is None and p.requires_grad:
             raise UsageError(f"param {fqn!r} of the model passed in is not one this optimizer "

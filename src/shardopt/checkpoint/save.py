@@ -142,11 +142,10 @@ def save(
                                  blocking=blocking, if_busy=if_busy, snapshot=snapshot)
             error = background.settle(cfg.if_busy)
             if error is None:
-                optimizer.check_model(model)
+                frozen = state.frozen_tensors(model, optimizer, check_model=True)
                 optimizer.reseed_written()  # saved main params are the weights written since
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
-                frozen = state.frozen_tensors(model, optimizer)
                 if cfg.blocking:
                     contents = _rank_contents(optimizer, frozen)
                 else:  # split into files later, in the background

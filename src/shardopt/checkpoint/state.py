@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import guards
 from .. import moments as moments_
 from ..config import GROUP_KEYS
 from ..layout import Range
@@ -51,11 +52,21 @@ class Destination:
         return getattr(m, self.part)[self.range_local.as_slice()]
 
 
-def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
-    """State-dict tensors the optimizer does not own (frozen params, persistent buffers)."""
+def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer,
+                   check_model: bool = False) -> dict[str, torch.Tensor]:
+    """State-dict tensors the optimizer does not own (frozen params, persistent buffers).
+    With ``check_model``, also :func:`~shardopt.guards.check_model` on the params the same
+    walk of the model found (one walk instead of two: an asynchronous save's call)."""
+    sd = model.state_dict(keep_vars=True)
+    if check_model:
+        params: dict[int, tuple[str, torch.Tensor]] = {}  # named_parameters(): first name
+        for fqn, t in sd.items():
+            if isinstance(t, torch.nn.Parameter):
+                params.setdefault(id(t), (fqn, t))
+        guards.check_model(opt, model, params.values())
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for fqn, t in model.state_dict(keep_vars=True).items():
+    for fqn, t in sd.items():
         if not isinstance(t, torch.Tensor) or fqn in opt.layout.slots or fqn in opt.aliases:
             continue
         if id(t) in seen:
