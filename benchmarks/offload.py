@@ -227,13 +227,15 @@ def _memory_saver(opt, device: torch.device, reps: int) -> dict[str, Any]:
         return {"measured": False, "version": version, "why": f"{type(e).__name__}: {e}"}
 
 
-def _rollout(freed: int, fraction: float, device: torch.device) -> dict[str, Any]:
-    """Allocate ``fraction`` of the freed bytes, write and reduce them, free them."""
+def _rollout(freed: int, fraction: float, device: torch.device, alloc: str) -> dict[str, Any]:
+    """Allocate ``fraction`` of the freed bytes (by ``cudaMalloc``, or in expandable segments
+    as an engine that maps its own memory does), write and reduce them, free them."""
     nbytes = int(freed * fraction)
     if device.type != "cuda" or nbytes <= 0:
         return {"bytes": 0}
     t0 = time.perf_counter()
-    t = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    with host_state.expandable_segments(alloc == "expandable"):
+        t = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     t.fill_(1.0)
     t.mul_(2.0)
     total = float(t[: 1 << 24].float().sum())
@@ -286,7 +288,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     modes = a.h2d.split(",")
     default_h2d = ("expandable" if host_state.onload_expandable() else
                    "kernel" if host_state.h2d_by_kernel() else "copy_engine")
+    if default_h2d != "kernel" and host_state.H2D_LEAD_S > 0:
+        default_h2d += f":{host_state.H2D_LEAD_S:g}"
     state = "expandable" if host_state.allocator_expandable() else "cudamalloc"
+    lead_default = host_state.H2D_LEAD_S
     for i, b in enumerate(batches):
         losses.append(float(sys_.step(*b)))
         timeline.mark("train")
@@ -299,7 +304,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         c = {"offload_s": t_off, "offload_state": state, "reserved_before": held,
              "reserved_offloaded": _reserved(device), "device_used_offloaded": _device_used(device)}
         freed = held - c["reserved_offloaded"]
-        c["rollout"] = _rollout(freed, a.rollout_fraction, device)
+        c["rollout"] = _rollout(freed, a.rollout_fraction, device, a.rollout_alloc)
         if i == 0 and device.type == "cuda":
             # Another process takes nearly all the free memory: more than was free before
             # the offload, so it only fits because the offload gave the memory back.
@@ -310,13 +315,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                   "device_used_seen": _probe(want)}
         timeline.mark("rollout")
         c["h2d"] = modes[i % len(modes)]
-        host_state.ONLOAD_EXPANDABLE = c["h2d"] == "expandable"
-        host_state.H2D_BY_KERNEL = c["h2d"] == "kernel"
+        way, _, lead = c["h2d"].partition(":")  # lead: the kernel lead's seconds
+        host_state.ONLOAD_EXPANDABLE = way.startswith("expandable")
+        host_state.H2D_BY_KERNEL = way == "kernel"
+        host_state.H2D_LEAD_S = float(lead or 0)
         t0 = time.perf_counter()
         opt.onload()
         _common.cuda_sync(device)
         c["onload_s"] = time.perf_counter() - t0
         host_state.ONLOAD_EXPANDABLE = host_state.H2D_BY_KERNEL = None
+        host_state.H2D_LEAD_S = lead_default
         state = "expandable" if opt._host._expandable else "cudamalloc"
         c["reserved_onloaded"] = _reserved(device)
         c["device_used_onloaded"] = _device_used(device)
@@ -324,9 +332,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         cycles.append(c)
         if i == 0:
             result["host_rss_after_cycle_1"] = _common.host_rss_bytes()
+    # Back to back, nothing between (as torch_memory_saver's pause/resume below): timed.
+    b2b_off, b2b_on = [], []
     for _ in range(len(batches), a.rss_cycles):
+        _common.cuda_sync(device)
+        t0 = time.perf_counter()
         opt.offload()
+        t1 = time.perf_counter()
         opt.onload()
+        _common.cuda_sync(device)
+        b2b_off.append(t1 - t0)
+        b2b_on.append(time.perf_counter() - t1)
     _common.cuda_sync(device)
     result["host_rss_after_last_cycle"] = _common.host_rss_bytes()
     result["rss_cycles"] = max(a.rss_cycles, len(batches))
@@ -365,6 +381,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         onload={"s": _common.stats(times[on_mode]),
                 "gbps": _gbps(moved, on_s), "h2d": on_mode},
         onload_by_h2d=by_h2d,
+        back_to_back={} if not b2b_on else {
+            "cycles": len(b2b_on), "h2d": default_h2d,
+            "offload": {"s": _common.stats(b2b_off), "gbps": _gbps(moved, min(b2b_off))},
+            "onload": {"s": _common.stats(b2b_on), "gbps": _gbps(moved, min(b2b_on))}},
         raw_pinned=raw, timeline=timeline.as_list(), parameters=sum(
             p.numel() for p in sys_.model.parameters()))
     if not a.no_peers:
@@ -420,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cycles", type=int, default=20, help="train + colocation cycles")
     p.add_argument("--rss-cycles", type=int, default=100, help="offload/onload cycles in all")
     p.add_argument("--rollout-fraction", type=float, default=0.9)
+    p.add_argument("--rollout-alloc", choices=("cudamalloc", "expandable"), default="cudamalloc",
+                   help="how the rollout allocates: cudaMalloc'd memory given back by cudaFree "
+                        "(onload right after copies slower by the copy engine), or mapped "
+                        "pages given back by unmapping (torch_memory_saver, vLLM's sleep mode)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of the raw copies")
     p.add_argument("--h2d", default="expandable,kernel,copy_engine",
                    help="onload's ways to allocate and copy, taken in turn by the cycles")

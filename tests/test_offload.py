@@ -539,10 +539,12 @@ def test_expandable_segments_is_switched_on_inside_only_and_keeps_other_settings
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("by_kernel", [True, False], ids=["kernel", "copy_engine"])
-def test_onload_copies_are_exact_by_kernel_and_by_copy_engine(by_kernel):
+@pytest.mark.parametrize("by_kernel, lead_s", [(True, 0.0), (False, 0.0), (False, 1e-9)],
+                         ids=["kernel", "copy_engine", "kernel_lead"])
+def test_onload_copies_are_exact_by_kernel_and_by_copy_engine(by_kernel, lead_s):
     """Every element arrives, in every dtype and at odd sizes, into storage re-allocated
-    just before its copy."""
+    just before its copy (with a kernel lead: the smallest storage by kernel, then the
+    others by the copy engine)."""
     from shardopt import host_state
     torch.manual_seed(0)
     specs = [(3 * 4096, torch.bfloat16), (5000, torch.float32), (777, torch.int8),
@@ -555,7 +557,8 @@ def test_onload_copies_are_exact_by_kernel_and_by_copy_engine(by_kernel):
     for d in devs:
         d.untyped_storage().resize_(0)
     pairs = [(d, h.tensor) for d, h in zip(devs, hosts)]
-    event = host_state.queue_h2d(pairs, torch.cuda.Stream(), sizes, by_kernel=by_kernel)
+    event = host_state.queue_h2d(pairs, torch.cuda.Stream(), sizes, by_kernel=by_kernel,
+                                 lead_s=lead_s)
     event.synchronize()
     for d, h in zip(devs, hosts):
         assert torch.equal(d.cpu(), h.tensor)

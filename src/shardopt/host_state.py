@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,11 @@ H2D_BY_KERNEL: bool | None = None
 # Whether onload allocates the device state in expandable segments (None: where this torch
 # can switch them on for those allocations alone): see expandable_segments.
 ONLOAD_EXPANDABLE: bool | None = None
+# The kernel's rate reading page-locked host memory on an H200 (benchmarks/offload.py raw
+# h2d_kernel: 50.0-50.2 GB/s): the bytes a kernel lead of a given time covers.
+LEAD_KERNEL_BYTES_PER_S = 50e9
+# Onload's kernel lead, in seconds (0: none): see queue_h2d.
+H2D_LEAD_S = 0.06
 
 
 class OffloadError(ValueError):
@@ -383,34 +389,53 @@ def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
 
 def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream,
               sizes: list[int] | None = None, by_kernel: bool | None = None,
-              expandable: bool = False) -> torch.cuda.Event:
+              expandable: bool = False, lead_s: float | None = None) -> torch.cuda.Event:
     """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair on ``stream``, after
     the current stream's work; returns an event after all of them.
 
     With ``sizes``, each device storage is re-allocated to that many bytes (for the current
     stream) just before its copy is queued, so that an allocation returns while the copies
     before it run; with ``expandable`` as well, in expandable segments
-    (:func:`expandable_segments`): each allocation then maps its pages itself (tens of ms for
-    5 GB, overlapping the copies before it) and the copies run at full speed.
+    (:func:`expandable_segments`).
 
     By the copy engine (``copy_``) or by a kernel whose loads read the page-locked host
-    memory (``kernels.copy_from_host_``): ``by_kernel``, by default :func:`h2d_by_kernel`.
-    Into device memory that ``cudaMalloc`` returned within ~50 ms of memory going back to the
-    driver (an offload's, or an inference engine's ``empty_cache()``), copy-engine transfers
-    run ~15% slower for their whole length while kernels run at full speed
-    (``benchmarks/onload_probe.py``, ``offload.py``)."""
+    memory (``kernels.copy_from_host_``, ~90% of the copy engine's rate): ``by_kernel``, by
+    default :func:`h2d_by_kernel`. Device memory allocated within ~50 ms after memory went
+    back to the driver (an offload's, an inference engine's ``empty_cache()``) is filled
+    ~15% slower by the copy engine, for the whole copy, and at full speed by kernels
+    (``benchmarks/onload_probe.py``). So with ``sizes`` and the copy engine, the smallest
+    storages are allocated first and copied by the kernel until they cover ``lead_s``
+    seconds (default :data:`H2D_LEAD_S`); the host waits out the rest of that time from the
+    call, while they copy, before it allocates the others for the copy engine."""
     device = pairs[0][0].device if pairs else torch.device("cuda")
+    t_start = time.perf_counter()
     # Memory allocated for the current stream may have been freed by its earlier work, still
     # queued: the copies wait for it (nothing new is queued there meanwhile).
     stream.wait_stream(torch.cuda.current_stream(device))
+    can_kernel = kernels.available(device) and all(h.is_pinned() for _, h in pairs)
     kernel = h2d_by_kernel(expandable) if by_kernel is None else by_kernel
-    kernel = kernel and kernels.available(device) and all(h.is_pinned() for _, h in pairs)
+    kernel = kernel and can_kernel
+    lead_s = H2D_LEAD_S if lead_s is None else lead_s
+    order = list(range(len(pairs)))
+    lead: set[int] = set()
+    if sizes is not None and not kernel and can_kernel and lead_s > 0:
+        order.sort(key=lambda i: sizes[i])  # stable: the lead is the smallest storages
+        want = lead_s * LEAD_KERNEL_BYTES_PER_S
+        for i in order:
+            if want <= 0:
+                break
+            lead.add(i)
+            want -= sizes[i]
+        order = [i for i in order if i in lead] + [i for i in order if i not in lead]
     with expandable_segments(expandable and sizes is not None):
-        for i, (dev, host) in enumerate(pairs):
+        for n, i in enumerate(order):
+            dev, host = pairs[i]
+            if lead and n == len(lead):  # the first storage of the copy engine's
+                time.sleep(max(0.0, t_start + lead_s - time.perf_counter()))
             if sizes is not None:
                 dev.untyped_storage().resize_(sizes[i])
             with torch.cuda.stream(stream):
-                if kernel:
+                if kernel or i in lead:
                     kernels.copy_from_host_(dev.view(-1), host.view(-1))
                 else:
                     dev.copy_(host, non_blocking=True)
