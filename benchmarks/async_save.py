@@ -14,7 +14,10 @@ side streams are waited for only where training itself waits for them) and is ti
   saves called while the previous one was still being written (they wait for it; counted
   in ``saves_that_waited_for_the_previous``: make ``--sparse-every`` longer);
   ``stall_local_s`` = the same against the median of the (up to 4) quiet iterations just
-  before each save, which drift less than the whole run;
+  before each save, which drift less than the whole run; ``stall_vs_quiet_s`` against the
+  median of all the phase's quiet iterations (no save called, no write running:
+  ``quiet_iter_s``, and ``quiet_vs_baseline`` how far they drifted from ``none``'s: the GPU
+  runs the same iterations ~1-2% slower minutes later);
   ``during_write`` = median iteration while a background write runs, against the
   baseline (target <= 3% slower).
 * ``every``: a save every iteration for ``--every-iters`` iterations (each save waits for
@@ -47,6 +50,7 @@ CPU smoke::
 from __future__ import annotations
 
 import argparse
+import inspect
 import contextlib
 import os
 import shutil
@@ -183,7 +187,8 @@ class MegatronAsyncSaver:
         import _ckpt_systems
         self.ckpt = _ckpt_systems.MegatronCkpt(system, 0, device, 1)
         self.queue, self.root, self.kept = AsyncCallsQueue(), root, []
-        self.notes = {"strategy": "torch_dist, fully parallel, async_sharded_save"}
+        self.notes = {"strategy": "torch_dist, fully parallel, async_sharded_save, "
+                                  "async_strategy mcore where the release has the option"}
 
     def save(self, step: int) -> None:
         from megatron.core import dist_checkpointing, parallel_state
@@ -197,8 +202,13 @@ class MegatronAsyncSaver:
         strategy = FullyParallelSaveStrategyWrapper(
             get_default_save_sharded_strategy(),
             parallel_state.get_data_parallel_group(with_context_parallel=True))
+        # megatron-core 0.19 defaults to async_strategy="nvrx" (nvidia-resiliency-ext, not
+        # installed here); "mcore" is its own implementation, the one older releases use.
+        extra = ({"async_strategy": "mcore"} if "async_strategy" in
+                 inspect.signature(dist_checkpointing.save).parameters else {})
         request = dist_checkpointing.save(self.ckpt._sharded(False), str(path),
-                                          sharded_strategy=strategy, async_sharded_save=True)
+                                          sharded_strategy=strategy, async_sharded_save=True,
+                                          **extra)
         self.queue.schedule_async_request(request)
         self.kept.append(path)
 
@@ -279,6 +289,18 @@ def _phase(name: str, rows: list[dict], baseline: float | None, rss) -> dict:
             if local:
                 out["stall_local_s"] = _common.stats(local)
                 out["stall_local_fraction_of_iter"] = statistics.median(local) / baseline
+            # And against the median of all the phase's quiet iterations (no save called, no
+            # write running): the iterations without a save of the same run phase.
+            quiet = [r["iter_s"] for r in rows if not r["saved"] and not r["writing"]]
+            if quiet:
+                q = statistics.median(quiet)
+                out["quiet_iter_s"] = _common.stats(quiet)
+                out["quiet_vs_baseline"] = q / baseline - 1
+                out["stall_vs_quiet_s"] = _common.stats([r["iter_s"] - q for r in clean])
+                out["stall_vs_quiet_fraction_of_iter"] = statistics.median(
+                    [r["iter_s"] - q for r in clean]) / q
+                if writing:
+                    out["during_write_vs_quiet"] = statistics.median(writing) / q - 1
         if writing:
             out["during_write_slowdown"] = statistics.median(writing) / baseline - 1
         out["throughput_vs_none"] = baseline * len(rows) / sum(it)
@@ -413,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
             ph["notes"] = getattr(saver, "notes", {})
             phases.append(ph)
             print(f"[{ph['phase']}] stall median {ph.get('stall_s', {}).get('median', 0):.4f} s "
-                  f"(local {ph.get('stall_local_s', {}).get('median', 0):.4f} s) "
+                  f"(local {ph.get('stall_local_s', {}).get('median', 0):.4f} s, against the "
+                  f"phase's quiet iterations {ph.get('stall_vs_quiet_s', {}).get('median', 0):.4f}"
+                  f" s, {100 * ph.get('stall_vs_quiet_fraction_of_iter', 0):.2f}%; quiet "
+                  f"{100 * ph.get('quiet_vs_baseline', 0):+.2f}% vs none) "
                   f"({100 * ph.get('stall_fraction_of_iter', 0):.2f}% of {baseline:.3f} s), "
                   f"during write {100 * ph.get('during_write_slowdown', 0):+.2f}%, "
                   f"throughput {100 * ph['throughput_vs_none']:.1f}% of none, "

@@ -14,16 +14,15 @@ fp32 norms and routers) trained by shardopt as in ``train_iter.py``. In order:
    the device, not just to this process's allocator.
 4. More offload/onload cycles without training, up to ``--rss-cycles`` in all, for the
    host RSS after the 1st and the last (the pinned host copies are reused, not grown).
-   ``--h2d`` lists the ways onload allocates and copies, taken in turn by the cycles and
-   reported apart (``onload_by_h2d``: the same run, the same bytes): ``expandable``
-   (storage in expandable segments switched on for onload alone, copy engine: the
-   default where torch can switch them), ``kernel`` (``cudaMalloc``'d storage, a kernel
-   reading the pinned host memory), ``copy_engine`` (``cudaMalloc``'d, ``copy_``); the
-   process's default is the reported ``onload``. Each offload is reported by the way the
-   onload before it allocated (``offload_by_state``: storage in expandable segments is
-   freed as each copy ends, ``cudaMalloc``'d storage after all of them); the first offload
-   frees memory the optimizer allocated itself (``cudaMalloc``'d unless the allocator is
-   set to expandable segments).
+   ``--h2d`` lists the ways onload copies to the device, taken in turn by the cycles and
+   reported apart (``onload_by_h2d``: the same run, the same bytes): ``kernel`` (a kernel
+   reading the pinned host memory), ``copy_engine`` (``copy_``); the one
+   ``host_state.h2d_by_kernel()`` picks for this process is the reported ``onload``. The
+   cycles past ``--cycles`` are also timed (``back_to_back``: offload then onload, nothing
+   between, as torch_memory_saver's pause and resume below). ``--rollout-alloc expandable``
+   allocates the rollout in expandable segments, so that its memory goes back to the driver
+   by unmapping, as an engine on the CUDA virtual-memory API gives it back
+   (torch_memory_saver, vLLM's sleep mode), rather than by ``cudaFree``.
 5. The same bytes copied raw between the optimizer's own pinned host copies and its
    device tensors (one side stream, one sync: the ceiling; host to device both by the copy
    engine and by the kernel, the faster is the bar), and with plain
@@ -234,8 +233,14 @@ def _rollout(freed: int, fraction: float, device: torch.device, alloc: str) -> d
     if device.type != "cuda" or nbytes <= 0:
         return {"bytes": 0}
     t0 = time.perf_counter()
-    with host_state.expandable_segments(alloc == "expandable"):
+    expandable = alloc == "expandable" and not host_state.allocator_expandable()
+    if expandable:  # for this allocation alone
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    try:
         t = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    finally:
+        if expandable:
+            torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
     t.fill_(1.0)
     t.mul_(2.0)
     total = float(t[: 1 << 24].float().sum())
@@ -286,12 +291,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     timeline.mark("setup")
     losses, cycles = [], []
     modes = a.h2d.split(",")
-    default_h2d = ("expandable" if host_state.onload_expandable() else
-                   "kernel" if host_state.h2d_by_kernel() else "copy_engine")
-    if default_h2d != "kernel" and host_state.H2D_LEAD_S > 0:
-        default_h2d += f":{host_state.H2D_LEAD_S:g}"
-    state = "expandable" if host_state.allocator_expandable() else "cudamalloc"
-    lead_default = host_state.H2D_LEAD_S
+    default_h2d = "kernel" if host_state.h2d_by_kernel() else "copy_engine"
     for i, b in enumerate(batches):
         losses.append(float(sys_.step(*b)))
         timeline.mark("train")
@@ -301,8 +301,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         opt.offload()
         t_off = time.perf_counter() - t0
         timeline.mark("offload")
-        c = {"offload_s": t_off, "offload_state": state, "reserved_before": held,
-             "reserved_offloaded": _reserved(device), "device_used_offloaded": _device_used(device)}
+        c = {"offload_s": t_off, "reserved_before": held, "reserved_offloaded": _reserved(device),
+             "device_used_offloaded": _device_used(device)}
         freed = held - c["reserved_offloaded"]
         c["rollout"] = _rollout(freed, a.rollout_fraction, device, a.rollout_alloc)
         if i == 0 and device.type == "cuda":
@@ -315,17 +315,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                   "device_used_seen": _probe(want)}
         timeline.mark("rollout")
         c["h2d"] = modes[i % len(modes)]
-        way, _, lead = c["h2d"].partition(":")  # lead: the kernel lead's seconds
-        host_state.ONLOAD_EXPANDABLE = way.startswith("expandable")
-        host_state.H2D_BY_KERNEL = way == "kernel"
-        host_state.H2D_LEAD_S = float(lead or 0)
+        host_state.H2D_BY_KERNEL = c["h2d"] == "kernel"
         t0 = time.perf_counter()
         opt.onload()
         _common.cuda_sync(device)
         c["onload_s"] = time.perf_counter() - t0
-        host_state.ONLOAD_EXPANDABLE = host_state.H2D_BY_KERNEL = None
-        host_state.H2D_LEAD_S = lead_default
-        state = "expandable" if opt._host._expandable else "cudamalloc"
+        host_state.H2D_BY_KERNEL = None
         c["reserved_onloaded"] = _reserved(device)
         c["device_used_onloaded"] = _device_used(device)
         timeline.mark("onload")
@@ -352,14 +347,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     moved = sum(h.numel() * h.element_size() for h, _ in _moved_pairs(opt))
     steady = cycles[1:] or cycles  # the first offload also registers the host memory
-    # Offload times by how the state was allocated, of the steady cycles.
-    off_times = {k: [c["offload_s"] for c in steady if c["offload_state"] == k]
-                 for k in ("expandable", "cudamalloc")}
-    by_state = {k: {"s": _common.stats(v), "gbps": _gbps(moved, min(v))}
-                for k, v in off_times.items() if v}
-    off_state = ("expandable" if host_state.onload_expandable() and off_times["expandable"]
-                 else "cudamalloc" if off_times["cudamalloc"] else "expandable")
-    off_s = min(off_times[off_state])
+    off_s = min(c["offload_s"] for c in steady)
     # Onload times by copy method, of the steady cycles (all of them where it had none).
     times = {m: [c["onload_s"] for c in steady if c["h2d"] == m]
              or [c["onload_s"] for c in cycles if c["h2d"] == m] for m in modes}
@@ -375,9 +363,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                device_used_after_onload=last["device_used_onloaded"])
     result.update(
         cycles=cycles, memory=mem, moved_bytes=moved,
-        offload={"s": _common.stats(off_times[off_state]), "gbps": _gbps(moved, off_s),
-                 "state": off_state, "first_s": cycles[0]["offload_s"]},
-        offload_by_state=by_state,
+        offload={"s": _common.stats([c["offload_s"] for c in steady]), "gbps": _gbps(moved, off_s),
+                 "first_s": cycles[0]["offload_s"]},
         onload={"s": _common.stats(times[on_mode]),
                 "gbps": _gbps(moved, on_s), "h2d": on_mode},
         onload_by_h2d=by_h2d,
@@ -445,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(onload right after copies slower by the copy engine), or mapped "
                         "pages given back by unmapping (torch_memory_saver, vLLM's sleep mode)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of the raw copies")
-    p.add_argument("--h2d", default="expandable,kernel,copy_engine",
-                   help="onload's ways to allocate and copy, taken in turn by the cycles")
+    p.add_argument("--h2d", default="kernel,copy_engine",
+                   help="onload's ways to copy to the device, taken in turn by the cycles")
     p.add_argument("--noise-check", action="store_true",
                    help="run the reference twice and record whether it repeats bit for bit")
     a = p.parse_args(argv)

@@ -12,17 +12,17 @@ queue on the side stream behind the work already queued on the current stream; e
 device tensor's storage is then resized to zero (views, params included, stay valid
 objects that point into empty storage, as FSDP does) and ``torch.cuda.empty_cache()``
 hands the memory back to the device: all at once after the host waited for every copy,
-or, where the state is in expandable segments (as onload allocates it), each storage as
-soon as its own copy is done (:meth:`HostState._copy_out_and_free`). Grads are copied
+or, where the allocator makes expandable segments, each storage as soon as its own copy
+is done (:meth:`HostState._copy_out_and_free`). Grads are copied
 only when a backward left some pending (``no_sync`` accumulation): otherwise the buffer
 is freed without a copy and zeroed at onload (its param regions are overwritten by the
 next backward, its padding must be zero).
 
-Onload: each storage is re-allocated for the current stream, in expandable segments
-(:func:`expandable_segments`, switched on for these allocations alone), and its H2D copy
-queued on the side stream in turn (:func:`queue_h2d`); the current stream zeroes dropped
-grads beside the copies and then waits for them; the host does not wait. The host copies
-are kept for the next cycle (the same addresses) until :meth:`HostState.release`.
+Onload: each storage is re-allocated for the current stream and its H2D copy queued on
+the side stream in turn (:func:`queue_h2d`; by a kernel that reads the host memory, unless
+the allocator has expandable segments: :func:`h2d_by_kernel`), the current stream zeroes
+dropped grads beside the copies and then waits for them; the host does not wait. The host
+copies are kept for the next cycle (the same addresses) until :meth:`HostState.release`.
 
 Off CUDA nothing can be freed safely (a CPU kernel reading an empty storage
 crashes), so offload copies the state aside and fills the live tensors with NaN,
@@ -33,11 +33,9 @@ the same as on CUDA.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,14 +52,6 @@ KINDS = ("moments", "main_params", "grads", "params")
 # Host-to-device copies by a kernel that reads the page-locked host memory (True), by the
 # copy engine (False), or chosen by the allocator's settings (None): see h2d_by_kernel.
 H2D_BY_KERNEL: bool | None = None
-# Whether onload allocates the device state in expandable segments (None: where this torch
-# can switch them on for those allocations alone): see expandable_segments.
-ONLOAD_EXPANDABLE: bool | None = None
-# The kernel's rate reading page-locked host memory on an H200 (benchmarks/offload.py raw
-# h2d_kernel: 50.0-50.2 GB/s): the bytes a kernel lead of a given time covers.
-LEAD_KERNEL_BYTES_PER_S = 50e9
-# Onload's kernel lead, in seconds (0: none): see queue_h2d.
-H2D_LEAD_S = 0.06
 
 
 class OffloadError(ValueError):
@@ -90,8 +80,6 @@ class HostState:
         self._dropped: list[torch.Tensor] = []  # grad buffers freed without a copy
         self._guards: list[torch.utils.hooks.RemovableHandle] = []
         self._stream: torch.cuda.Stream | None = None
-        # Whether the device state is in expandable segments: see _copy_out_and_free
-        self._expandable = self.cuda and allocator_expandable()
         self._last_h2d: torch.cuda.Event | None = None
         # low_memory_resume: loaded moments wait here until the first step(), then their
         # pages are unlocked once the copies to the device are done.
@@ -141,14 +129,15 @@ class HostState:
         free every device storage (``moved``'s and ``dropped``'s) and give the memory back
         to the device.
 
-        Where the storage is in expandable segments (onload's, :func:`onload_expandable`),
-        giving memory back unmaps its pages, which costs ~15% of the copy time but waits only
-        for the current stream: each tensor is freed as soon as its own copy is done, while
-        the later copies run. Otherwise ``cudaFree`` waits for the whole device, so the host
-        waits for all the copies once and frees everything after them."""
+        Where the allocator makes expandable segments (:func:`allocator_expandable`), giving
+        memory back unmaps its pages, which waits only for the current stream but takes long
+        enough that offloading with it after the copies ran at 82.9% of the raw copy's rate
+        (``benchmarks/offload.py``): each storage is freed as soon as its own copy is done,
+        while the later copies run (94.3%). Otherwise ``cudaFree`` waits for the whole
+        device, so the host waits for all the copies once and frees everything after them."""
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(self.opt.device))
-        overlap = self._expandable
+        overlap = allocator_expandable()
         if overlap:
             torch.cuda.empty_cache()  # cached cudaMalloc segments now, before the copies run
             for dev in dropped:
@@ -179,11 +168,8 @@ class HostState:
         if not self.offloaded:
             return
         if self.cuda:
-            expandable = onload_expandable()
-            self._last_h2d = self._to_device(self._moved, self._dropped, self._nbytes,
-                                             expandable)
+            self._last_h2d = self._to_device(self._moved, self._dropped, self._nbytes)
             self._nbytes = []
-            self._expandable = expandable or allocator_expandable()
         else:
             for dev, host in self._moved:
                 dev.copy_(host)
@@ -320,24 +306,21 @@ class HostState:
 
     def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                    zero: Iterable[torch.Tensor] = (),
-                   nbytes: Iterable[int] | None = None,
-                   expandable: bool = False) -> torch.cuda.Event:
+                   nbytes: Iterable[int] | None = None) -> torch.cuda.Event:
         """Queue ``dev.copy_(host)`` for each pair (:func:`queue_h2d`) after the current
         stream's work, and zero ``zero`` on the current stream beside them; then the current
         stream waits for the copies, the host does not. With ``nbytes``, the storage of
         each device tensor (pairs', then ``zero``'s) is first re-allocated to that many
-        bytes (in expandable segments with ``expandable``). Returns the event after which
-        the host tensors may be reused or unlocked."""
+        bytes. Returns the event after which the host tensors may be reused or unlocked."""
         current = torch.cuda.current_stream(self.opt.device)
         zero = list(zero)
         sizes = list(nbytes) if nbytes is not None else None
         if sizes is not None and len(sizes) != len(pairs) + len(zero):
             raise ValueError(f"{len(sizes)} sizes for {len(pairs) + len(zero)} tensors")
         event = queue_h2d(pairs, self._side_stream(),
-                          None if sizes is None else sizes[:len(pairs)], expandable=expandable)
-        with expandable_segments(expandable):
-            for t, size in zip(zero, sizes[len(pairs):] if sizes is not None else []):
-                t.untyped_storage().resize_(size)
+                          None if sizes is None else sizes[:len(pairs)])
+        for t, size in zip(zero, sizes[len(pairs):] if sizes is not None else []):
+            t.untyped_storage().resize_(size)
         for t in zero:
             t.zero_()
         current.wait_event(event)
@@ -388,129 +371,63 @@ def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
 
 
 def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream,
-              sizes: list[int] | None = None, by_kernel: bool | None = None,
-              expandable: bool = False, lead_s: float | None = None) -> torch.cuda.Event:
+              sizes: list[int] | None = None, by_kernel: bool | None = None
+              ) -> torch.cuda.Event:
     """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair on ``stream``, after
     the current stream's work; returns an event after all of them.
 
-    With ``sizes``, each device storage is re-allocated to that many bytes (for the current
+    By a kernel whose loads read the page-locked host memory (``kernels.copy_from_host_``)
+    or by the copy engine (``copy_``): ``by_kernel``, by default :func:`h2d_by_kernel`. Into
+    device memory that ``cudaMalloc`` returned soon after memory went back to the driver by
+    ``cudaFree`` (an offload's, or an inference engine's ``empty_cache()``), copy-engine
+    transfers run ~15% slower for their whole length (neither a kernel writing the memory
+    first nor 60-100 ms of kernel copies first helps), while kernels run at their full ~90%
+    of the copy engine's rate (``benchmarks/onload_probe.py``, ``offload.py``). With
+    ``sizes``, each device storage is re-allocated to that many bytes (for the current
     stream) just before its copy is queued, so that an allocation returns while the copies
-    before it run; with ``expandable`` as well, in expandable segments
-    (:func:`expandable_segments`).
-
-    By the copy engine (``copy_``) or by a kernel whose loads read the page-locked host
-    memory (``kernels.copy_from_host_``, ~90% of the copy engine's rate): ``by_kernel``, by
-    default :func:`h2d_by_kernel`. Device memory allocated within ~50 ms after memory went
-    back to the driver (an offload's, an inference engine's ``empty_cache()``) is filled
-    ~15% slower by the copy engine, for the whole copy, and at full speed by kernels
-    (``benchmarks/onload_probe.py``). So with ``sizes`` and the copy engine, the smallest
-    storages are allocated first and copied by the kernel until they cover ``lead_s``
-    seconds (default :data:`H2D_LEAD_S`); the host waits out the rest of that time from the
-    call, while they copy, before it allocates the others for the copy engine."""
+    before it run (with expandable segments an allocation maps its pages: tens of ms for
+    5 GB)."""
     device = pairs[0][0].device if pairs else torch.device("cuda")
-    t_start = time.perf_counter()
     # Memory allocated for the current stream may have been freed by its earlier work, still
     # queued: the copies wait for it (nothing new is queued there meanwhile).
     stream.wait_stream(torch.cuda.current_stream(device))
-    can_kernel = kernels.available(device) and all(h.is_pinned() for _, h in pairs)
-    kernel = h2d_by_kernel(expandable) if by_kernel is None else by_kernel
-    kernel = kernel and can_kernel
-    lead_s = H2D_LEAD_S if lead_s is None else lead_s
-    order = list(range(len(pairs)))
-    lead: set[int] = set()
-    if sizes is not None and not kernel and can_kernel and lead_s > 0:
-        order.sort(key=lambda i: sizes[i])  # stable: the lead is the smallest storages
-        want = lead_s * LEAD_KERNEL_BYTES_PER_S
-        for i in order:
-            if want <= 0:
-                break
-            lead.add(i)
-            want -= sizes[i]
-        order = [i for i in order if i in lead] + [i for i in order if i not in lead]
-    with expandable_segments(expandable and sizes is not None):
-        for n, i in enumerate(order):
-            dev, host = pairs[i]
-            if lead and n == len(lead):  # the first storage of the copy engine's
-                time.sleep(max(0.0, t_start + lead_s - time.perf_counter()))
-            if sizes is not None:
-                dev.untyped_storage().resize_(sizes[i])
-            with torch.cuda.stream(stream):
-                if kernel or i in lead:
-                    kernels.copy_from_host_(dev.view(-1), host.view(-1))
-                else:
-                    dev.copy_(host, non_blocking=True)
+    kernel = h2d_by_kernel() if by_kernel is None else by_kernel
+    kernel = kernel and kernels.available(device) and all(h.is_pinned() for _, h in pairs)
+    for i, (dev, host) in enumerate(pairs):
+        if sizes is not None:
+            dev.untyped_storage().resize_(sizes[i])
+        with torch.cuda.stream(stream):
+            if kernel:
+                kernels.copy_from_host_(dev.view(-1), host.view(-1))
+            else:
+                dev.copy_(host, non_blocking=True)
     event = torch.cuda.Event()
     event.record(stream)
     return event
 
 
-def h2d_by_kernel(expandable: bool = False) -> bool:
+def h2d_by_kernel() -> bool:
     """Whether host-to-device copies into fresh memory go by kernel (:func:`queue_h2d`):
-    :data:`H2D_BY_KERNEL` if set, else unless the memory is in expandable segments
-    (``expandable``, or the allocator's own setting: :func:`allocator_expandable`). There
-    the copy engine reaches 96-98% of its raw rate against the kernel's 79-90%
-    (``benchmarks/onload_probe.py``, ``offload.py``)."""
+    :data:`H2D_BY_KERNEL` if set, else unless the allocator makes expandable segments
+    (:func:`allocator_expandable`). There an allocation maps its pages itself, the slow part
+    moves into ``resize_`` and overlaps the copies before it, and the copy engine then reaches
+    92-98% of its raw rate against the kernel's 79-90% (``benchmarks/onload_probe.py``,
+    ``offload.py``). Set ``H2D_BY_KERNEL = False`` where the memory an onload gets was given
+    back by unmapping (an engine on the CUDA virtual-memory API: torch_memory_saver, vLLM's
+    sleep mode) rather than ``cudaFree``: there the copy engine reaches ~95%."""
     if H2D_BY_KERNEL is not None:
         return H2D_BY_KERNEL
-    return not (expandable or allocator_expandable())
+    return not allocator_expandable()
 
 
 def allocator_expandable() -> bool:
-    """Whether torch's CUDA allocator makes expandable segments by its own setting: the last
+    """Whether torch's CUDA allocator makes expandable segments: the last
     ``expandable_segments`` of ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, or of
-    what the process set since (``torch._C._accelerator_setAllocatorSettings``)."""
-    found = re.findall(r"expandable_segments:(\w+)", _allocator_conf().lower())
-    return bool(found) and found[-1] == "true"
-
-
-def onload_expandable() -> bool:
-    """Whether onload allocates the device state in expandable segments:
-    :data:`ONLOAD_EXPANDABLE` if set, else when the allocator makes them anyway or this
-    torch can switch them on for those allocations alone (:func:`expandable_segments`;
-    not with the ``cudaMallocAsync`` backend, which has none)."""
-    if ONLOAD_EXPANDABLE is not None:
-        return ONLOAD_EXPANDABLE
-    if "backend:cudamallocasync" in _allocator_conf().lower():
-        return False
-    return allocator_expandable() or _set_allocator_settings() is not None
-
-
-def _allocator_conf() -> str:
-    """The allocator settings in force: the environment's, then those set since."""
+    what the process set since (``torch._C._accelerator_setAllocatorSettings``, where this
+    torch can report it)."""
     parts = [os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")]
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if get is not None:
         parts.append(get())
-    return ",".join(p.replace(" ", "") for p in parts if p.strip())
-
-
-def _set_allocator_settings() -> Callable[[str], None] | None:
-    return getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
-        torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
-
-
-@contextlib.contextmanager
-def expandable_segments(on: bool = True) -> Iterator[None]:
-    """CUDA allocations made inside are in expandable segments (with ``on``, and unless the
-    allocator makes them anyway); the allocator's settings are restored after.
-
-    Why onload wants them: ``cudaMalloc`` of memory that went back to the driver moments
-    before (an offload's, an inference engine's) gives memory that the copy engine fills
-    ~15% slower, while expandable segments map fresh pages that it fills at full speed
-    (``benchmarks/offload.py``). The settings are set whole, the process's own with only
-    ``expandable_segments`` changed (some torch releases reset the keys a setting string
-    leaves out). Not thread-safe against allocations made by other threads meanwhile
-    (they may land in expandable segments too, which is harmless)."""
-    set_ = _set_allocator_settings()
-    if not on or set_ is None or allocator_expandable():
-        yield
-        return
-    settings = dict(kv.split(":", 1) for kv in _allocator_conf().split(",") if ":" in kv)
-    for key in ("expandable_segments", "backend"):  # the backend is fixed at start
-        settings.pop(key, None)
-    conf = ",".join(f"{k}:{v}" for k, v in settings.items())
-    set_(",".join(filter(None, (conf, "expandable_segments:True"))))
-    try:
-        yield
-    finally:
-        set_(",".join(filter(None, (conf, "expandable_segments:False"))))
+    found = re.findall(r"expandable_segments:(\w+)", ",".join(parts).replace(" ", "").lower())
+    return bool(found) and found[-1] == "true"
