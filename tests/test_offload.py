@@ -379,13 +379,15 @@ def _big(device="cuda"):
 
 
 @pytest.fixture(params=[False, True], ids=["cudamalloc", "expandable"])
-def allocator_expandable(request):
-    """The CUDA allocator set to make expandable segments (switched at run time) or not."""
+def allocator_expandable(request, monkeypatch):
+    """The CUDA allocator set to make expandable segments (switched at run time, and said in
+    the environment, which is all torch 2.11 lets host_state see) or not."""
     from shardopt import host_state
     if request.param:
         if not hasattr(torch._C, "_accelerator_setAllocatorSettings"):
             pytest.skip("this torch cannot switch expandable segments at run time")
         torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         assert host_state.allocator_expandable() == request.param
         yield request.param
