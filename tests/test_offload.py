@@ -49,7 +49,7 @@ def batch(i: int, rank: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tens
 
 
 def train(model, opt, steps, offload_at=(), rank=0, accumulate=False, cycle=None,
-          after_backward=False):
+          after_backward=False, copy=None):
     """Losses of ``steps`` iterations; before each step in ``offload_at`` the whole state
     makes a round trip (``cycle(model, opt)`` between offload and onload): before the
     forward, or with ``after_backward`` between backward (its reductions maybe still in
@@ -61,7 +61,7 @@ def train(model, opt, steps, offload_at=(), rank=0, accumulate=False, cycle=None
             opt.offload()
             if cycle is not None:
                 cycle(model, opt)
-            opt.onload()
+            opt.onload(copy)
         x, y = batch(i, rank, device)
         if accumulate:  # the first half under no_sync; the round trip keeps its grads
             with opt.no_sync():
@@ -112,14 +112,26 @@ def check_refusals(model, opt):
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("offload_at", [(0, 3), (2, 3, 4)], ids=["before-first-step", "later"])
-def test_round_trips_continue_bitwise(device, offload_at):
+@pytest.mark.parametrize("copy", [None, "kernel", "copy_engine"])
+def test_round_trips_continue_bitwise(device, offload_at, copy):
     model, opt = make(device)
     ref_losses = train(model, opt, 6)
     ref = state_of(model, opt)
     model, opt = make(device)
-    losses = train(model, opt, 6, offload_at, cycle=check_refusals)
+    losses = train(model, opt, 6, offload_at, cycle=check_refusals, copy=copy)
     assert losses == ref_losses
     assert_same(state_of(model, opt), ref)
+
+
+def test_onload_refuses_an_unknown_way_to_copy_and_stays_offloaded():
+    model, opt = make()
+    train(model, opt, 1)
+    opt.offload()
+    with pytest.raises(OffloadError, match=r"onload\(copy='dma'\): choose from"):
+        opt.onload(copy="dma")
+    assert opt.offloaded  # nothing moved
+    opt.onload(copy="copy_engine")
+    assert not opt.offloaded
 
 
 def test_pending_accumulated_grads_survive_a_round_trip():

@@ -52,6 +52,7 @@ KINDS = ("moments", "main_params", "grads", "params")
 # Host-to-device copies by a kernel that reads the page-locked host memory (True), by the
 # copy engine (False), or chosen by the allocator's settings (None): see h2d_by_kernel.
 H2D_BY_KERNEL: bool | None = None
+H2D_WAYS = ("kernel", "copy_engine")  # onload(copy=...)
 
 
 class OffloadError(ValueError):
@@ -164,11 +165,14 @@ class HostState:
                 dev.untyped_storage().resize_(0)
             torch.cuda.empty_cache()
 
-    def onload(self) -> None:
+    def onload(self, copy: str | None = None) -> None:
+        if copy not in (None, *H2D_WAYS):
+            raise OffloadError(f"onload(copy={copy!r}): choose from {list(H2D_WAYS)} or None")
         if not self.offloaded:
             return
         if self.cuda:
-            self._last_h2d = self._to_device(self._moved, self._dropped, self._nbytes)
+            self._last_h2d = self._to_device(self._moved, self._dropped, self._nbytes,
+                                             None if copy is None else copy == "kernel")
             self._nbytes = []
         else:
             for dev, host in self._moved:
@@ -306,19 +310,21 @@ class HostState:
 
     def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                    zero: Iterable[torch.Tensor] = (),
-                   nbytes: Iterable[int] | None = None) -> torch.cuda.Event:
+                   nbytes: Iterable[int] | None = None,
+                   by_kernel: bool | None = None) -> torch.cuda.Event:
         """Queue ``dev.copy_(host)`` for each pair (:func:`queue_h2d`) after the current
         stream's work, and zero ``zero`` on the current stream beside them; then the current
         stream waits for the copies, the host does not. With ``nbytes``, the storage of
         each device tensor (pairs', then ``zero``'s) is first re-allocated to that many
-        bytes. Returns the event after which the host tensors may be reused or unlocked."""
+        bytes. ``by_kernel``: see :func:`queue_h2d`. Returns the event after which the host
+        tensors may be reused or unlocked."""
         current = torch.cuda.current_stream(self.opt.device)
         zero = list(zero)
         sizes = list(nbytes) if nbytes is not None else None
         if sizes is not None and len(sizes) != len(pairs) + len(zero):
             raise ValueError(f"{len(sizes)} sizes for {len(pairs) + len(zero)} tensors")
         event = queue_h2d(pairs, self._side_stream(),
-                          None if sizes is None else sizes[:len(pairs)])
+                          None if sizes is None else sizes[:len(pairs)], by_kernel)
         for t, size in zip(zero, sizes[len(pairs):] if sizes is not None else []):
             t.untyped_storage().resize_(size)
         for t in zero:
@@ -412,9 +418,9 @@ def h2d_by_kernel() -> bool:
     (:func:`allocator_expandable`). There an allocation maps its pages itself, the slow part
     moves into ``resize_`` and overlaps the copies before it, and the copy engine then reaches
     92-98% of its raw rate against the kernel's 79-90% (``benchmarks/onload_probe.py``,
-    ``offload.py``). Set ``H2D_BY_KERNEL = False`` where the memory an onload gets was given
-    back by unmapping (an engine on the CUDA virtual-memory API: torch_memory_saver, vLLM's
-    sleep mode) rather than ``cudaFree``: there the copy engine reaches ~95%."""
+    ``offload.py``). Where the memory an onload gets was given back by unmapping (an engine
+    on the CUDA virtual-memory API: torch_memory_saver, vLLM's sleep mode) rather than by
+    ``cudaFree``, the copy engine reaches its full rate: ``onload(copy="copy_engine")``."""
     if H2D_BY_KERNEL is not None:
         return H2D_BY_KERNEL
     return not allocator_expandable()

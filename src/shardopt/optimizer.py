@@ -309,10 +309,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.reseed_written()
         self._host.offload(what)
 
-    def onload(self) -> None:
+    def onload(self, copy: str | None = None) -> None:
         """Bring back what :meth:`offload` moved, bit for bit (no-op when nothing is
-        offloaded). The host copies are kept for the next offload."""
-        self._host.onload()
+        offloaded). The host copies are kept for the next offload. ``copy`` (CUDA): how the
+        bytes reach the device, ``"kernel"`` (a kernel reading the pinned host memory, ~90%
+        of the copy engine's rate whatever happened before) or ``"copy_engine"`` (full rate,
+        but ~15% slower into memory that ``cudaFree`` gave back just before, as an engine's
+        ``empty_cache()`` does; use it when the engine gives memory back by unmapping, as
+        torch_memory_saver and vLLM's sleep mode do); default
+        :func:`~shardopt.host_state.h2d_by_kernel`."""
+        self._host.onload(copy)
 
     def release_host_memory(self) -> None:
         """Free the host copies :meth:`offload` keeps between cycles (refused while offloaded)."""
