@@ -24,7 +24,8 @@
 #            AdamW8bit beside it when its wheel is carried), and step_kernel_sweep.py
 #            timing the kernel as each kind of step runs it (--modes)                    ~1 min
 #   offload  offload.py, default allocator (torch_memory_saver beside it when carried),
-#            20 cycles, and with expandable segments, 8 cycles                             ~2.5 min
+#            20 cycles; the rollout's memory given back by unmapping, 9 cycles; with
+#            expandable segments, 8 cycles                                                ~3.5 min
 #   async    async_save.py, 3 micro-batches, 8 saves per snapshot mode (and with the step
 #            waiting for all copies at once), /dev/shm then /tmp, and 50 iterations of a
 #            save each (the budget skips what will not fit)                                ~8 min
@@ -97,6 +98,8 @@ for part in $PARTS; do
     offload)
       run offload "$PY" benchmarks/offload.py --cycles 20 --rss-cycles 20 \
         --out "$OUT/offload_1gpu.json" --plot "$OUT/offload_1gpu.png" "${EXTRA[@]}"
+      run offload-vmm "$PY" benchmarks/offload.py --no-peers --rollout-alloc expandable \
+        --cycles 9 --rss-cycles 15 --out "$OUT/offload_1gpu_vmm_rollout.json" "${EXTRA[@]}"
       run offload-expandable env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         "$PY" benchmarks/offload.py --cycles 8 --rss-cycles 8 --h2d copy_engine,kernel \
         --out "$OUT/offload_1gpu_expandable.json" "${EXTRA[@]}" ;;
