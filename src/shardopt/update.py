@@ -7,7 +7,7 @@ and stores them back after (the reference), the Triton kernel does it in registe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -18,6 +18,19 @@ if TYPE_CHECKING:
     from .optimizer import DistributedOptimizer
 
 STATE_NAMES = ("master_param", "exp_avg", "exp_avg_sq")
+
+
+class Launch(NamedTuple):
+    """One kernel launch of a step: buffer and param group, the step count, the launch
+    table, the shards it covers when not the group's whole (indices into ``opt.shards``),
+    and the bucket it is cut to (:meth:`Update._by_bucket`)."""
+
+    buffer_index: int
+    group_index: int
+    count: int
+    table: kernels.ChunkTable
+    shard_ids: tuple[int, ...] | None = None
+    bucket_index: int | None = None
 
 
 class Update:
@@ -42,23 +55,23 @@ class Update:
             for i, s in enumerate(opt.shards):
                 ids.setdefault((s.buffer_index, opt.group_of[s.fqn]), []).append(i)
             self.chunk_tables = {k: self._chunk_table(v, by_bucket=True) for k, v in ids.items()}
-        launches = [(bi, gi, steps[gi], table, None)
+        launches = [Launch(bi, gi, steps[gi], table)
                     for (bi, gi), table in self.chunk_tables.items() if steps[gi] is not None]
         for gi, n in enumerate(steps):
             if n is None:
                 parts = step_plan.split(opt.group_shards[gi], opt.shards, opt.param_steps, got)
-                launches += [(bi, gi, count, self._subset_table(tuple(ids)), None)
+                launches += [Launch(bi, gi, count, self._subset_table(tuple(ids)), tuple(ids))
                              for (bi, count), ids in parts.items()]
         if opt.save_copies_pending:  # wait for an asynchronous save's copies bucket by bucket
-            launches = self._by_bucket(launches, steps, got)
+            launches = self._by_bucket(launches)
         partials = None
         if sum_sq:
-            partials = torch.empty(sum(launch[3].num_blocks for launch in launches),
+            partials = torch.empty(sum(launch.table.num_blocks for launch in launches),
                                    dtype=torch.float32, device=opt.device)
         moments = opt.moments
         assert moments is not None
         first = 0
-        for bi, gi, count, table, bucket in launches:
+        for bi, gi, count, table, _, bucket in launches:
             if bucket is not None:
                 opt.wait_for_save_copies_of(self._bucket_state(bi, bucket))
             group = opt.param_groups[gi]
@@ -75,28 +88,26 @@ class Update:
             first += table.num_blocks
         return None if partials is None else partials.sum()
 
-    def _by_bucket(self, launches: list, steps: list[int | None],
-                   got: frozenset[str] | None) -> list:
+    def _by_bucket(self, launches: list[Launch]) -> list[Launch]:
         """``launches`` cut into one per bucket, in bucket order within each buffer (the order
         an asynchronous save copies the state in), each naming its bucket. A whole group's
         table is cut into views of its rows (no new table, no copy to the device); a group
         updated in subsets (some params got no gradient) takes a table per bucket subset."""
         opt = self.opt
         out = []
-        for bi, gi, count, table, _ in launches:
-            if steps[gi] is not None:
-                pieces = [(b, table.piece(b))
-                          for b in range(len(opt.layout.buffers[bi].buckets))]
-                out += [(bi, gi, count, t, b) for b, t in pieces if t.num_blocks]
+        for launch in launches:
+            if launch.shard_ids is None:
+                buckets = range(len(opt.layout.buffers[launch.buffer_index].buckets))
+                out += [launch._replace(table=t, bucket_index=b)
+                        for b, t in ((b, launch.table.piece(b)) for b in buckets)
+                        if t.num_blocks]
                 continue
-            ids = step_plan.split(opt.group_shards[gi], opt.shards, opt.param_steps,
-                                  got)[(bi, count)]
             by_bucket: dict[int, list[int]] = {}
-            for i in ids:
+            for i in launch.shard_ids:
                 by_bucket.setdefault(opt.shards[i].bucket_index, []).append(i)
-            out += [(bi, gi, count, self._subset_table(tuple(b_ids)), b)
-                    for b, b_ids in by_bucket.items()]
-        out.sort(key=lambda launch: (launch[0], launch[4]))
+            out += [launch._replace(table=self._subset_table(tuple(ids)), shard_ids=tuple(ids),
+                                    bucket_index=b) for b, ids in by_bucket.items()]
+        out.sort(key=lambda launch: (launch.buffer_index, launch.bucket_index))
         return out
 
     def _bucket_state(self, bi: int, b: int) -> list[torch.Tensor]:
