@@ -36,6 +36,34 @@ class _RecordingFence:
     done = False
 
 
+def _fenced_against_plain(make, drop=None):
+    """Three Triton steps of ``make()``'s (model, optimizer) twice, the last with a
+    :class:`_RecordingFence` set in the second run (and ``drop(model)`` before it in both);
+    asserts both end bit for bit alike; returns the second run's model, optimizer, fence."""
+    runs = []
+    for fenced in (False, True):
+        model, opt = make()
+        fence = _RecordingFence()
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            if step == 2:
+                if drop is not None:
+                    drop(model)
+                if fenced:
+                    opt.set_save_fence(fence)
+            opt.step()
+        runs.append((model, opt, fence))
+    (model_a, opt_a, _), (model_b, opt_b, fence) = runs
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+    state_a, state_b = opt_a.state_sources(), opt_b.state_sources()
+    assert state_a.keys() == state_b.keys()
+    for name, t in state_a.items():
+        assert torch.equal(t, state_b[name]), name
+    return model_b, opt_b, fence
+
 
 def test_a_step_that_updates_part_of_a_group_waits_bucket_by_bucket_too():
     """A param without a gradient splits its group into subset launches; with a save's
@@ -46,28 +74,16 @@ def test_a_step_that_updates_part_of_a_group_waits_bucket_by_bucket_too():
         pytest.skip("no Triton interpreter here")
     from shardopt import DistributedOptimizer, OptimizerConfig
 
-    runs = []
-    for fenced in (False, True):
+    def make():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24))
-        opt = DistributedOptimizer(model, OptimizerConfig(
+        return model, DistributedOptimizer(model, OptimizerConfig(
             lr=1e-2, bucket_numel=300, align_numel=4, step_kernel="triton"))
-        fence = _RecordingFence()
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=g)
-            if step == 2:
-                model[0].bias.grad = None  # not updated this step: the group is split
-                if fenced:
-                    opt.set_save_fence(fence)
-            opt.step()
-        runs.append((model, opt, fence))
-    (model_a, opt_a, _), (model_b, opt_b, fence) = runs
-    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
-        assert torch.equal(pa, pb)
-    for name, t in opt_a.state_sources().items():
-        assert torch.equal(t, opt_b.state_sources()[name]), name
+
+    def drop(model):
+        model[0].bias.grad = None  # not updated this step: the group is split
+
+    _, opt_b, fence = _fenced_against_plain(make, drop)
     assert fence.waited_all == 0 and len(fence.calls) > 1
     layout = opt_b.layout
     order = [(bi, b) for bi, buf in enumerate(layout.buffers) for b in range(len(buf.buckets))]
@@ -76,6 +92,7 @@ def test_a_step_that_updates_part_of_a_group_waits_bucket_by_bucket_too():
          (t.storage_offset() + t.numel()) * t.element_size())
         for t in opt_b._update._bucket_state(*k)]) for call in fence.calls]
     assert waited == sorted(waited) and len(set(waited)) == len(waited)
+
 
 @pytest.mark.parametrize("moments", ["float32", "int8"])
 def test_step_after_async_save_waits_bucket_by_bucket_for_what_it_writes(moments):
@@ -95,25 +112,7 @@ def test_step_after_async_save_waits_bucket_by_bucket_for_what_it_writes(moments
                               exp_avg_sq_dtype=getattr(torch, moments))
         return model, DistributedOptimizer(model, cfg)
 
-    runs = []
-    for fenced in (False, True):
-        model, opt = make()
-        fence = _RecordingFence()
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-            if fenced and step == 2:
-                opt.set_save_fence(fence)
-            opt.step()
-        runs.append((model, opt, fence))
-    (model_a, opt_a, _), (model_b, opt_b, fence) = runs
-    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
-        assert torch.equal(pa, pb)
-    state_a, state_b = opt_a.state_sources(), opt_b.state_sources()
-    assert state_a.keys() == state_b.keys()
-    for name, t in state_a.items():
-        assert torch.equal(t, state_b[name]), name
+    model_b, opt_b, fence = _fenced_against_plain(make)
     assert fence.waited_all == 0
     layout, rank = opt_b.layout, opt_b.dp.rank
     buckets = [(bi, b) for bi, buf in enumerate(layout.buffers) for b in range(len(buf.buckets))]
