@@ -296,6 +296,36 @@ def test_a_device_snapshot_drains_into_one_reused_host_copy_of_its_size(tmp_path
                                                                 "step_00000003")
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
+def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path, monkeypatch):
+    """``snapshot="device_staged"``: the writer process writes the files from one page-locked
+    staging buffer of ``staging_bytes`` (no thread of the save writes a file), reused by the
+    next save; the host holds nothing else, and the checkpoint is the synchronous save's."""
+    save_module = importlib.import_module(SAVE_MODULE)
+    model, opt = build(0, "cuda")
+    train(model, opt, range(2), 0, 1)
+    snap = save_module._snapshot(opt)
+
+    def no_thread_writes(*args, **kwargs):
+        raise AssertionError("a save thread wrote a file")
+
+    monkeypatch.setattr(save_module, "write_file", no_thread_writes)
+    staged = checkpoint.save(tmp_path / "staged", model, opt, step=2, blocking=False,
+                             snapshot="device_staged", staging_bytes=1 << 20).wait()
+    staging = snap._staging.tensor.data_ptr()
+    assert snap.on_device and not snap._drained and snap._staging.pinned
+    assert snap.host_nbytes() == 1 << 20  # 16 slots of 64 KiB
+    train(model, opt, range(2, 3), 0, 1)
+    again = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
+                            snapshot="device_staged", staging_bytes=1 << 20).wait()
+    assert snap._staging.tensor.data_ptr() == staging
+    monkeypatch.undo()
+    assert Path(staged).is_dir()
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=3)
+    assert _checkpoint_bytes(Path(again)) == _checkpoint_bytes(Path(reference))
+
+
 def test_repeated_saves_reuse_the_snapshot_plan_and_follow_the_state(trained_model, tmp_path,
                                                                      monkeypatch):
     """After the first save, saves repeat its copies from wherever the state lives now:

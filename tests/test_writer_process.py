@@ -199,3 +199,77 @@ def test_a_block_of_more_pieces_than_one_write_call_takes(tmp_path):
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name] == b[name], name
+
+
+def _stream_jobs():
+    """Three files of host entries (bf16 and fp32 values, zeros), one far larger."""
+    import torch
+
+    from shardopt.checkpoint.storage import WriteEntry
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(30_000, generator=g)
+    return [("a.safetensors", [WriteEntry("w", torch.float32, 30_000, 0, big),
+                               WriteEntry("z", torch.float32, 5_000, 0, None),
+                               WriteEntry("b", torch.bfloat16, 777, 3,
+                                          torch.randn(777, generator=g).bfloat16())]),
+            ("b.safetensors", [WriteEntry("v", torch.float32, 1_234, 0,
+                                          torch.randn(1_234, generator=g))]),
+            ("c.safetensors", [])]
+
+
+def test_a_streamed_write_is_the_direct_write(tmp_path):
+    """Files streamed through a staging buffer of three 4 KiB slots, blocks of 10,000 bytes
+    (pieces never cross a block; a block takes three pieces): the same bytes and block
+    digests as each file written directly, and the buffer serves the next write too."""
+    import torch
+
+    from shardopt.checkpoint.storage import write_file
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    jobs = _stream_jobs()
+    (tmp_path / "direct").mkdir()
+    direct = {name: write_file(str(tmp_path / "direct" / name), entries, 10_000, None)
+              for name, entries in jobs}
+    staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
+    for run in ("one", "two"):
+        (tmp_path / run).mkdir()
+        records = writer.stream_files(tmp_path / run, jobs, 10_000, staging, 4096)
+        assert records == direct
+        for name, _ in jobs:
+            assert (tmp_path / run / name).read_bytes() == \
+                (tmp_path / "direct" / name).read_bytes(), name
+
+
+def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_path,
+                                                                          monkeypatch):
+    """A file in the way fails the streamed write naming it, after every slot came back (the
+    process keeps serving: the next write works); a process killed in the middle fails its
+    write saying so, and the next write starts a new process."""
+    import torch
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    jobs = _stream_jobs()
+    staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "b.safetensors").write_bytes(b"in the way")
+    with pytest.raises(OSError, match=r"b\.safetensors: FileExistsError"):
+        writer.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096)
+    proc = writer._PROCESS._proc
+    (tmp_path / "y").mkdir()
+    assert set(writer.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096)) == \
+        {name for name, _ in jobs}
+    assert writer._PROCESS._proc is proc
+
+    real = writer.protocol.recv
+
+    def killed_while_writing(sock):
+        os.kill(proc.pid, signal.SIGKILL)
+        return real(sock)
+
+    monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+    (tmp_path / "z").mkdir()
+    with pytest.raises(OSError, match="writer process failed"):
+        writer.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096)
+    monkeypatch.undo()
+    (tmp_path / "w").mkdir()
+    assert set(writer.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096)) == \
+        {name for name, _ in jobs}
+    assert writer._PROCESS._proc.pid != proc.pid

@@ -12,11 +12,18 @@ JSON and of each blob, then the bytes); no pickle, nothing executable crosses. A
 ``["map", id, nbytes]`` request is followed by one byte carrying the descriptor
 (``SCM_RIGHTS``). In a write request a part's source is null (zeros), ``[buffer id, byte
 offset]`` or ``{"blob": k}`` (the request's k-th blob).
+
+A streamed write (``["stream", {...}]``, :func:`stream`) writes files whose bytes the parent
+passes through a small mapped staging buffer, piece by piece: ``["pieces", [[file, start,
+nbytes, slot], ...]]`` name filled slots, each answered ``["free", slot]`` once written (or
+``["failed", why]`` once, after which pieces are freed unwritten); ``["end"]`` is answered
+``["done", "ok", records]`` or ``["done", "error", why]``.
 """
 
 import mmap
 import os
 import json
+import queue
 import socket
 import struct
 import sys
@@ -145,6 +152,110 @@ def write_all(request: dict, maps: dict, blobs: list) -> dict:
     return records
 
 
+class _StreamedFile:
+    """One file of a streamed write, written by a thread of its own from the pieces queued
+    for it, in order; each block's digest is taken as its last piece is written."""
+
+    def __init__(self, path: str, size: int, block_bytes: int) -> None:
+        self.path, self.size, self.block_bytes = path, size, block_bytes
+        self.queue: queue.Queue = queue.Queue()
+        self.hashes: list[str] = []
+        self.fd: int | None = None
+        self.at = 0  # the next byte expected
+
+    def write(self, start: int, view: memoryview) -> None:
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        end = start + len(view)
+        if start != self.at or end > self.size or \
+                start // self.block_bytes != (end - 1) // self.block_bytes:
+            raise ValueError(f"piece [{start}, {end}) out of order or across a block "
+                             f"(expected byte {self.at} of {self.size})")
+        if start % self.block_bytes == 0:
+            self.hash = xxhash.xxh3_64()
+        self.hash.update(view)
+        vectored(os.pwritev, self.fd, [view], start, OSError(f"{self.path}: nothing written"))
+        self.at = end
+        if end % self.block_bytes == 0 or end == self.size:
+            self.hashes.append(self.hash.hexdigest())
+
+    def finish(self) -> dict:
+        if self.fd is None:  # an empty file gets no piece
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        if self.at != self.size:
+            raise ValueError(f"{self.at} of {self.size} bytes came")
+        os.fsync(self.fd)
+        return {"size": self.size, "block_bytes": self.block_bytes, "hashes": self.hashes}
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def stream(sock: socket.socket, request: dict, maps: dict, failed: dict) -> None:
+    """Serve one streamed write (see the module's docstring) until its ``end``."""
+    slot_bytes = request["slot_bytes"]
+    files = [_StreamedFile(os.path.join(request["dir"], name), size, request["block_bytes"])
+             for name, size in request["files"]]
+    staging = maps.get(request["buffer"])
+    errors: list[str] = [failed[request["buffer"]]] if staging is None and \
+        request["buffer"] in failed else []
+    lock = threading.Lock()
+
+    def answer(msg) -> None:
+        with lock:
+            send(sock, msg)
+
+    def fail(why: str) -> None:
+        with lock:
+            first = not errors
+            errors.append(why)
+            if first:
+                send(sock, ["failed", why])
+
+    def run(f: _StreamedFile) -> None:
+        while True:
+            piece = f.queue.get()
+            if piece is None:
+                break
+            start, nbytes, slot = piece
+            if not errors:
+                try:
+                    f.write(start, staging[slot * slot_bytes:slot * slot_bytes + nbytes])
+                except BaseException as e:  # noqa: BLE001 - answered to the parent
+                    fail(f"{os.path.basename(f.path)}: {type(e).__name__}: {e}")
+            answer(["free", slot])
+
+    if errors:
+        answer(["failed", errors[0]])
+    threads = [threading.Thread(target=run, args=(f,)) for f in files]
+    for t in threads:
+        t.start()
+    records: dict[str, dict] = {}
+    try:
+        while True:
+            msg, _ = recv(sock)
+            if msg[0] == "end":
+                break
+            for i, start, nbytes, slot in msg[1]:
+                files[i].queue.put((start, nbytes, slot))
+    finally:
+        for f in files:
+            f.queue.put(None)
+        for t in threads:
+            t.join()
+        for f, (name, _) in zip(files, request["files"]):
+            try:
+                if not errors:
+                    records[name] = f.finish()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+            finally:
+                f.close()
+    answer(["done", "error", errors[0]] if errors else ["done", "ok", records])
+
+
 def _watch(parent: int) -> None:
     """Exit at once when the parent is gone (reparented), even in the middle of a write:
     its save can never commit. (``PR_SET_PDEATHSIG`` would fire when the parent's thread
@@ -178,6 +289,11 @@ def main(fd: int, parent: int) -> None:
         elif kind == "unmap":
             maps.pop(msg[1], None)
             failed.pop(msg[1], None)
+        elif kind == "stream":
+            try:
+                stream(sock, msg[1], maps, failed)
+            except (EOFError, OSError):  # the parent is gone
+                return
         elif kind == "write":
             try:
                 bad = [failed[b] for b in msg[1]["buffers"] if b in failed]

@@ -24,6 +24,7 @@ waiting in a collective: all of them raise :class:`CheckpointError`.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import weakref
@@ -184,11 +185,20 @@ def save(
             try:
                 if fence is not None:
                     fence.done.synchronize()
-                jobs = contents if staged_out else snap.drain(contents)
+                if staged_out:  # through one small page-locked buffer
+                    jobs = contents
+                    slot_bytes, slots = writer_process.stream_slots(cfg.staging_bytes,
+                                                                    cfg.block_bytes)
+                    through = functools.partial(writer_process.stream_files,
+                                                staging=snap.staging(slot_bytes * slots),
+                                                slot_bytes=slot_bytes)
+                else:  # from the host copy
+                    jobs = snap.drain(contents)
+                    through = functools.partial(writer_process.write_files,
+                                                buffers=snap.host_buffers())
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     _write_and_commit(tmp, owned, _split(jobs, rank, threads), base, group,
-                                      cfg, threads, device, step, what,
-                                      None if staged_out else snap.host_buffers())
+                                      cfg, threads, device, step, what, through)
             finally:
                 if owned is not None:
                     commit.abort(owned)
@@ -196,6 +206,11 @@ def save(
     finally:
         if staged is not None:
             commit.abort(staged)
+
+
+# Writes a rank's files (file name, entries) into a directory in blocks of the given size by
+# the writer process, returning their records, or None where that process cannot.
+Through = Callable[[Path, list[Job], int], "dict[str, dict] | None"]
 
 
 def _snapshot(opt: DistributedOptimizer) -> Snapshot:
@@ -214,14 +229,13 @@ def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
                       base: Callable[[], dict[str, Any]], dp: comm.DPGroup,
                       cfg: CheckpointConfig,
                       threads: int, device: torch.device, step: int, what: str,
-                      shared: list | None = None) -> None:
-    """Collective over ``dp``. Phases 2 and 3: write this rank's files (through the writer
-    process when their bytes lie in the ``shared`` snapshot buffers), then (rank 0) the
-    manifest and the commit."""
+                      through: Through | None = None) -> None:
+    """Collective over ``dp``. Phases 2 and 3: write this rank's files (``through`` the
+    writer process where it can), then (rank 0) the manifest and the commit."""
     records, error = {}, None
     try:
         records = _write_rank_files(tmp, jobs, cfg.block_bytes, cfg.staging_bytes, device,
-                                    shared)
+                                    through)
     except Exception as e:  # noqa: BLE001
         error = e
     all_records = agree(dp, error, what, records)
@@ -283,15 +297,14 @@ def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:
 
 
 def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_bytes: int,
-                      device: torch.device, shared: list | None = None) -> dict[str, dict]:
+                      device: torch.device, through: Through | None = None) -> dict[str, dict]:
     """Coordinator-free. Write and fsync this rank's files, all at once; return their records.
 
-    The files are written side by side: by the writer process (:mod:`.writer_process`)
-    when ``shared`` buffers hold their bytes, else each by ``FILE_THREADS`` thread(s) that
-    copy blocks from ``device``, hash and write them.
+    The files are written side by side: ``through`` the writer process
+    (:mod:`.writer_process`: it returns None where it cannot), else each by
+    ``FILE_THREADS`` thread(s) that copy blocks from ``device``, hash and write them.
     """
-    records = None if shared is None else writer_process.write_files(tmp, jobs, block_bytes,
-                                                                       shared)
+    records = None if through is None else through(tmp, jobs, block_bytes)
     if records is None:
         scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device,
                                  threads=FILE_THREADS) for _ in jobs]

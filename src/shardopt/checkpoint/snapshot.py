@@ -18,10 +18,10 @@ thread then copies each buffer to a page-locked host buffer of its size in one c
 (:meth:`Snapshot.drain`: a few calls, asleep while they run, so it takes next to nothing
 from the training thread) and writes from there, as for ``"host"``: one copy of the state
 in GPU memory and one in host memory. ``snapshot="device_staged"``: the GPU copy is
-streamed to the files through the save's small pinned staging buffers (``staging_bytes``),
-so the host holds no copy of the state; that costs a copy, an event and a wait per block
-on every writer thread, Python work that slows a training thread sharing the GIL
-(``benchmarks/async_breakdown.py``).
+streamed to the files through one small page-locked staging buffer (``staging_bytes``,
+:meth:`Snapshot.staging`), so the host holds no copy of the state: the background thread
+fills its slots and the writer process writes them
+(:func:`.writer_process.stream_files`).
 
 What is copied: runs of adjacent elements of the few flat tensors the state lives in (a
 rank's shard of each bucket is contiguous), not one copy per param and state. A later save
@@ -120,6 +120,7 @@ class Snapshot:
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._pinned: dict[torch.dtype, PinnedBuffer] = {}
         self._drained: dict[torch.dtype, PinnedBuffer] = {}  # host copies of device buffers
+        self._staging: PinnedBuffer | None = None  # what device_staged saves stream through
         self._stream: torch.cuda.Stream | None = None
         self._drain_stream: torch.cuda.Stream | None = None
         self._plan: _Plan | None = None  # the last take, to repeat with the same buffers
@@ -129,17 +130,31 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def host_nbytes(self) -> int:
-        """Host memory :meth:`drain` keeps between saves (0 but after a device snapshot)."""
-        return sum(b.tensor.numel() * b.tensor.element_size() for b in self._drained.values())
+        """Host memory a device snapshot keeps between saves: :meth:`drain`'s copies and
+        the :meth:`staging` buffer."""
+        staging = self._staging.tensor.numel() if self._staging is not None else 0
+        return staging + sum(b.tensor.numel() * b.tensor.element_size()
+                             for b in self._drained.values())
 
     def host_buffers(self) -> list[PinnedBuffer]:
         """The host buffers the entries of the last take (drained, for a device snapshot)
         lie in: shared memory the writer process can map (:mod:`.writer_process`)."""
         return list((self._drained if self.on_device else self._pinned).values())
 
+    def staging(self, nbytes: int) -> PinnedBuffer:
+        """A page-locked, shared host buffer of ``nbytes`` that ``"device_staged"`` saves
+        stream the device copy through (:func:`.writer_process.stream_files`), kept and
+        reused while the size stays."""
+        if self._staging is None or self._staging.tensor.numel() != nbytes:
+            _release([self._staging] if self._staging is not None else [])
+            self._staging = PinnedBuffer(nbytes, torch.uint8, shared=SHARED, lock=self.cuda)
+        return self._staging
+
     def release(self) -> None:
-        _release([*self._pinned.values(), *self._drained.values()])
+        _release([*self._pinned.values(), *self._drained.values(),
+                  *([self._staging] if self._staging is not None else [])])
         self._buffers, self._pinned, self._drained, self._plan = {}, {}, {}, None
+        self._staging = None
 
     def drain(self, jobs: list[Job]) -> list[Job]:
         """Coordinator-free; run by the background writer after the snapshot's copies. For

@@ -170,6 +170,19 @@ def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tup
     return [(b, b * block_bytes, min((b + 1) * block_bytes, size)) for b in blocks]
 
 
+def overlapping(parts: list[Part], starts: list[int], lo: int, hi: int
+                ) -> list[tuple[Part, int, int]]:
+    """``(part, first byte, end byte)`` of each of ``parts`` (sorted and contiguous;
+    ``starts``: their starts) that holds bytes of ``[lo, hi)``, clipped to it."""
+    out = []
+    for p in parts[max(0, bisect.bisect_right(starts, lo) - 1):]:
+        if p.start >= hi:
+            break
+        if p.end > lo:
+            out.append((p, max(p.start, lo), min(p.end, hi)))
+    return out
+
+
 def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
                  scratch: Scratch | None, threads: int) -> list[str]:
     """Write ``parts`` (sorted, contiguous from byte 0) and return the xxh3-64 digest of
@@ -193,10 +206,7 @@ def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
             stop = min(pos + piece, end)
             views, copies = [], []
             buf = scratch.take(slot) if scratch is not None else None
-            for p in parts[max(0, bisect.bisect_right(starts, pos) - 1):]:
-                if p.start >= stop:
-                    break
-                lo, hi = max(p.start, pos), min(p.end, stop)
+            for p, lo, hi in overlapping(parts, starts, pos, stop):
                 if p.data is None:
                     views.append(host_bytes(zeros[:hi - lo]))
                 elif p.data.is_cuda:

@@ -23,19 +23,27 @@ does.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import itertools
 import os
 import socket
 import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import torch
 
 from ..pinned import PinnedBuffer
 from . import _writer_main as protocol
-from .storage import WriteEntry, file_parts
+from .storage import MIN_SCRATCH_BYTES, WriteEntry, file_parts
+from .transfer import Part, overlapping
 
+# Slots of a streamed write's staging buffer, for as many files written at once (at most
+# io_threads(): 16).
+STREAM_SLOTS = 16
 # Pieces outside the shared buffers (headers, the RNG state) travel in the request when no
 # larger than this.
 INLINE_BYTES = 16 << 20
@@ -137,42 +145,132 @@ class WriterProcess:
             self._finalizers[i] = weakref.finalize(buf, self._dropped, i)
         return i
 
+    @contextlib.contextmanager
+    def _talk(self) -> Iterator[socket.socket]:
+        """The socket to the process (started if need be), under the lock. A failed
+        exchange closes the process (the next one starts a new one): a broken socket is
+        raised as an :class:`OSError` saying so, anything else as it is."""
+        with self._lock:
+            sock = self._start()
+            try:
+                yield sock
+            except (OSError, EOFError) as e:
+                self._close()
+                raise OSError(f"the checkpoint writer process failed ({e!r}); it is "
+                              "restarted at the next asynchronous save") from None
+            except BaseException:
+                self._close()  # mid-exchange: what it would read next is unknown
+                raise
+            finally:
+                self._flush()
+
     def write(self, directory: Path, files: list[tuple[str, list, int]],
               block_bytes: int) -> dict[str, dict]:
         """Write ``files`` (name, parts ``(start, nbytes, src)``, size) into ``directory``;
         their records. ``src``: ``(buffer, byte offset)`` for a piece of a shared buffer,
         bytes, or None for zeros."""
-        with self._lock:
-            sock = self._start()
-            try:
-                ids: dict[int, int] = {}  # id(buffer) -> its id in the process, mapped now
-                blobs: list[bytes] = []
+        with self._talk() as sock:
+            ids: dict[int, int] = {}  # id(buffer) -> its id in the process, mapped now
+            blobs: list[bytes] = []
 
-                def wire(src):
-                    if isinstance(src, tuple):
-                        buf, at = src
-                        if id(buf) not in ids:
-                            ids[id(buf)] = self._map(sock, buf)
-                        return [ids[id(buf)], at]
-                    if isinstance(src, bytes):
-                        blobs.append(src)
-                        return {"blob": len(blobs) - 1}
-                    return None
-                files = [[name, [[s, n, wire(src)] for s, n, src in parts], size]
-                         for name, parts, size in files]
-                protocol.send(sock, ["write", {"dir": str(directory), "files": files,
-                                               "block_bytes": block_bytes,
-                                               "buffers": list(ids.values())}], blobs)
-                (status, answer), _ = protocol.recv(sock)
-            except (OSError, EOFError) as e:
-                self._close()
-                raise OSError(f"the checkpoint writer process failed ({e!r}); it is "
-                              "restarted at the next asynchronous save") from None
-            finally:
-                self._flush()
+            def wire(src):
+                if isinstance(src, tuple):
+                    buf, at = src
+                    if id(buf) not in ids:
+                        ids[id(buf)] = self._map(sock, buf)
+                    return [ids[id(buf)], at]
+                if isinstance(src, bytes):
+                    blobs.append(src)
+                    return {"blob": len(blobs) - 1}
+                return None
+            files = [[name, [[s, n, wire(src)] for s, n, src in parts], size]
+                     for name, parts, size in files]
+            protocol.send(sock, ["write", {"dir": str(directory), "files": files,
+                                           "block_bytes": block_bytes,
+                                           "buffers": list(ids.values())}], blobs)
+            (status, answer), _ = protocol.recv(sock)
         if status != "ok":
             raise OSError(f"writing {directory}: {answer}")
         return answer
+
+    def stream(self, directory: Path, files: list[tuple[str, list[Part], int]],
+               block_bytes: int, staging: PinnedBuffer, slot_bytes: int) -> dict[str, dict]:
+        """Write ``files`` (name, parts, size) into ``directory`` through ``staging``, cut
+        into slots of ``slot_bytes``; their records. The files' pieces (none across a
+        block) are dealt round-robin, so every file's thread in the process has work; the
+        slots are filled (device parts copied on the current stream, this thread asleep
+        until they land) whenever half of them are free, while the process writes the
+        others. Copies, an event and a message per half ring: little of the GIL."""
+        order = _stream_order([size for _, _, size in files], block_bytes, slot_bytes)
+        parts = [[p for p in ps if p.nbytes] for _, ps, _ in files]
+        starts = [[p.start for p in ps] for ps in parts]
+        ring = staging.tensor.view(torch.uint8)
+        free = list(range(ring.numel() // slot_bytes))
+        half = max(1, len(free) // 2)
+        with self._talk() as sock:
+            protocol.send(sock, ["stream", {
+                "dir": str(directory), "files": [[n, size] for n, _, size in files],
+                "block_bytes": block_bytes, "slot_bytes": slot_bytes,
+                "buffer": self._map(sock, staging)}])
+            failure, i = None, 0
+            while i < len(order) and failure is None:
+                while len(free) < min(half, len(order) - i):
+                    (kind, arg), _ = protocol.recv(sock)
+                    if kind == "failed":
+                        failure = arg
+                        break
+                    free.append(arg)
+                if failure is not None:
+                    break
+                batch, stream = [], None
+                while free and i < len(order):
+                    f, lo, hi = order[i]
+                    slot, i = free.pop(), i + 1
+                    at = slot * slot_bytes
+                    stream = _fill(ring[at:at + hi - lo], parts[f], starts[f], lo) or stream
+                    batch.append([f, lo, hi - lo, slot])
+                if stream is not None:
+                    landed = torch.cuda.Event(blocking=True)  # asleep, not spinning
+                    landed.record(stream)
+                    landed.synchronize()
+                protocol.send(sock, ["pieces", batch])
+            protocol.send(sock, ["end"])
+            msg = None
+            while msg is None or msg[0] != "done":  # the last slots' "free"s come first
+                msg, _ = protocol.recv(sock)
+        if msg[1] != "ok":
+            raise OSError(f"writing {directory}: {msg[2]}")
+        return msg[2]
+
+
+def _stream_order(sizes: list[int], block_bytes: int, slot_bytes: int
+                  ) -> list[tuple[int, int, int]]:
+    """``(file, first byte, end byte)`` of every piece of files of ``sizes``: each block cut
+    into pieces of at most ``slot_bytes``, the files' pieces dealt round-robin."""
+    per_file = [[(f, lo, min(lo + slot_bytes, block + block_bytes, size))
+                 for block in range(0, size, block_bytes)
+                 for lo in range(block, min(block + block_bytes, size), slot_bytes)]
+                for f, size in enumerate(sizes)]
+    return [piece for row in itertools.zip_longest(*per_file) for piece in row
+            if piece is not None]
+
+
+def _fill(dst: torch.Tensor, parts: list[Part], starts: list[int], lo: int
+          ) -> torch.cuda.Stream | None:
+    """Put bytes ``[lo, lo + len(dst))`` of a file of ``parts`` into ``dst`` (a slot of the
+    page-locked staging buffer): host bytes and zeros at once, device bytes by copies
+    queued on the current stream, which is returned (None when nothing was queued)."""
+    stream = None
+    for p, a, b in overlapping(parts, starts, lo, lo + dst.numel()):
+        out = dst[a - lo:b - lo]
+        if p.data is None:
+            out.zero_()
+        elif p.data.is_cuda:
+            stream = torch.cuda.current_stream(p.data.device)
+            out.copy_(p.data[a - p.start:b - p.start], non_blocking=True)
+        else:
+            out.copy_(p.data[a - p.start:b - p.start])
+    return stream
 
 
 _PROCESS = WriterProcess()
@@ -210,6 +308,29 @@ def write_files(tmp: Path, jobs: Sequence[tuple[str, Sequence[WriteEntry]]], blo
             size = p.start + p.nbytes
         files.append((name, parts, size))
     return _PROCESS.write(tmp, files, block_bytes)
+
+
+def stream_slots(staging_bytes: int, block_bytes: int) -> tuple[int, int]:
+    """``(slot bytes, slots)`` of a streamed write's staging buffer of about
+    ``staging_bytes``: :data:`STREAM_SLOTS` slots of at most a block (at least
+    :data:`~.storage.MIN_SCRATCH_BYTES` each, and two slots)."""
+    slot = max(MIN_SCRATCH_BYTES, min(block_bytes, staging_bytes // STREAM_SLOTS))
+    return slot, max(2, staging_bytes // slot)
+
+
+def stream_files(tmp: Path, jobs: Sequence[tuple[str, Sequence[WriteEntry]]], block_bytes: int,
+                 staging: PinnedBuffer, slot_bytes: int) -> dict[str, dict] | None:
+    """Coordinator-free. Write ``jobs`` into ``tmp`` with the writer process through
+    ``staging`` (shared, page-locked where the sources are on a GPU; slots of ``slot_bytes``:
+    :func:`stream_slots`) and return the files' records; None (nothing written) when the
+    buffer is not shared."""
+    if staging.fd is None:
+        return None
+    files = []
+    for name, entries in jobs:
+        parts = file_parts(entries)
+        files.append((name, parts, parts[-1].end))
+    return _PROCESS.stream(tmp, files, block_bytes, staging, slot_bytes)
 
 
 def available() -> bool:
