@@ -1,11 +1,12 @@
 """Asynchronous checkpoint saves: how long training stalls and how much it slows, shardopt
 ``checkpoint.save(..., blocking=False)`` against ``torch.distributed.checkpoint.async_save``.
 
-One process, one GPU, the ``1b`` preset (1.3B params, bf16 with fp32 norms and routers,
-shardopt's optimizer for both systems; DCP saves ``{"model": model.state_dict(), "optim":
-opt.state_dict()}``, the same bytes). Every iteration (forward, backward, step) ends by
-waiting for the training stream (as a loop that reads its loss does; a save's copies on
-side streams are waited for only where training itself waits for them) and is timed. Phases, each into ``/dev/shm`` and ``/tmp``:
+One process, one GPU (``--nproc N``: N ranks, one a GPU, data parallel), the ``1b`` preset
+(1.3B params, bf16 with fp32 norms and routers, shardopt's optimizer for both systems; DCP
+saves ``{"model": model.state_dict(), "optim": opt.state_dict()}``, the same bytes). Every
+iteration (forward, backward, step) ends by waiting for the training stream (as a loop that
+reads its loss does; a save's copies on side streams are waited for only where training
+itself waits for them) and is timed. Phases, each into ``/dev/shm`` and ``/tmp``:
 
 * ``none``: no checkpoint; its median iteration is the baseline.
 * ``sparse``: a save every ``--sparse-every`` iterations (long enough for the write to
@@ -37,11 +38,26 @@ recorded), and a time budget (``--budget-s``) skips phases that would not fit, f
 last of: every phase into the first directory, then into the others; skipped phases are
 listed in the result.
 
+``--nproc N`` (N > 1) runs N ranks (``_peers.spawn``: NCCL on GPUs, gloo on CPU), each with
+the same model and its own micro-batches, the optimizer over all of them; only shardopt's
+systems (DCP and megatron here run at ``--nproc 1``). Saves are collective, so every rank
+must save and iterate alike: rank 0 decides (the budget's skips, each phase's directory and
+its number of iterations) and tells the others before the phase, and ``--phase-cap-s``
+becomes a number of iterations agreed up front (from rank 0's baseline and how long its
+writes ran in the phase before) instead of a clock read inside the loop. Every rank
+measures its own phases (``phases_by_rank`` and ``host_rss_peak_bytes_by_rank`` in the
+result; ``phases`` are rank 0's).
+
 GPU (one H200, under 5 minutes)::
 
     PYTHONPATH=src python3 benchmarks/async_save.py --out $OUT
 
-CPU smoke::
+DP 2 (two H200)::
+
+    PYTHONPATH=src python3 benchmarks/async_save.py --nproc 2 \\
+        --systems shardopt,shardopt_device --out $OUT
+
+CPU smoke (``--nproc 2`` for two ranks over gloo)::
 
     PYTHONPATH=src python benchmarks/async_save.py --device cpu --preset tiny \\
         --every-iters 3 --sparse-every 2 --sparse-saves 2 --warmup 1 --dirs /tmp
@@ -231,6 +247,9 @@ SAVERS = {"shardopt": ShardoptSaver, "shardopt_device": ShardoptDeviceSaver,
           "shardopt_device_staged": ShardoptDeviceStagedSaver,
           "shardopt_whole_fence": ShardoptWholeFenceSaver, "dcp": DcpSaver,
           "megatron": MegatronAsyncSaver}
+# Run at --nproc 1 only: megatron's trainer here is built as rank 0 of 1, and at DP > 1 the
+# comparison is between shardopt's snapshot kinds.
+DP1_ONLY = ("dcp", "megatron")
 
 
 def _loop(step_fn: Callable[[Callable[[], None]], None], device: torch.device, iters: int,
@@ -307,6 +326,41 @@ def _phase(name: str, rows: list[dict], baseline: float | None, rss) -> dict:
     return out
 
 
+def _write_s(rows: list[dict]) -> float:
+    """Seconds a save's write runs, at most, as a phase's rows tell: from the iteration that
+    called it to the first that started with no write running (the median over the saves
+    whose write ended within the phase, before the next save; 0 without any)."""
+    spans = []
+    for i, r in enumerate(rows):
+        if r["saved"]:
+            k = i + 1
+            while k < len(rows) and rows[k]["writing"] and not rows[k]["saved"]:
+                k += 1
+            if k < len(rows) and not rows[k]["writing"]:
+                spans.append(sum(x["iter_s"] for x in rows[i:k]))
+    return statistics.median(spans) if spans else 0.0
+
+
+def _agreed(value: Any) -> Any:
+    """Collective at DP > 1: rank 0's ``value`` on every rank (``value`` itself at DP 1).
+    Saves are collective, so what decides whether a rank saves or iterates is rank 0's."""
+    if dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gathered(value: Any) -> list | None:
+    """Collective at DP > 1: every rank's ``value``, in rank order, on rank 0 (None on the
+    others); ``[value]`` at DP 1."""
+    if dist.get_world_size() == 1:
+        return [value]
+    values = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, values, dst=0)
+    return values
+
+
 def _trainer_of(system: str) -> str:
     """Whose model and loop a system saves: megatron's own, or shardopt's (DCP saves that)."""
     return "megatron" if system == "megatron" else "shardopt"
@@ -347,33 +401,13 @@ class _Trainer:
         self.step_fn = step_fn
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--preset", default="1b")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--accumulate", type=int, default=1,
-                   help="micro-batches (forward+backward) per iteration, before its step")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--none-iters", type=int, default=20)
-    p.add_argument("--sparse-every", type=int, default=15)
-    p.add_argument("--sparse-saves", type=int, default=3)
-    p.add_argument("--every-iters", type=int, default=50)
-    p.add_argument("--dirs", default="/dev/shm,/tmp")
-    p.add_argument("--systems", default="shardopt,shardopt_device,dcp")
-    p.add_argument("--phase-cap-s", type=float, default=25.0,
-                   help="no iteration of a phase starts after this many seconds")
-    p.add_argument("--budget-s", type=float, default=250.0,
-                   help="seconds for everything; phases that would not fit are skipped")
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default="")
-    args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("CUDA is not available; use --device cpu for a smoke run")
-    started = time.perf_counter()
-    device = _peers.single_rank_group(args.device)
+def _run(rank: int, world: int, args: argparse.Namespace, device: torch.device,
+         started: float) -> dict:
+    """Every phase on rank ``rank`` of ``world`` (the whole run at DP 1): its phases, the
+    phases skipped (rank 0's decisions; the budget counts from ``started``) and its trainers'
+    baselines."""
     n_batches = 8
-    batches = _peers.make_batches(args.preset, 0, 1, args.micro_batch, n_batches, device)
+    batches = _peers.make_batches(args.preset, rank, world, args.micro_batch, n_batches, device)
     phases, skipped = [], []
     trainers: dict[str, _Trainer] = {}
 
@@ -406,14 +440,21 @@ def main(argv: list[str] | None = None) -> int:
         iters = args.sparse_every * args.sparse_saves if kind == "sparse" else args.every_iters
         baseline = trainers.get(_trainer_of(system), trainers["shardopt"]).baseline
         save_s = est_save_s.get((d, system), 10.0)
-        loop_s = iters * (baseline if kind == "sparse" else max(baseline, save_s))
-        guess = min(args.phase_cap_s, loop_s) + 2 * save_s
+        iter_s = baseline if kind == "sparse" else max(baseline, save_s)
+        guess = min(args.phase_cap_s, iters * iter_s) + 2 * save_s
         left = args.budget_s - (time.perf_counter() - started)
-        if guess > left:
+        if world > 1:
+            # No clock may stop one rank's loop before another's: the iterations that would
+            # start within the cap, counted up front.
+            iters = min(iters, int(args.phase_cap_s // iter_s) + 1)
+        fits = guess <= left
+        root = (Path(tempfile.mkdtemp(prefix=f"async-save-bench-{system}-", dir=d))
+                if fits and rank == 0 else None)
+        fits, guess, left, iters, root = _agreed((fits, guess, left, iters, root))
+        if not fits:
             skipped.append({"phase": f"{kind}:{system}:{d}", "estimated_s": guess,
                             "left_s": left})
             continue
-        root = Path(tempfile.mkdtemp(prefix=f"async-save-bench-{system}-", dir=d))
         saver = None
         try:
             t = trainer(_trainer_of(system))
@@ -424,40 +465,116 @@ def main(argv: list[str] | None = None) -> int:
             with _common.HostRssSampler(0.005) as rss:
                 t0 = time.perf_counter()
                 rows = _loop(t.step_fn, device, iters, saver, lambda i: i % every == 0,
-                             first_step, args.phase_cap_s)
+                             first_step, args.phase_cap_s if world == 1 else float("inf"))
                 t1 = time.perf_counter()
                 saver.finish()
                 total = time.perf_counter() - t0
-            est_save_s[(d, system)] = max(time.perf_counter() - t1, baseline)
+            # At DP > 1 this also sets the next phase's number of iterations: the wait for a
+            # sparse phase's last save is mostly nil (its write ended within the phase), so
+            # the rows tell how long a write runs.
+            est_save_s[(d, system)] = max(time.perf_counter() - t1, baseline,
+                                          _write_s(rows) if world > 1 else 0.0)
             first_step += len(rows)
             ph = _phase(f"{kind}:{system}:{d}", rows, baseline, rss)
             ph["wall_with_last_save_s"] = total
             ph["notes"] = getattr(saver, "notes", {})
             phases.append(ph)
-            print(f"[{ph['phase']}] stall median {ph.get('stall_s', {}).get('median', 0):.4f} s "
-                  f"(local {ph.get('stall_local_s', {}).get('median', 0):.4f} s, against the "
-                  f"phase's quiet iterations {ph.get('stall_vs_quiet_s', {}).get('median', 0):.4f}"
-                  f" s, {100 * ph.get('stall_vs_quiet_fraction_of_iter', 0):.2f}%; quiet "
-                  f"{100 * ph.get('quiet_vs_baseline', 0):+.2f}% vs none) "
-                  f"({100 * ph.get('stall_fraction_of_iter', 0):.2f}% of {baseline:.3f} s), "
-                  f"during write {100 * ph.get('during_write_slowdown', 0):+.2f}%, "
-                  f"throughput {100 * ph['throughput_vs_none']:.1f}% of none, "
-                  f"RSS peak {rss.peak_bytes / _common.GIB:.1f} GiB", flush=True)
-        except Exception as e:  # noqa: BLE001 - a failing system is a result
+            stalls = _gathered(ph.get("stall_s", {}).get("median", 0))
+            if rank == 0:
+                print(f"[{ph['phase']}] stall median {stalls[0]:.4f} s "
+                      f"(local {ph.get('stall_local_s', {}).get('median', 0):.4f} s, against the "
+                      f"phase's quiet iterations "
+                      f"{ph.get('stall_vs_quiet_s', {}).get('median', 0):.4f} s, "
+                      f"{100 * ph.get('stall_vs_quiet_fraction_of_iter', 0):.2f}%; quiet "
+                      f"{100 * ph.get('quiet_vs_baseline', 0):+.2f}% vs none) "
+                      f"({100 * ph.get('stall_fraction_of_iter', 0):.2f}% of {baseline:.3f} s), "
+                      f"during write {100 * ph.get('during_write_slowdown', 0):+.2f}%, "
+                      f"throughput {100 * ph['throughput_vs_none']:.1f}% of none, "
+                      f"RSS peak {rss.peak_bytes / _common.GIB:.1f} GiB"
+                      + "".join(f"; rank {r} stall median {s:.4f} s"
+                                for r, s in enumerate(stalls) if r), flush=True)
+        except Exception as e:  # noqa: BLE001 - a failing system is a result at DP 1
+            if world > 1:  # its peers would wait for it in a collective save: end the run
+                raise
             phases.append({"phase": f"{kind}:{system}:{d}", "error": repr(e)})
             print(f"[{kind}:{system}:{d}] FAILED: {e!r}", flush=True)
         finally:
             getattr(saver, "close", lambda: None)()
-            shutil.rmtree(root, ignore_errors=True)
+            if rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
+    return {"phases": phases, "skipped": skipped,
+            "baseline_iter_s_by_trainer": {k: t.baseline for k, t in trainers.items()}}
+
+
+def _rank(rank: int, world: int, a: dict) -> dict:
+    """Rank ``rank`` of ``world`` at ``--nproc`` > 1, in a fresh process (``_peers.spawn``)."""
+    return _run(rank, world, argparse.Namespace(**a), _peers.rank_device(rank, a["device"]),
+                time.perf_counter())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=1,
+                   help="ranks, one per GPU (data parallel); shardopt's systems only above 1")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches (forward+backward) per iteration, before its step")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--none-iters", type=int, default=20)
+    p.add_argument("--sparse-every", type=int, default=15)
+    p.add_argument("--sparse-saves", type=int, default=3)
+    p.add_argument("--every-iters", type=int, default=50)
+    p.add_argument("--dirs", default="/dev/shm,/tmp")
+    p.add_argument("--systems", default="shardopt,shardopt_device,dcp")
+    p.add_argument("--phase-cap-s", type=float, default=25.0,
+                   help="no iteration of a phase starts after this many seconds")
+    p.add_argument("--budget-s", type=float, default=250.0,
+                   help="seconds for everything; phases that would not fit are skipped")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds the ranks may run at --nproc > 1 before they are killed")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available; use --device cpu for a smoke run")
+    if args.nproc < 1:
+        p.error("--nproc must be at least 1")
+    dp1_only = [s for s in args.systems.split(",") if s in DP1_ONLY]
+    if args.nproc > 1 and dp1_only:
+        p.error(f"system {dp1_only[0]} runs at --nproc 1 only; --nproc {args.nproc} takes "
+                f"shardopt's systems ({', '.join(s for s in SAVERS if s not in DP1_ONLY)})")
+    started = time.perf_counter()
+    if args.nproc == 1:
+        device = _peers.single_rank_group(args.device)
+        ranks = [_run(0, 1, args, device, started)]
+        dist.destroy_process_group()
+    else:
+        device = _peers.rank_device(0, args.device)
+        try:
+            ranks = _peers.spawn(_rank, args.nproc, vars(args), device=args.device,
+                                 timeout_s=args.timeout)
+        except _peers.RankFailed as e:
+            print(f"FAILED: {e}", file=sys.stderr)
+            return 1
+    r0 = ranks[0]
+    by_rank = {} if args.nproc == 1 else {  # no failed phase at DP > 1: each has its RSS
+        "phases_by_rank": [r["phases"] for r in ranks],
+        "host_rss_peak_bytes_by_rank": [max(ph["host_rss"]["peak_bytes"] for ph in r["phases"])
+                                        for r in ranks]}
     doc = {**_common.run_header(device, vars(args)), "benchmark": "async_save",
-           "baseline_iter_s": trainers["shardopt"].baseline,
-           "baseline_iter_s_by_trainer": {k: t.baseline for k, t in trainers.items()},
-           "phases": phases, "skipped": skipped,
+           "dp_size": args.nproc,
+           "baseline_iter_s": r0["baseline_iter_s_by_trainer"]["shardopt"],
+           "baseline_iter_s_by_trainer": r0["baseline_iter_s_by_trainer"],
+           "phases": r0["phases"], "skipped": r0["skipped"],
+           **by_rank,
            "wall_s": time.perf_counter() - started, "pid": os.getpid()}
-    name = f"async_save_{'1gpu' if device.type == 'cuda' else 'cpu'}{args.tag}.json"
+    ranks_name = f"{args.nproc}gpu" if device.type == "cuda" else (
+        "cpu" if args.nproc == 1 else f"cpu_dp{args.nproc}")
+    name = f"async_save_{ranks_name}{args.tag}.json"
     _common.write_json(Path(args.out) / name, doc)
-    dist.destroy_process_group()
-    print(f"wrote {Path(args.out) / name}; skipped {[s['phase'] for s in skipped]}")
+    print(f"wrote {Path(args.out) / name}; skipped {[s['phase'] for s in r0['skipped']]}")
     return 0
 
 
