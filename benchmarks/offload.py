@@ -1,10 +1,12 @@
 """offload() / onload() for colocated RL: speed, memory given back, exact continuation.
 
-One process, one GPU, the ``1b`` preset of ``shardopt.model`` (1.3B params, bf16 with
-fp32 norms and routers) trained by shardopt as in ``train_iter.py``. In order:
+One process, one GPU (``--nproc N``: N ranks, one a GPU, data parallel), the ``1b`` preset
+of ``shardopt.model`` (1.3B params, bf16 with fp32 norms and routers) trained by shardopt as
+in ``train_iter.py``. In order:
 
-1. Baseline: a subprocess that only creates a CUDA context reports the device memory
-   in use (``total - free`` of ``cudaMemGetInfo``), before this process touches CUDA.
+1. Baseline: a subprocess that sees only the GPU and creates a CUDA context there reports
+   the device memory in use (``total - free`` of ``cudaMemGetInfo``), before this process
+   (or any rank) touches CUDA.
 2. Reference: ``--cycles`` training steps without offload; the losses.
 3. The same model and batches again; every step is followed by the colocation cycle:
    ``offload()``, allocate a "rollout" tensor of ``--rollout-fraction`` of the memory
@@ -34,12 +36,32 @@ Targets (recorded in ``targets``): offload and onload each >= 90% of the raw pin
 copy's GB/s; device memory in use after offload <= 1 GiB above the CUDA-context
 baseline; losses identical to the reference. Expected well under 5 minutes on one H200.
 
+``--nproc N`` (N > 1) runs N ranks (``_peers.spawn``: rank r on ``cuda:r`` over NCCL, gloo
+on CPU), each with the same model and its own micro-batches, the optimizer over all of them
+(DP N). Each rank offloads and onloads its own state (its shards of the main params and
+moments, its copy of the params) and measures its own: times and GB/s, raw copies, device
+memory (against its GPU's baseline, probed by the parent before any rank starts, so the
+rank's NCCL buffers count against the target as in a DP job), host RSS, the other process on
+its GPU, losses against its own reference. Training steps are collective and nothing here is
+timed against a budget, so every rank runs the same steps and cycles; a barrier starts every
+timed offload, onload and raw copy on all ranks at once, as a colocated DP job offloads (its
+GPUs may share a PCIe switch and host memory bandwidth). The plain ``.to()`` copies and
+torch_memory_saver run on rank 0 only (the same per-GPU copy as at DP 1). The result:
+``dp_size``, ``result`` (rank 0's, as at DP 1, and the plot's timeline), ``by_rank`` (every
+rank's) and ``worst_rank`` (for each target, the first rank farthest from it and its value
+there).
+
 GPU::
 
     PYTHONPATH=src python3 benchmarks/offload.py --out benchmarks/results/offload_1gpu.json \\
         --plot benchmarks/results/offload_1gpu.png
 
-CPU smoke (code paths only; no memory figures)::
+DP 2 (two GPUs)::
+
+    PYTHONPATH=src python3 benchmarks/offload.py --nproc 2 \\
+        --out benchmarks/results/offload_2gpu.json --plot benchmarks/results/offload_2gpu.png
+
+CPU smoke (code paths only; no memory figures; ``--nproc 2`` for two ranks over gloo)::
 
     PYTHONPATH=src python benchmarks/offload.py --device cpu --preset tiny --cycles 3 \\
         --rss-cycles 5 --out /tmp/offload_smoke.json
@@ -48,6 +70,7 @@ CPU smoke (code paths only; no memory figures)::
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import os
 import subprocess
@@ -75,11 +98,14 @@ print(total - free)
 """
 
 
-def _probe(nbytes: int = 0) -> int:
-    """Device memory in use seen by a fresh process holding a CUDA context (and, with
-    ``nbytes``, a tensor of that size it wrote). Raises if it cannot allocate."""
+def _probe(index: int, nbytes: int = 0) -> int:
+    """Device memory in use on GPU ``index`` (of those this process sees) seen by a fresh
+    process that sees only that GPU and holds a CUDA context on it (and, with ``nbytes``, a
+    tensor of that size it wrote). Raises if it cannot allocate."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu = visible.split(",")[index] if visible is not None else str(index)
     out = subprocess.run([sys.executable, "-c", _PROBE, str(nbytes)], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
     if out.returncode:
         raise RuntimeError(f"probe process failed: {out.stderr.strip()[-2000:]}")
     return int(out.stdout.split()[-1])
@@ -109,7 +135,8 @@ def _moved_pairs(opt) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _raw_copies(opt, device: torch.device, reps: int) -> dict[str, Any]:
-    """The same bytes, the same pinned buffers, one side stream: D2H then H2D."""
+    """The same bytes, the same pinned buffers, one side stream: D2H then H2D (each
+    repetition started on every rank at once)."""
     pairs = _moved_pairs(opt)
     nbytes = sum(h.numel() * h.element_size() for h, _ in pairs)
     out: dict[str, Any] = {"bytes": nbytes}
@@ -119,6 +146,7 @@ def _raw_copies(opt, device: torch.device, reps: int) -> dict[str, Any]:
     for name in ("d2h", "h2d", "h2d_kernel"):
         times = []
         for _ in range(reps):
+            _peers.barrier()
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             with torch.cuda.stream(stream):
@@ -140,6 +168,7 @@ def _raw_copies(opt, device: torch.device, reps: int) -> dict[str, Any]:
     for name, copy in (("alloc", False), ("alloc_and_h2d", True)):
         times = []
         for _ in range(reps):
+            _peers.barrier()
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             t0 = time.perf_counter()
@@ -252,11 +281,13 @@ def _rollout(freed: int, fraction: float, device: torch.device, alloc: str) -> d
             "device_used_with_rollout": peak_used}
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device(a.device)
+def _run(rank: int, world: int, a: argparse.Namespace, device: torch.device,
+         baseline: int | None) -> dict[str, Any]:
+    """The whole benchmark on rank ``rank`` of ``world`` (the whole run at DP 1), its result;
+    ``baseline``: its GPU's CUDA-context baseline (None on CPU)."""
     result: dict[str, Any] = {}
     if device.type == "cuda":
-        result["baseline_cuda_context_used"] = _probe()  # before this process touches CUDA
+        result["baseline_cuda_context_used"] = baseline
         # Identical losses need a deterministic backward: cuBLAS with a fixed workspace, and
         # no cuDNN attention (its backward is non-deterministic; flash attention then runs,
         # with its deterministic backward, which warn_only=True would not select).
@@ -265,7 +296,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         torch.use_deterministic_algorithms(True)  # flash attention's backward too
         # deterministic mode would also fill every torch.empty (host copies included)
         torch.utils.deterministic.fill_uninitialized_memory = False
-    batches = _peers.make_batches(a.preset, 0, 1, a.micro_batch, a.cycles, device)
+    batches = _peers.make_batches(a.preset, rank, world, a.micro_batch, a.cycles, device)
     hp = _peers.Hyper()
     shape = {"num_layers": a.num_layers} if a.num_layers else {}
 
@@ -295,6 +326,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     for i, b in enumerate(batches):
         losses.append(float(sys_.step(*b)))
         timeline.mark("train")
+        _peers.barrier()  # every rank offloads at once (no-op at DP 1), and onloads below
         held = _reserved(device)
         free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         t0 = time.perf_counter()
@@ -312,8 +344,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             want = max(0, free_now - (2 << 30))  # its own CUDA context needs some
             c["other_process"] = {"alloc_bytes": want, "free_before_offload": free_before,
                                   "fits_only_after_offload": want > free_before,
-                                  "device_used_seen": _probe(want)}
+                                  "device_used_seen": _probe(device.index, want)}
         timeline.mark("rollout")
+        _peers.barrier()
         c["h2d"] = modes[i % len(modes)]
         host_state.H2D_BY_KERNEL = c["h2d"] == "kernel"
         t0 = time.perf_counter()
@@ -330,6 +363,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # Back to back, nothing between (as torch_memory_saver's pause/resume below): timed.
     b2b_off, b2b_on = [], []
     for _ in range(len(batches), a.rss_cycles):
+        _peers.barrier()
         _common.cuda_sync(device)
         t0 = time.perf_counter()
         opt.offload()
@@ -374,7 +408,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "onload": {"s": _common.stats(b2b_on), "gbps": _gbps(moved, min(b2b_on))}},
         raw_pinned=raw, timeline=timeline.as_list(), parameters=sum(
             p.numel() for p in sys_.model.parameters()))
-    if not a.no_peers:
+    if not a.no_peers and rank == 0:
         result.update(plain_to=_plain_to(opt, device),
                       torch_memory_saver=_memory_saver(opt, device, a.reps))
     if device.type == "cuda":
@@ -391,6 +425,41 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     and worst - base <= 1 << 30 and result["losses_identical"]),
         }
     return result
+
+
+def _memory_saver_measured(result: dict[str, Any]) -> bool:
+    """Whether torch_memory_saver was measured: 0.0.10 then aborts the interpreter's teardown
+    ("only support interesting region", tms_torch_free), so the process leaves without it once
+    its result is out."""
+    return bool((result.get("torch_memory_saver") or {}).get("measured"))
+
+
+def _rank(rank: int, world: int, a: dict, baselines: list[int | None]) -> dict[str, Any]:
+    """Rank ``rank`` of ``world`` at ``--nproc`` > 1, in a fresh process (``_peers.spawn``)."""
+    result = _run(rank, world, argparse.Namespace(**a), _peers.rank_device(rank, a["device"]),
+                  baselines[rank])
+    if _memory_saver_measured(result):
+        atexit.register(os._exit, 0)  # after _peers._entry has written the result
+    return result
+
+
+# Per target, how its worst value is picked (a bool's is False): a run meets a target if its
+# worst rank does.
+_WORST = {"offload_vs_raw": min, "onload_vs_raw": min, "offloaded_used_above_context_gib": max,
+          "other_process_fits_only_after_offload": min, "losses_identical": min, "met": min}
+
+
+def _worst_rank(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """For each target, the first rank farthest from it and its value there (on CPU, with no
+    ``targets``, the losses only)."""
+    rows = [{"losses_identical": r["losses_identical"], **r.get("targets", {})} for r in ranks]
+    out = {}
+    for key, worse in _WORST.items():
+        if key in rows[0]:
+            values = [row[key] for row in rows]
+            rank = values.index(worse(values))
+            out[key] = {"rank": rank, "value": values[rank]}
+    return out
 
 
 def _plot(result: dict[str, Any], path: str) -> None:
@@ -415,8 +484,10 @@ def _plot(result: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=1, help="ranks, one per GPU (data parallel)")
     p.add_argument("--out", required=True, help="JSON result file")
-    p.add_argument("--plot", default=None, help="PNG of GPU memory over time")
+    p.add_argument("--plot", default=None,
+                   help="PNG of GPU memory over time (rank 0's at --nproc > 1)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--preset", default="1b")
     p.add_argument("--num-layers", type=int, default=None,
@@ -436,22 +507,42 @@ def main(argv: list[str] | None = None) -> int:
                    help="onload's ways to copy to the device, taken in turn by the cycles")
     p.add_argument("--noise-check", action="store_true",
                    help="run the reference twice and record whether it repeats bit for bit")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds the ranks may run at --nproc > 1 before they are killed")
     a = p.parse_args(argv)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if a.nproc < 1:
+        p.error("--nproc must be at least 1")
+    if a.nproc > 1 and a.device == "cuda" and torch.cuda.device_count() < a.nproc:
+        p.error(f"--nproc {a.nproc} needs {a.nproc} GPUs, found {torch.cuda.device_count()}")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the ranks inherit it
     t0 = time.perf_counter()
-    result = run(a)
+    # Before this process or any rank touches CUDA: the only context on each GPU, the probe's.
+    baselines = ([_probe(r) for r in range(a.nproc)] if a.device == "cuda"
+                 else [None] * a.nproc)
+    if a.nproc == 1:
+        ranks = [_run(0, 1, a, _peers.rank_device(0, a.device), baselines[0])]
+    else:
+        try:
+            ranks = _peers.spawn(_rank, a.nproc, vars(a), baselines, device=a.device,
+                                 timeout_s=a.timeout)
+        except _peers.RankFailed as e:
+            print(f"FAILED: {e}", file=sys.stderr)
+            return 1
+    result = ranks[0]
     result["wall_s"] = time.perf_counter() - t0
-    doc = _common.run_header(torch.device(a.device), vars(a)) | {"result": result}
+    by_rank = {} if a.nproc == 1 else {"by_rank": ranks, "worst_rank": _worst_rank(ranks)}
+    doc = _common.run_header(torch.device(a.device), vars(a)) | {
+        "dp_size": a.nproc, "result": result, **by_rank}
     _common.write_json(a.out, doc)
     if a.plot and a.device == "cuda":
         _plot(result, a.plot)
     summary = {k: result.get(k) for k in ("losses_identical", "moved_bytes", "targets")}
     summary["offload_gbps"] = result["offload"]["gbps"]
     summary["onload_gbps"] = result["onload"]["gbps"]
+    if "worst_rank" in doc:
+        summary["worst_rank"] = doc["worst_rank"]
     print(summary, flush=True)
-    if (result.get("torch_memory_saver") or {}).get("measured"):
-        # torch_memory_saver 0.0.10 aborts the interpreter's teardown ("only support
-        # interesting region", tms_torch_free); the result is written: leave without it.
+    if _memory_saver_measured(result) and a.nproc == 1:  # the result is written
         os._exit(0)
     return 0
 
