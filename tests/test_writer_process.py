@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from shardopt import checkpoint
 from shardopt.checkpoint import CheckpointError
@@ -273,3 +274,33 @@ def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_pa
     assert set(writer.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096)) == \
         {name for name, _ in jobs}
     assert writer._PROCESS._proc.pid != proc.pid
+
+
+def test_a_streamed_write_from_a_buffer_the_process_lacks_fails_saying_so(tmp_path):
+    """A stream naming a staging buffer the process never mapped (or failed to map) is
+    answered with that reason, its pieces are handed back unwritten, and the process lives
+    on."""
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    proc = writer.WriterProcess()
+    try:
+        sock = proc._start()
+        writer.protocol.send(sock, ["stream", {"dir": str(tmp_path), "files": [["x", 4]],
+                                               "block_bytes": 4, "slot_bytes": 4,
+                                               "buffer": 99}])
+        writer.protocol.send(sock, ["pieces", [[0, 0, 4, 0]]])
+        writer.protocol.send(sock, ["end"])
+        answers = []
+        while not answers or answers[-1][0] != "done":
+            answers.append(writer.protocol.recv(sock)[0])
+        assert answers[0] == ["failed", "the staging buffer 99 is not mapped"]
+        assert ["free", 0] in answers
+        assert answers[-1] == ["done", "error", "the staging buffer 99 is not mapped"]
+        assert not (tmp_path / "x").exists()
+        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
+                                              "files": [["y", [[0, 3, {"blob": 0}]], 3]],
+                                              "block_bytes": 4}], [b"abc"])
+        digest = xxhash.xxh3_64(b"abc").hexdigest()
+        assert writer.protocol.recv(sock)[0] == \
+            ["ok", {"y": {"size": 3, "block_bytes": 4, "hashes": [digest]}}]
+    finally:
+        proc.close()

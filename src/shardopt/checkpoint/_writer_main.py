@@ -162,6 +162,7 @@ class _StreamedFile:
         self.hashes: list[str] = []
         self.fd: int | None = None
         self.at = 0  # the next byte expected
+        self.hash = xxhash.xxh3_64()  # of the block being written
 
     def write(self, start: int, view: memoryview) -> None:
         if self.fd is None:
@@ -172,7 +173,7 @@ class _StreamedFile:
             raise ValueError(f"piece [{start}, {end}) out of order or across a block "
                              f"(expected byte {self.at} of {self.size})")
         if start % self.block_bytes == 0:
-            self.hash = xxhash.xxh3_64()
+            self.hash.reset()
         self.hash.update(view)
         vectored(os.pwritev, self.fd, [view], start, OSError(f"{self.path}: nothing written"))
         self.at = end
@@ -198,9 +199,10 @@ def stream(sock: socket.socket, request: dict, maps: dict, failed: dict) -> None
     slot_bytes = request["slot_bytes"]
     files = [_StreamedFile(os.path.join(request["dir"], name), size, request["block_bytes"])
              for name, size in request["files"]]
-    staging = maps.get(request["buffer"])
-    errors: list[str] = [failed[request["buffer"]]] if staging is None and \
-        request["buffer"] in failed else []
+    buf = request["buffer"]
+    staging = maps.get(buf)
+    errors: list[str] = [] if staging is not None else \
+        [failed.get(buf, f"the staging buffer {buf} is not mapped")]
     lock = threading.Lock()
 
     def answer(msg) -> None:
