@@ -592,3 +592,75 @@ def test_zero_grad_set_to_none_false_steps_params_without_a_gradient_as_torch_do
     ref = _zero_grad_run(lambda m: torch.optim.AdamW(m.parameters(), **cfg), set_to_none)
     for got, want in zip(ours, ref):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def broadcast_weights_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """Every rank draws its own weights (a bf16 and an fp32 param among them) and builds the
+    optimizer; rank 0's weights are then broadcast into the params with torch.distributed,
+    which bumps no version counter, before the first step."""
+    torch.manual_seed(rank)
+    model = Net()
+    opt = DistributedOptimizer(model, config("torch"))
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.broadcast(p, 0)
+    sent = snapshot(model)
+    for g in opt.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    train_step(model, opt, 0, rank, [frozenset()])
+    return {"sent": sent, "after": snapshot(model),
+            "dtypes": {f: str(p.dtype) for f, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_weights_broadcast_before_the_first_step_are_kept(world_size, tmp_path):
+    """The first step re-seeds every main param from its param: rank 0's broadcast weights
+    survive it on every rank (the parts other ranks own used to revert to their own draws)."""
+    results = run_distributed(broadcast_weights_rank, world_size, tmp_path=tmp_path)
+    assert {"torch.bfloat16", "torch.float32"} <= set(results[0]["dtypes"].values())
+    for res in results:
+        for fqn, want in results[0]["sent"].items():
+            assert torch.equal(bits(res["sent"][fqn]), bits(want)), fqn
+            assert torch.equal(bits(res["after"][fqn]), bits(want)), (
+                f"{fqn}: a step at lr=0 changed the broadcast weight")
+
+
+def optimizer_then_model_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """An optimizer state saved two steps before the weights: loaded first, then the newer
+    weights over it, as README says to put an optimizer state under other weights."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, config("torch"))
+    for step in range(2):
+        train_step(model, opt, step, rank, [frozenset()])
+    torch.save(opt.state_dict(), f"{root}-older-{rank}.pt")
+    older_moment = {f: s["exp_avg"].local.clone() for f, s in opt.state_dict()["state"].items()}
+    for step in range(2, 4):
+        train_step(model, opt, step, rank, [frozenset()])
+    newer = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    model2 = Net()
+    opt2 = DistributedOptimizer(model2, config("torch"))
+    opt2.load_state_dict(torch.load(f"{root}-older-{rank}.pt", weights_only=True))
+    model2.load_state_dict(newer)
+    loaded_moment = {f: s["exp_avg"].local.clone()
+                     for f, s in opt2.state_dict()["state"].items()}
+    for g in opt2.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    train_step(model2, opt2, 4, rank, [frozenset()])
+    return {"newer": snapshot(model), "after": snapshot(model2), "older_moment": older_moment,
+            "loaded_moment": loaded_moment}
+
+
+def test_optimizer_loaded_first_then_other_weights_keeps_the_weights(tmp_path):
+    """``opt.load_state_dict`` sets the weights from the dict's main params; weights loaded
+    into the model after it are what trains on (a step at lr=0 keeps them bit for bit), and
+    the moments are the loaded ones (compared before that step, which updates them)."""
+    results = run_distributed(optimizer_then_model_rank, 2, str(tmp_path / "sd"),
+                              tmp_path=tmp_path)
+    for res in results:
+        for fqn, want in res["newer"].items():
+            assert torch.equal(bits(res["after"][fqn]), bits(want)), fqn
+        assert res["older_moment"].keys() == res["loaded_moment"].keys()
+        for fqn, want in res["older_moment"].items():
+            assert torch.equal(res["loaded_moment"][fqn], want), fqn

@@ -69,7 +69,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Weights the user writes in place after construction (``model.load_state_dict``,
     ``p.zero_()``, ``nn.init.*``, ``p.copy_(ema)``) are noticed by the next ``step()``,
     which re-seeds their fp32 main params from them before updating; writes through
-    ``p.data`` are not, call :meth:`reload_model_params` after those. Every rank must
+    ``p.data`` or by collectives (``dist.broadcast``) are not, call
+    :meth:`reload_model_params` after those (the first ``step()`` re-seeds every main param
+    anyway, so such writes before it need no call). Every rank must
     write the same weights (as with DDP): each rank re-seeds only the part it owns,
     and the all-gather spreads the owners' parts. Casting or moving the model after
     construction (``model.float()``, ``.to(...)``) makes ``step()`` raise
@@ -347,9 +349,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         In-place writes (``load_state_dict``, ``p.copy_``, ``nn.init.*``, ...) bump the
         params' version counters and are re-seeded by ``step()`` itself; writes that bypass
-        the counter (``p.data``, a tensor sharing the storage, DLPack, CUDA kernels) need
-        this call, on every rank after every rank set the same weights, before the next
-        ``step()``. fp32 params need neither: their main param is the param."""
+        the counter (``p.data``, collectives, a tensor sharing the storage, DLPack, CUDA
+        kernels) need this call, on every rank after every rank set the same weights, before
+        the next ``step()`` (but the first, which re-seeds every main param). fp32 params
+        need neither: their main param is the param."""
         self._host.check_onloaded("reload_model_params()", ("params",))  # not the writes
         self.finish_param_sync()  # an all-gather in flight would overwrite the user's weights
         self.wait_for_save_copies()

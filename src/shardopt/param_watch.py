@@ -10,7 +10,9 @@ reads. Two things a user may do to a param behind the optimizer's back:
   keeps its own counter after ``p.data = view``; writes the optimizer makes
   through the buffer never bump it), so comparing ``p._version`` with the value
   recorded after the optimizer's last write finds them. Writes through
-  ``p.data`` (``p.data.copy_(x)``) bump no counter at all and need
+  ``p.data`` (``p.data.copy_(x)``) and by collectives (``dist.broadcast(p, 0)``)
+  bump no counter at all: before the optimizer's first write every param counts
+  as written (the first step re-seeds them all, one pass), after it they need
   ``DistributedOptimizer.reload_model_params()``.
 * replace its storage (``model.float()``, ``.to(dtype or device)``,
   ``.cuda()``, ``.half()``): the param no longer lives in the buffer, so
@@ -63,7 +65,11 @@ class ParamWatch:
         self._expected = list(expected)
         self._dp_rank = dp_rank
         self._ptrs = list(map(_data_ptr, self.params))
-        self._versions = list(map(_version, self.params))
+        # Nothing recorded yet: until the optimizer first writes the params (its first
+        # step or a load), every param counts as written, so the first step re-seeds every
+        # main param from its param. That picks up writes no counter sees made before it:
+        # rank 0's weights broadcast with torch.distributed, writes through ``p.data``.
+        self._versions = [-1] * len(self.params)
 
     def record(self) -> None:
         """Call after every write of the optimizer to the params: they are in sync now."""
