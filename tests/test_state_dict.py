@@ -182,6 +182,14 @@ def test_malformed_state_dicts_are_refused():
     plain = {**sd, "state": {**sd["state"], "emb.weight": {**sd["state"]["emb.weight"],
                                                            "exp_avg": torch.zeros(3)}}}
     assert "'emb.weight': exp_avg of the state dict is a Tensor" in refused(opt, model, plain)
+    # A torch.optim.AdamW state dict keyed by FQN (get_optimizer_state_dict's layout)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    ref = copy.deepcopy(model).float()
+    adamw = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
+    sum(p.sum() for p in ref.parameters() if p.requires_grad).backward()
+    adamw.step()
+    fqn_keyed = get_optimizer_state_dict(ref, adamw)
+    assert "it is not a DistributedOptimizer.state_dict()" in refused(opt, model, fqn_keyed)
 
 
 def test_step_counts_load_per_param():

@@ -237,6 +237,15 @@ def _check(opt: DistributedOptimizer, sd: Any) -> _Plan:
     if positional:
         raise StateDictError(f"state is keyed by {positional[0]!r}: this is a positional "
                              "torch.optim state dict; DistributedOptimizer keys state by FQN")
+    foreign = next((fqn for fqn, entry in state.items() if isinstance(entry, Mapping)
+                    and entry and not {"master_param", "param_dtype"} & set(entry)), None)
+    if foreign is not None:
+        raise StateDictError(
+            f"param {foreign!r}: its state in the state dict has "
+            f"{sorted(map(str, state[foreign]))} but no master_param: it is not a "
+            "DistributedOptimizer.state_dict() (a torch.optim optimizer's, as "
+            "get_optimizer_state_dict returns, holds full tensors and no fp32 main params); "
+            "load shardopt's own state dicts or checkpoints")
     hparams = _check_groups(opt, groups)  # which params first, then their state
     cast: set[str] = set()
     return _Plan(_check_state(opt, state, cast), _check_steps(opt, state), hparams, cast)
