@@ -15,6 +15,7 @@ bf16/fp16/fp32 params after every step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torch import nn
 
 from _dist import run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig, ParamMovedError, checkpoint, kernels
+from shardopt.sync import GradientOrderError
 from test_optimizer import bits
 
 TRITON = pytest.mark.skipif(not kernels.available(torch.device("cpu")),
@@ -303,11 +305,17 @@ def test_fp32_model_float_is_a_no_op_and_keeps_training():
     assert not torch.equal(model.weight.detach(), before)
 
 
-def assigned_grads_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+def assigned_grads_rank(rank: int, world_size: int, after_backward: bool = False
+                        ) -> dict[str, torch.Tensor]:
+    """``after_backward``: each step first runs a backward (of a loss that leaves out
+    ``c``), whose grads the assignments then replace, as in torch."""
     torch.manual_seed(0)
     model = Net()
-    opt = DistributedOptimizer(model, config("torch"))
+    cfg = dataclasses.replace(config("torch"), overlap_grad_reduce=not after_backward)
+    opt = DistributedOptimizer(model, cfg)
     for step in range(3):
+        if after_backward:
+            loss_of(model, step, rank, 0, frozenset("c")).backward()
         g = torch.Generator().manual_seed(100 * step + rank)
         for p in model.parameters():
             if not (step == 1 and p is model.c.weight):  # no grad anywhere: left alone
@@ -318,11 +326,13 @@ def assigned_grads_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return snapshot(model)
 
 
-def test_grads_assigned_by_hand_are_stepped_with_as_torch_does(tmp_path):
+@pytest.mark.parametrize("after_backward", [False, True], ids=["alone", "after_backward"])
+def test_grads_assigned_by_hand_are_stepped_with_as_torch_does(after_backward, tmp_path):
     """``p.grad = g`` (grads from ``torch.autograd.grad`` or ``torch.func``, gradient
     surgery) bypasses the backward hooks that fill the grad buffer; ``step()`` takes them
-    as a backward's, averaged over the ranks, instead of silently ignoring them."""
-    results = run_distributed(assigned_grads_rank, 2, tmp_path=tmp_path)
+    as a backward's, averaged over the ranks, instead of silently ignoring them; set after
+    a backward, they replace its grads (they were added to them)."""
+    results = run_distributed(assigned_grads_rank, 2, after_backward, tmp_path=tmp_path)
     torch.manual_seed(0)
     model = Net()
     params = dict(model.named_parameters())
@@ -346,6 +356,24 @@ def test_grads_assigned_by_hand_are_stepped_with_as_torch_does(tmp_path):
     for res in results:
         for f, p in params.items():
             torch.testing.assert_close(res[f], p.detach(), **TOL)
+
+
+def test_grad_assigned_after_its_bucket_was_reduced_is_a_clear_error():
+    """With reductions overlapping backward, a grad set by hand after the backward that
+    reduced its bucket cannot replace the reduced one: step() says so and changes nothing
+    (the same step then runs once the assignment is gone)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, config("torch"))
+    loss_of(model, 0, 0, 0, frozenset()).backward()
+    model.a.weight.grad = torch.ones_like(model.a.weight)
+    before = snapshot(model)
+    with pytest.raises(GradientOrderError, match=r"'a\.weight' was set by hand after a"):
+        opt.step()
+    assert all(torch.equal(p, before[f]) for f, p in snapshot(model).items())
+    model.a.weight.grad = None
+    opt.step()
+    assert not torch.equal(model.a.weight, before["a.weight"])
 
 
 def test_param_frozen_at_construction_then_unfrozen_is_a_clear_error():

@@ -96,13 +96,25 @@ class GradSync:
         """Grads set by hand (``p.grad = g``: ``torch.autograd.grad``, ``torch.func``,
         gradient surgery) bypass the hooks that take a backward's grads at once; torch's
         optimizers step with whatever ``p.grad`` holds, so they are taken here, before
-        ``step()`` reduces, as a backward's would be."""
+        ``step()`` reduces, as a backward's would be. As in torch, an assignment replaces
+        the gradient a backward left (it is not added to it); one whose bucket a backward
+        already reduced cannot, and raises before anything changes."""
         grads = list(map(_grad, self._params))
         if grads.count(None) == len(grads):
             return
-        for p, g in zip(self._params, grads):
-            if g is not None:
-                self.on_grad_ready(p)
+        assigned = [p for p, g in zip(self._params, grads) if g is not None]
+        for p in assigned:
+            fqn = self.fqn_of[p]
+            if self._launch_pos[fqn] < self._next_launch:
+                raise GradientOrderError(
+                    f"[dp rank {self.dp.rank}] p.grad of {fqn!r} was set by hand after a "
+                    "backward had started reducing its bucket: torch would replace the "
+                    "gradient with it, which a reduced bucket no longer allows. Set it "
+                    "before that backward, or build the optimizer with "
+                    "overlap_grad_reduce=False (reductions then wait for step())")
+        for p in assigned:
+            self.written.discard(self.fqn_of[p])  # replaced, not added to
+            self.on_grad_ready(p)
 
     def _launch_next(self) -> None:
         bucket = self.launch_order[self._next_launch]
