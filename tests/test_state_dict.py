@@ -321,8 +321,15 @@ def test_optimizer_state_writes_take_effect_or_raise():
                   lambda e: e.clear(), lambda e: e.setdefault("x", 1)):
         with pytest.raises(StateWriteError, match="up.weight"):
             write(entry)
-    with pytest.raises(RuntimeError):  # torch keeps step a tensor; this one is a copy
-        entry["step"].zero_()
+    step = entry["step"]  # torch keeps step a tensor; this one is a copy
+    for write in (lambda s: s.zero_(), lambda s: s.__iadd__(1), lambda s: s.__setitem__((), 3),
+                  lambda s: torch.add(s, 1, out=s)):
+        with pytest.raises(StateWriteError, match=r"on the step count of optimizer\.state"
+                                                  r"\['up\.weight'\].*param_steps"):
+            write(step)
+    assert float(step) == 2.0 and torch.equal(step + 1, torch.tensor(3.0))
+    assert type(step + 1) is torch.Tensor and repr(step) == "tensor(2.)"
+    assert type(copy.deepcopy(step)) is torch.Tensor and torch.equal(copy.deepcopy(step), step)
     for write in (lambda s: s.__setitem__(p, {}), lambda s: s.__delitem__(p),
                   lambda s: s.update({p: {}}), lambda s: s.pop(p)):
         with pytest.raises(StateWriteError, match="up.weight"):

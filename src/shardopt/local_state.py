@@ -26,6 +26,53 @@ def _refuse_write(opt: DistributedOptimizer, fqn: str, what: str) -> StateWriteE
         f"dtype (copied in); set step counts in optimizer.param_steps[{fqn!r}], on every rank")
 
 
+# In-place operators, whose names do not end in "_" as torch's in-place methods' do.
+_INPLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod",
+                                               "pow", "and", "or", "xor", "lshift", "rshift",
+                                               "matmul")} | {"__setitem__"}
+
+
+class _StepCount(torch.Tensor):
+    """``optimizer.state[param]["step"]``: a 0-dim float tensor holding the param's step
+    count, as torch keeps it, but a copy (the counts live in ``optimizer.param_steps``): an
+    in-place write (``zero_()``, ``+=``, ``out=``) raises :class:`StateWriteError` naming the
+    param instead of changing nothing. Anything else computes on a plain tensor; copies and
+    pickles are plain tensors."""
+
+    @staticmethod
+    def __new__(cls, opt: DistributedOptimizer, fqn: str) -> _StepCount:
+        count = torch.Tensor._make_subclass(cls, torch.tensor(float(opt.param_steps[fqn])))
+        count._opt, count._fqn = opt, fqn
+        return count
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        out = kwargs.get("out")
+        written = [*args[:1], *(out if isinstance(out, (tuple, list)) else [out])]
+        if ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS
+                or out is not None):
+            count = next((t for t in written if isinstance(t, _StepCount)), None)
+            if count is not None:
+                raise _refuse_write(count._opt, count._fqn, f"{name} on the step count of")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def _plain(self) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.detach().clone()
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return self._plain()
+
+    def __reduce_ex__(self, proto: int) -> Any:
+        return self._plain().__reduce_ex__(proto)
+
+    def __repr__(self, **kwargs: Any) -> str:  # noqa: ARG002
+        return repr(self._plain())
+
+
 class _Entry(dict):
     """``optimizer.state[param]``: its tensors view the live state, so in-place writes reach
     it, and assigning a tensor of the same shape and dtype to one of them copies it in (torch's
@@ -74,7 +121,7 @@ class LocalState(defaultdict):
     ``exp_avg`` and ``exp_avg_sq``, all 1-D views starting at element ``offset`` of the
     flattened param. Writing into the views changes the optimizer's state, and so does
     assigning a tensor like one of them (copied in); ``step`` is a copy that refuses
-    in-place writes, and any other replacing or removing of an entry (of a param or of
+    in-place writes naming the param, and any other replacing or removing of an entry (of a param or of
     the mapping) raises :class:`StateWriteError`: it could not reach the state."""
 
     def __init__(self, opt: DistributedOptimizer) -> None:
@@ -83,9 +130,7 @@ class LocalState(defaultdict):
 
     def _entry(self, fqn: str) -> dict[str, Any]:
         opt = self._opt
-        with torch.inference_mode():  # an in-place write to this copy raises, not lost
-            step = torch.tensor(float(opt.param_steps[fqn]))
-        out: dict[str, Any] = {"step": step}
+        out: dict[str, Any] = {"step": _StepCount(opt, fqn)}
         shard = opt.shard_of.get(fqn)
         if shard is not None:
             out["offset"] = shard.range_param.start
