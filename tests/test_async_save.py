@@ -296,6 +296,49 @@ def test_a_device_snapshot_drains_into_one_reused_host_copy_of_its_size(tmp_path
                                                                 "step_00000003")
 
 
+class _NormedLinear(torch.nn.Module):
+    """A bf16 Linear big enough that its state's copies take milliseconds, then a BatchNorm
+    whose running statistics every forward in training mode updates in place."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(n, n).to(torch.bfloat16)
+        self.bn = torch.nn.BatchNorm1d(n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x).float()).square().mean()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", ["host", "device", "device_staged"])
+def test_buffers_a_forward_updates_right_after_the_call_are_saved_as_at_the_call(where,
+                                                                                  tmp_path):
+    """A forward right after an asynchronous save's call updates BatchNorm's running
+    statistics in place while the state's copies still run on their side stream: the
+    checkpoint must hold them as they were at the call (their copies go first, and the
+    training stream waits for those only)."""
+    from shardopt import DistributedOptimizer, OptimizerConfig
+    torch.manual_seed(0)
+    model = _NormedLinear(8192).cuda()
+    opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-3))
+    x = torch.randn(64, 8192, device="cuda", dtype=torch.bfloat16)
+    for step in range(1, 4):
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        at_call = {k: v.clone() for k, v in model.bn.state_dict().items()}
+        handle = checkpoint.save(tmp_path, model, opt, step=step, blocking=False,
+                                 snapshot=where)
+        model(x).backward()  # updates the running statistics at once
+        path = handle.wait()
+        opt.zero_grad()
+        assert not torch.equal(model.bn.running_mean, at_call["running_mean"])
+        fresh = _NormedLinear(8192).cuda()
+        checkpoint.load(path, fresh, DistributedOptimizer(fresh, OptimizerConfig(lr=1e-3)))
+        for k, v in fresh.bn.state_dict().items():
+            assert torch.equal(v, at_call[k]), (where, step, k)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
 def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path, monkeypatch):
@@ -488,3 +531,16 @@ def test_save_in_flight_when_the_script_ends_is_committed(tmp_path):
     assert checkpoint.latest(root) == str(root / "step_00000002")
     model, opt = build(1)
     assert checkpoint.load(root, model, opt).step == 2
+
+
+def test_copies_of_storages_a_forward_may_write_are_queued_first():
+    """The pieces of ``hot`` storages (module buffers) come before every piece of the state,
+    whatever their place in their own storage; the others keep their order by position."""
+    snapshot = importlib.import_module("shardopt.checkpoint.snapshot")
+    state, buffer = torch.zeros(10), torch.zeros(4)
+    pairs = [(torch.empty(5), state[5:]), (torch.empty(5), state[:5]),
+             (torch.empty(2), buffer[2:])]
+    pieces = snapshot._pieces(pairs)
+    assert [w[0] for _, _, w in pieces][0] == state.untyped_storage().data_ptr()
+    pieces = snapshot._pieces(pairs, {buffer.untyped_storage().data_ptr()})
+    assert [w[1:] for _, _, w in pieces] == [(8, 16), (0, 20), (20, 40)]

@@ -457,3 +457,40 @@ def test_save_failures_raise_on_every_rank_and_commit_nothing(tmp_path: Path) ->
     assert last["latest_after"] == str(root / "step_00000099")
     assert [n for n in last["listing"] if n.startswith(".")] == [".lock"]
     check_root(root)
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and a head sharing one weight; ``head_first`` declares the head first,
+    so ``named_parameters()`` names the tied weight ``head.weight`` instead of ``emb.weight``."""
+
+    def __init__(self, head_first: bool) -> None:
+        super().__init__()
+        emb, head = torch.nn.Embedding(11, 6), torch.nn.Linear(6, 11, bias=False)
+        head.weight = emb.weight
+        if head_first:
+            self.head, self.emb = head, emb
+        else:
+            self.emb, self.head = emb, head
+        self.norm = torch.nn.LayerNorm(6)
+        self.register_buffer("scale", torch.full((6,), 1.001))
+
+
+def test_a_tie_declared_the_other_way_and_buffers_of_another_dtype_are_told(tmp_path: Path,
+                                                                           caplog) -> None:
+    """A tied weight the model now names by its other name is refused saying it is the tie
+    (not "missing"); a buffer stored in another dtype is cast into the model's, as
+    ``model.load_state_dict`` does, with a warning naming it."""
+    torch.manual_seed(0)
+    saved = _Tied(head_first=False)
+    path = checkpoint.save(tmp_path, saved, DistributedOptimizer(saved, OptimizerConfig()),
+                           step=1)
+    other = _Tied(head_first=True)
+    with pytest.raises(checkpoint.CheckpointError, match=r"'head\.weight' of the model is tied "
+                                                         r"to 'emb\.weight'"):
+        checkpoint.load(path, other, DistributedOptimizer(other, OptimizerConfig()))
+    narrow = _Tied(head_first=False)
+    narrow.scale = narrow.scale.to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="shardopt.checkpoint"):
+        checkpoint.load(path, narrow, DistributedOptimizer(narrow, OptimizerConfig()))
+    assert "scale (float32 -> bfloat16)" in caplog.text
+    assert torch.equal(narrow.scale, torch.full((6,), 1.001).to(torch.bfloat16))

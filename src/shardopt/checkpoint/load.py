@@ -13,6 +13,7 @@ has changed.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,12 +27,14 @@ from ..optimizer import DistributedOptimizer
 from . import background, convert, state
 from .agree import CheckpointError, agree
 from .commit import resolve
-from ..config import GROUP_KEYS
+from ..config import GROUP_KEYS, dtype_name
 from .config import CheckpointConfig, resolve_config
 from .format import FormatError, data_file_name
 from .manifest import Manifest, parse
 from .read import DataFiles, Read, read_verified
 from .transfer import io_threads as resolve_threads
+
+log = logging.getLogger("shardopt.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,12 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
     problems = []
     for fqn, (shape, trainable) in current.items():
         saved = m.params.get(fqn)
-        if saved is None:
+        if saved is None and fqn in m.aliases:
+            problems.append(f"param {fqn!r} of the model is tied to {m.aliases[fqn]!r}, which "
+                            "the checkpoint stores it under: the model names the tied weight "
+                            "first by the other name than when saved (declare the tie as "
+                            "then)")
+        elif saved is None:
             problems.append(f"param {fqn!r} of the model is missing from the checkpoint")
         elif saved.shape != shape:
             problems.append(f"param {fqn!r}: checkpoint shape {list(saved.shape)} != "
@@ -240,7 +248,13 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
             problems.append(f"param {fqn!r} is trainable but the checkpoint holds no "
                             "optimizer state for it (it was frozen when saved)")
     problems += [f"checkpoint param {fqn!r} does not exist in the model"
-                 for fqn in m.params if fqn not in current and fqn not in opt.aliases]
+                 for fqn in m.params if fqn not in current and fqn not in opt.aliases
+                 and fqn not in m.aliases.values()]
+    cast = [f"{fqn} ({dtype_name(m.params[fqn].dtype)} -> {dtype_name(t.dtype)})"
+            for fqn, t in frozen.items() if fqn in m.params and m.params[fqn].dtype != t.dtype]
+    if cast and not problems and opt.dp.rank == 0:  # model.load_state_dict casts silently
+        log.warning("loading %s: %d frozen tensor(s) stored in another dtype are cast into "
+                    "the model's: %s", m.path, len(cast), ", ".join(cast[:5]))
     if problems:
         more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
         raise CheckpointError("; ".join(problems[:10]) + more)

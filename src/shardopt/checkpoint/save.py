@@ -273,9 +273,12 @@ def _take_snapshot(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor], o
     snapshot: a repeat of the previous save's copies where the state lives in tensors of
     the same sizes (:meth:`.Snapshot.retake`), else built and copied afresh."""
     snap, sources = _snapshot(opt), state.sources(opt, frozen)
-    again = snap.retake(sources, on_device)
+    # Buffers (not params) are what a forward may update in place while the copies run.
+    hot = {t.untyped_storage().data_ptr() for t in frozen.values()
+           if not isinstance(t, torch.nn.Parameter)} if opt.dp.rank == 0 else set()
+    again = snap.retake(sources, on_device, hot)
     jobs, fence = again if again is not None else \
-        snap.take(_state_contents(opt, frozen), on_device, sources)
+        snap.take(_state_contents(opt, frozen), on_device, sources, hot)
     return [_rng_job(opt), *jobs], fence
 
 

@@ -43,7 +43,7 @@ CUDA the copies are plain, finished at once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 
@@ -186,23 +186,24 @@ class Snapshot:
                         WriteEntry(e.key, e.dtype, e.numel, e.offset, host(e.source))
                         for e in entries]) for name, entries in jobs]
 
-    def retake(self, sources: dict[str, torch.Tensor], on_device: bool = False
-               ) -> tuple[list[Job], SaveFence | None] | None:
+    def retake(self, sources: dict[str, torch.Tensor], on_device: bool = False,
+               hot: Collection[int] = ()) -> tuple[list[Job], SaveFence | None] | None:
         """Coordinator-free. The jobs of the last :meth:`take` again, with its copies queued
         anew from ``sources`` (the flat tensors the state lives in now, by name; see
         :meth:`~shardopt.optimizer.DistributedOptimizer.state_sources`), when they have
         the names, sizes and dtypes they had then; else None. The entries' pieces of the
         sources depend on the layout alone, so they are where they were: this builds no
-        per-param views, which keeps the call of a repeated save to a few copies."""
+        per-param views, which keeps the call of a repeated save to a few copies. ``hot``:
+        as for :meth:`take`."""
         plan = self._plan
         if plan is None or plan.key != _key(sources, on_device and self.cuda):
             return None
         pairs = [(self._buffers[dtype][pos:pos + n], sources[name].narrow(0, rel, n))
                  for name, rel, n, dtype, pos in plan.runs]
-        return plan.jobs, self._copy(pairs)
+        return plan.jobs, self._copy(pairs, hot)
 
     def take(self, jobs: Sequence[Job], on_device: bool = False,
-             sources: dict[str, torch.Tensor] | None = None
+             sources: dict[str, torch.Tensor] | None = None, hot: Collection[int] = ()
              ) -> tuple[list[Job], SaveFence | None]:
         """Coordinator-free. Queue copies of every entry's source into the buffers (in
         device memory with ``on_device`` and a GPU, else on the host); return the jobs with
@@ -213,7 +214,10 @@ class Snapshot:
         bucket): each run of adjacent or overlapping elements of one storage is copied at
         once, a few large copies instead of one per param and state, which keeps the call
         short. With ``sources``, the runs are also recorded as pieces of them, for
-        :meth:`retake`."""
+        :meth:`retake`. ``hot``: the storages (addresses) that work queued after the call
+        may write without going through the optimizer (module buffers, which a forward
+        updates in place: BatchNorm's running statistics); their copies are queued first and
+        the current stream waits for them (the host does not)."""
         unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         for _, entries in jobs:
             for e in entries:
@@ -234,7 +238,7 @@ class Snapshot:
             for key, src in run.members:
                 at = src.storage_offset() - run.start
                 copies[key] = dst[at:at + src.numel()]
-        event = self._copy(pairs)
+        event = self._copy(pairs, hot)
         out = [(name, [e if e.source is None else
                        WriteEntry(e.key, e.dtype, e.numel, e.offset, copies[_identity(e.source)])
                        for e in entries])
@@ -256,7 +260,8 @@ class Snapshot:
                 self._pinned[dtype] = PinnedBuffer(numel, dtype, shared=SHARED, lock=self.cuda)
                 self._buffers[dtype] = self._pinned[dtype].tensor
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> SaveFence | None:
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int] = ()
+              ) -> SaveFence | None:
         if not self.cuda:
             for dst, src in pairs:
                 dst.copy_(src.detach().reshape(-1))
@@ -264,14 +269,20 @@ class Snapshot:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         # The sources are final once the work queued so far on the current stream has run.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
         pieces = []
         with torch.cuda.stream(self._stream):
-            for dst, src, where in _pieces(pairs):
+            for dst, src, where in _pieces(pairs, hot):
                 dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
+                if where[0] in hot:  # the last hot one's event is the one waited for below
+                    hot_done = event
                 pieces.append((*where, event))
+        if any(p[0] in hot for p in pieces):
+            # The next forward must not update a buffer before its copy has read it.
+            current.wait_event(hot_done)
         # Blocking: the background writer waits on it for as long as the copies take, asleep
         # (a spinning wait would take a core from the training loop).
         done = torch.cuda.Event(blocking=True)
@@ -279,12 +290,12 @@ class Snapshot:
         return SaveFence(pieces, done, self.device)
 
 
-def _pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]]
+def _pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int] = ()
             ) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]]:
-    """``pairs`` cut into pieces of at most :data:`FENCE_PIECE_BYTES`, ordered by where they
-    lie in their source's storage (a fraction of it, so that the pieces of every state
-    tensor's first bucket come first, as a step updates them), each with (storage address,
-    first byte, end byte) of what it reads."""
+    """``pairs`` cut into pieces of at most :data:`FENCE_PIECE_BYTES`, those of ``hot``
+    storages first, then ordered by where they lie in their source's storage (a fraction of
+    it, so that the pieces of every state tensor's first bucket come first, as a step
+    updates them), each with (storage address, first byte, end byte) of what it reads."""
     out = []
     for dst, src in pairs:
         src = src.detach().reshape(-1)
@@ -293,7 +304,8 @@ def _pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]]
         for lo in range(0, src.numel(), step):
             n = min(step, src.numel() - lo)
             first = (src.storage_offset() + lo) * size
-            out.append((first / max(1, storage.nbytes()), dst[lo:lo + n], src[lo:lo + n],
+            out.append(((storage.data_ptr() not in hot, first / max(1, storage.nbytes())),
+                        dst[lo:lo + n], src[lo:lo + n],
                         (storage.data_ptr(), first, first + n * size)))
     out.sort(key=lambda piece: piece[0])
     return [piece[1:] for piece in out]
