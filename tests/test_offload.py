@@ -570,3 +570,79 @@ def test_onload_copies_are_exact_by_kernel_and_by_copy_engine(by_kernel):
     for d, h in zip(devs, hosts):
         assert torch.equal(d.cpu(), h.tensor)
         h.release()
+
+
+# ------------------------------------------------------------- misuse while offloaded
+def test_a_backward_while_grads_or_params_are_offloaded_is_refused():
+    """A graph built before offload() and backpropagated while the grads (or params) are out
+    would write into storage onload() replaces or zeroes: the step after would silently run
+    on zero grads. It raises instead; with only the moments and main params out it runs."""
+    for what, refused in ((("grads",), True), (("params",), True),
+                          (("moments", "main_params"), False)):
+        model, opt = make()
+        train(model, opt, 1)
+        x, y = batch(1)
+        loss = F.mse_loss(model(x), y)
+        opt.offload(what)
+        if refused:
+            with pytest.raises(OffloadError, match=r"a backward needs the optimizer's"):
+                loss.backward()
+        else:
+            loss.backward()
+        opt.onload()
+
+
+def test_a_param_moved_while_offloaded_is_still_found():
+    """``p.data = ...`` (or ``model.to(...)``) while offloaded leaves a param outside the
+    buffer; onload() used to take its new address as the buffer's, hiding the move, so
+    the param silently stopped training. The next step raises ParamMovedError."""
+    from shardopt import ParamMovedError
+    for what in (("moments",), ("params", "grads")):
+        model, opt = make()
+        train(model, opt, 1)
+        opt.offload(what)
+        model.up.weight.data = model.up.weight.data.clone()
+        opt.onload()
+        with pytest.raises(ParamMovedError, match="up.weight"):
+            train(model, opt, 1)
+
+
+def test_weights_set_before_the_first_step_survive_state_dict_and_offload():
+    """Until the first step every param counts as written, however often the main params
+    are re-seeded before it (state_dict(), an offload): weights written where no version
+    counter sees them (``p.data``) after those are still what the first step starts from."""
+    for before in ("state_dict", "offload"):
+        model, opt = make()
+        if before == "state_dict":
+            opt.state_dict()
+        else:
+            opt.offload()
+            opt.onload()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.fill_(0.5)
+        for g in opt.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        train(model, opt, 1)
+        assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in model.parameters()), before
+
+
+def test_copying_pickling_or_listing_the_model_while_offloaded_is_refused():
+    """``copy.deepcopy(model)`` or ``torch.save(model)`` while the params are offloaded would
+    copy empty or poisoned storage: they raise, and after onload() work (the copy trains);
+    buckets listed before an offload and read after it raise at the next bucket."""
+    import io
+    model, opt = make()
+    train(model, opt, 1)
+    buckets = opt.iter_param_buckets()
+    opt.offload()
+    for what, do in (("copying", copy.deepcopy), ("pickling", lambda m: torch.save(m, io.BytesIO()))):
+        with pytest.raises(OffloadError, match=f"pickling or copying module '<root>'"):
+            do(model)
+    with pytest.raises(OffloadError, match="iter_param_buckets"):
+        next(buckets)
+    opt.onload()
+    twin = copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
+    x, _ = batch(0)
+    assert torch.equal(twin(x), model(x))

@@ -148,6 +148,8 @@ class _WeakGradHook:
     def __call__(self, param: torch.nn.Parameter) -> None:
         opt = self.owner()
         if opt is not None:
+            if opt.offloaded:  # a backward of a graph built before offload()
+                opt.check_onloaded("a backward", ("grads", "params"))
             opt.grad_sync.on_grad_ready(param)
 
 

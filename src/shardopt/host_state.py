@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -121,7 +121,7 @@ class HostState:
             opt.buffers.host_params = self._copies["params"]
             self._versions = opt._watch.versions()
         if "params" in kinds or "grads" in kinds:
-            self._guards = [m.register_forward_pre_hook(self._refuse_forward(name))
+            self._guards = [m.register_forward_pre_hook(_ForwardGuard(self, name))
                             for name, m in self._modules]
 
     def _copy_out_and_free(self, moved: list[tuple[torch.Tensor, torch.Tensor]],
@@ -294,14 +294,6 @@ class HostState:
         self._copies[kind], self._pinned[kind] = copies, pinned
         return copies
 
-    def _refuse_forward(self, module_name: str):
-        def hook(_module, _args):
-            raise OffloadError(
-                f"[dp rank {self.opt.dp.rank}] forward of module {module_name or '<root>'!r} "
-                f"while the optimizer's {', '.join(self.offloaded)} are offloaded; "
-                "call optimizer.onload() first")
-        return hook
-
     # ------------------------------------------------------------ device copies
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -374,6 +366,30 @@ def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
     if unknown or not kinds:
         raise OffloadError(f"cannot offload {unknown or 'nothing'}; choose from {list(KINDS)}")
     return tuple(k for k in KINDS if k in kinds)
+
+
+class _ForwardGuard:
+    """The forward pre-hook :meth:`HostState.offload` puts on the model's modules while
+    params or grads are offloaded: a forward raises. Pickling or copying the module then
+    (``torch.save(model)``, ``copy.deepcopy(model)``) raises too: its params hold nothing
+    (a copy would be of freed or stale storage). A copy made otherwise, which keeps the
+    guard after ``onload()`` removed it from the original, lets its forward run."""
+
+    def __init__(self, host: HostState, module_name: str) -> None:
+        self.host, self.name = host, module_name or "<root>"
+
+    def _refusal(self, what: str) -> OffloadError:
+        return OffloadError(
+            f"[dp rank {self.host.opt.dp.rank}] {what} module {self.name!r} while the "
+            f"optimizer's {', '.join(self.host.offloaded)} are offloaded; call "
+            "optimizer.onload() first")
+
+    def __call__(self, _module: torch.nn.Module, _args: Any) -> None:
+        if self.host.offloaded:
+            raise self._refusal("forward of")
+
+    def __reduce__(self) -> Any:
+        raise self._refusal("pickling or copying")
 
 
 def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream,

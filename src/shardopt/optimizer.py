@@ -134,7 +134,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.main_params = build.main_params(self.layout, self.buffers, self.dp, self.device)
         self._moments: Moments | None = None  # allocated lazily (first step or a load)
         # Host copies: offload()/onload() and the moments a low_memory_resume load stages.
-        self._host = HostState(self, model, lambda: self._watch.rebase())
+        self._host = HostState(self, model, lambda: self._watch.rebase(
+            [self.buffers.param_views[fqn] for fqn in self._watch.fqns]))
         # Updates applied to each param (torch's state[p]["step"]): a param that got no
         # gradient on any rank in a step is not updated and its count stays.
         self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
@@ -338,11 +339,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def iter_param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
         """``(fqns, flat)`` per bucket (by buffer, then bucket index): ``flat`` (model dtype)
         holds its params back to back in ``fqns`` order (:meth:`FlatBuffers.packed_params`).
-        Waits for param all-gathers in flight; refused while params are offloaded."""
+        Waits for param all-gathers in flight; refused while params are offloaded, at the
+        call and at every bucket (the iterator is lazy, and its views hold nothing then)."""
         self._host.check_onloaded("iter_param_buckets()", ("params",))
         self.finish_param_sync()
-        return ((b.param_fqns, self.buffers.packed_params(b))
-                for buf in self.layout.buffers for b in buf.buckets)
+        return self._param_buckets()
+
+    def _param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+        for buf in self.layout.buffers:
+            for b in buf.buckets:
+                self._host.check_onloaded("iter_param_buckets()", ("params",))
+                yield b.param_fqns, self.buffers.packed_params(b)
 
     def reload_model_params(self) -> None:
         """Re-seed every fp32 main param this rank holds from the model's current params.

@@ -65,21 +65,25 @@ class ParamWatch:
         self._expected = list(expected)
         self._dp_rank = dp_rank
         self._ptrs = list(map(_data_ptr, self.params))
-        # Nothing recorded yet: until the optimizer first writes the params (its first
-        # step or a load), every param counts as written, so the first step re-seeds every
-        # main param from its param. That picks up writes no counter sees made before it:
-        # rank 0's weights broadcast with torch.distributed, writes through ``p.data``.
-        self._versions = [-1] * len(self.params)
+        self._versions = list(map(_version, self.params))
+        # Until the optimizer first writes the params (its first step or a load: record()),
+        # every param counts as written, so every re-seed before then (the first step's,
+        # state_dict()'s, a save's, offload()'s) takes every main param from its param. That
+        # picks up writes no counter sees made before the first step: rank 0's weights
+        # broadcast with torch.distributed, writes through ``p.data``.
+        self._fresh = True
 
     def record(self) -> None:
         """Call after every write of the optimizer to the params: they are in sync now."""
         self._versions = list(map(_version, self.params))
+        self._fresh = False
 
-    def rebase(self) -> None:
+    def rebase(self, views: Sequence[torch.Tensor]) -> None:
         """Call after the optimizer itself gave the params' storage back and re-allocated it
-        (``onload()``): the new addresses are the buffer's. Versions are left as they were,
-        so a write the user made before the offload is still found."""
-        self._ptrs = list(map(_data_ptr, self.params))
+        (``onload()``): ``views`` (in ``fqns`` order) are where the params must live now, in
+        the buffer, so a param moved out of it meanwhile is still found. Versions are left
+        as they were, so a write the user made before the offload is still found."""
+        self._ptrs = list(map(_data_ptr, views))
 
     def versions(self) -> list[int]:
         """The params' version counters now, for :meth:`undone`."""
@@ -100,7 +104,8 @@ class ParamWatch:
         return out
 
     def written(self, record: bool = True) -> list[str]:
-        """FQNs of the params written in place since :meth:`record`; raises
+        """FQNs of the params written in place since :meth:`record` (with ``record``, before
+        the first :meth:`record`: every param); raises
         :class:`ParamMovedError` if a param was moved out of the buffer, a
         :class:`~shardopt.guards.UsageError` if a param frozen at construction was
         unfrozen. Records the current versions unless ``record`` is False (the caller
@@ -110,6 +115,9 @@ class ParamWatch:
         if any(map(_requires_grad, self._frozen_params)):
             self._check_unfrozen()
         now = list(map(_version, self.params))
+        if record and self._fresh:
+            self._versions = now
+            return list(self.fqns)
         if now == self._versions:
             return []
         out = [f for f, a, b in zip(self.fqns, now, self._versions) if a != b]
