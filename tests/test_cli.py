@@ -304,3 +304,16 @@ def test_demo_reads_only_complete_lines_of_the_log_it_watches(tmp_path):
     assert _last_step(log) == 2
     log.write_text('{"step": 1, "lo')
     assert _last_step(log) == 0
+
+
+def test_a_fresh_run_into_a_checkpoint_directory_is_refused(tmp_path, capsys):
+    """Without --resume a run into a --ckpt-dir that holds checkpoints would replace them
+    from its first save on (a rollback): refused before anything starts."""
+    model = torch.nn.Linear(4, 4)
+    checkpoint.save(tmp_path / "ckpt", model,
+                    shardopt.DistributedOptimizer(model, shardopt.OptimizerConfig()), step=7)
+    before = sorted(tmp_path.rglob("*"))
+    assert cli.main(["train", "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds checkpoints" in err[0] and "--resume" in err[0], err
+    assert sorted(tmp_path.rglob("*")) == before

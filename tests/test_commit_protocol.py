@@ -87,7 +87,7 @@ def test_retention_never_deletes_the_newest_checkpoint(tmp_path: Path) -> None:
     for step in range(1, 6):
         checkpoint.save(root, *trained(step), step=step, keep_last=2)
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000004", "step_00000005"]
-    checkpoint.save(root, *trained(3), step=3, keep_last=5)  # a rollback: 4 and 5 abandoned
+    checkpoint.save(root, *trained(3), step=3, keep_last=5, rollback=True)  # 4, 5 abandoned
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000003"]
     checkpoint.save(root, *trained(4), step=4, keep_last=1)
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000004"]

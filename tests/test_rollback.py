@@ -36,7 +36,7 @@ def test_resume_from_an_older_step_and_save_on(tmp_path: Path,
     model, opt = trained(99)
     assert checkpoint.load(root / "step_00000002", model, opt).step == 2
     with caplog.at_level(logging.WARNING, logger="shardopt.checkpoint"):
-        checkpoint.save(root, *trained(3), step=3, extra={"branch": "new"})
+        checkpoint.save(root, *trained(3), step=3, extra={"branch": "new"}, rollback=True)
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000001", "step_00000002",
                                                              "step_00000003"]
     assert checkpoint.latest(root) == str(root / "step_00000003")
@@ -53,11 +53,36 @@ def test_resume_from_an_older_step_and_save_on(tmp_path: Path,
     check_root(root)
 
 
+def test_a_run_that_did_not_resume_from_the_root_cannot_roll_it_back(tmp_path: Path) -> None:
+    """A run started afresh into a root that holds a longer run's checkpoints is refused its
+    first save, and nothing changes: it would replace every checkpoint from that step on.
+    Resuming from the root at or before the step allows it, and so does ``rollback=True``."""
+    root = tmp_path / "root"
+    before = _branch(root, range(1, 5))
+    model, opt = trained(2)
+    for blocking in (True, False):
+        with pytest.raises(checkpoint.CheckpointError,
+                           match=r"holds committed checkpoints of steps 2, 3, 4 >= 2: saving "
+                                 r"step 2 would replace them \(a rollback\), but this run did "
+                                 r"not resume from it.*rollback=True"):
+            handle = checkpoint.save(root, model, opt, step=2, blocking=blocking)
+            handle.wait()
+    assert {p.name: read_json(p)["checksum"] for p in commit.complete_steps(root)} == before
+    checkpoint.load(root / "step_00000003", model, opt)
+    with pytest.raises(checkpoint.CheckpointError, match="this run resumed from step 3 of it"):
+        checkpoint.save(root, model, opt, step=2)
+    checkpoint.save(root, model, opt, step=3)  # resumed at 3: 3 and 4 are the abandoned branch
+    assert [p.name for p in commit.complete_steps(root)] == ["step_00000001", "step_00000002",
+                                                             "step_00000003"]
+    assert checkpoint.latest(root) == str(root / "step_00000003")
+
+
 def test_rollback_replaces_step_k_content(tmp_path: Path) -> None:
     root = tmp_path / "root"
     _branch(root, range(1, 4))
     model, opt = trained(2)
-    checkpoint.save(root, model, opt, step=2, extra={"branch": "new"})  # same step, new save
+    checkpoint.save(root, model, opt, step=2, extra={"branch": "new"},  # same step, new save
+                    rollback=True)
     check_state(str(root / "step_00000002"), 2)
     assert read_json(root / "step_00000002")["extra"] == {"branch": "new"}
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000001", "step_00000002"]
@@ -78,7 +103,7 @@ def test_rollback_with_and_without_atomic_exchange(tmp_path: Path, monkeypatch: 
         monkeypatch.setattr(commit, "_exchange", lambda a, b: used.append(real(a, b)) or used[-1])
     else:
         monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
-    checkpoint.save(root, *trained(2), step=2, extra={"branch": "new"})
+    checkpoint.save(root, *trained(2), step=2, extra={"branch": "new"}, rollback=True)
     assert used == ([True] if exchange else [])
     assert read_json(root / "step_00000002")["extra"] == {"branch": "new"}
     assert checkpoint.latest(root) == str(root / "step_00000002")
@@ -92,7 +117,7 @@ def test_a_failed_rollback_save_changes_nothing(tmp_path: Path,
     before = _branch(root, range(1, 4))
     monkeypatch.setattr(commit, "write_atomic", _fail)  # the manifest cannot be written
     with pytest.raises(checkpoint.CheckpointError, match="disk full"):
-        checkpoint.save(root, *trained(2), step=2)
+        checkpoint.save(root, *trained(2), step=2, rollback=True)
     monkeypatch.undo()
     assert {p.name: read_json(p)["checksum"] for p in commit.complete_steps(root)} == before
     assert checkpoint.latest(root) == str(root / "step_00000003")
@@ -129,7 +154,7 @@ def test_kill9_during_a_rollback_save(tmp_path: Path) -> None:
     while True:
         root = tmp_path / f"root-{kill_at}"
         shutil.copytree(pristine, root)
-        p = _spawn(ranks.crash_at, str(root), 2, kill_at)
+        p = _spawn(ranks.crash_at, str(root), 2, kill_at, True, True)
         p.join(60)
         assert p.exitcode in (0, -signal.SIGKILL), p.exitcode
         steps = {q.name: read_json(q)["checksum"] for q in check_root(root)}

@@ -200,6 +200,11 @@ def _hyperparameters(args: argparse.Namespace) -> tuple[dict[str, Any], list[str
     given = {f: getattr(args, f) for f in _HYPERPARAMETER_FLAGS if getattr(args, f) is not None}
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in _HYPERPARAMETER_FLAGS}
     resume, saved, notes = args.resume, {}, []
+    if not resume and args.ckpt_dir is not None and checkpoint.latest(args.ckpt_dir):
+        raise UsageError(f"--ckpt-dir {args.ckpt_dir} holds checkpoints (the latest: "
+                         f"{checkpoint.latest(args.ckpt_dir)}): pass --resume to continue from "
+                         "it, or give another --ckpt-dir; a fresh run's saves would replace "
+                         "them")
     if resume is True and args.ckpt_dir is not None:
         resume = checkpoint.latest(args.ckpt_dir) or True  # True: none yet, the run starts fresh
     if isinstance(resume, str):

@@ -280,14 +280,15 @@ def count_fs_calls(fn: Callable[[], Any], kill_at: int | None = None) -> int:
     return count[0]
 
 
-def crash_at(root: str, step: int, kill_at: int, blocking: bool = True) -> None:
+def crash_at(root: str, step: int, kill_at: int, blocking: bool = True,
+             rollback: bool = False) -> None:
     """Process target: save ``step`` (one process, no process group), dying at a given call
     (with ``blocking=False``: of the save's background thread too, training meanwhile)."""
     model, opt = trained(step)
 
     def save() -> None:
         saved = checkpoint.save(root, model, opt, step=step, keep_last=2, block_bytes=4096,
-                                blocking=blocking)
+                                blocking=blocking, rollback=rollback)
         if not blocking:
             train_step(model, opt, step + 1)
             saved.wait()
@@ -297,16 +298,17 @@ def crash_at(root: str, step: int, kill_at: int, blocking: bool = True) -> None:
 
 # ------------------------------------------------------------------ concurrent jobs
 def concurrent_job(rank: int, world_size: int, root: str, num_saves: int) -> dict[str, Any]:
-    """Two independent single-process jobs (no process group) saving into one root."""
+    """Two independent single-process jobs (no process group) saving into one root, each
+    rolling back the other's later steps (``rollback=True``: the point is the locking)."""
     committed, refused = [], []
     for i in range(num_saves):
         step = 2 * i + rank
         model, opt = trained(step)
-        checkpoint.save(root, model, opt, step=step, keep_last=4)
+        checkpoint.save(root, model, opt, step=step, keep_last=4, rollback=True)
         committed.append(step)
     model, opt = trained(1000)  # both jobs try the same step
     try:
-        checkpoint.save(root, model, opt, step=1000)
+        checkpoint.save(root, model, opt, step=1000, rollback=True)
         committed.append(1000)
     except checkpoint.CheckpointError as e:
         refused.append(str(e))

@@ -47,6 +47,7 @@ import shutil
 import time
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -251,12 +252,45 @@ def _delete(paths: list[Path]) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def begin(root: Path, final_name: str) -> Staged:
-    """Create and lock a fresh temporary directory for ``root/final_name``; clean stale ones."""
+# The root and step each optimizer last resumed from with checkpoint.load (by object: this
+# module never looks inside it), which lets its saves roll that root back.
+_RESUMED: weakref.WeakKeyDictionary[object, tuple[Path, int]] = weakref.WeakKeyDictionary()
+
+
+def note_resume(owner: object, checkpoint_dir: Path, step: int) -> None:
+    """``owner`` (an optimizer) was loaded from ``checkpoint_dir``, a checkpoint of ``step``."""
+    _RESUMED[owner] = (checkpoint_dir.parent.resolve(), step)
+
+
+def resumed_step(owner: object, root: Path) -> int | None:
+    """The step ``owner`` last resumed from in ``root`` (None: not from this root)."""
+    got = _RESUMED.get(owner)
+    return got[1] if got is not None and got[0] == root.resolve() else None
+
+
+def begin(root: Path, final_name: str, rollback_from: int | None = None) -> Staged:
+    """Create and lock a fresh temporary directory for ``root/final_name``; clean stale ones.
+
+    A save that would replace committed checkpoints of steps ``>= k`` (a rollback: see the
+    module's docstring) is refused unless ``rollback_from`` is at most ``k``: the step this
+    run resumed from in ``root``, or ``0`` when the caller asked for a rollback. A run
+    started afresh into a root that holds a longer run's checkpoints would otherwise
+    replace every one of them from its first save on."""
     root.mkdir(parents=True, exist_ok=True)
     with RootLock(root) as lock:
         trash = _collect_stale(root) if lock.supported else []
         final = root / final_name
+        step = step_of(final)
+        later = [step_of(p) for p in complete_steps(root) if step_of(p) >= step]
+        if later and (rollback_from is None or rollback_from > step):
+            shown = ", ".join(map(str, later[:5])) + (" and more" if len(later) > 5 else "")
+            resumed = ("this run did not resume from it" if rollback_from is None
+                       else f"this run resumed from step {rollback_from} of it")
+            raise CheckpointError(
+                f"{root} holds committed checkpoints of steps {shown} >= {step}: saving step "
+                f"{step} would replace them (a rollback), but {resumed}. Save into another "
+                "root, resume from the checkpoint to roll back to (checkpoint.load), or pass "
+                "rollback=True to replace them")
         if os.path.lexists(final) and not is_complete(final):
             raise FileExistsError(f"{final} exists and is not a committed checkpoint")
         replaces = _identity(final)

@@ -44,6 +44,11 @@ class CheckpointConfig:
     """Host memory (pinned for a GPU optimizer) a save or load stages data through at most."""
     keep_last: int | None = None
     """Save: delete older committed checkpoints beyond the newest ``keep_last``."""
+    rollback: bool = False
+    """Save: replace committed checkpoints of steps at or after this one (the branch a
+    rollback abandons) although this run did not resume from the root at or before this
+    step (with ``checkpoint.load``, which allows it by itself); otherwise such a save is
+    refused and nothing changes."""
     block_bytes: int = DEFAULT_BLOCK_BYTES
     """Save: the hash block size of the data files."""
     blocking: bool = True
@@ -73,6 +78,7 @@ class CheckpointConfig:
             "block_bytes": (_is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
                             f"an int in [1, {MAX_BLOCK_BYTES}]"),
             "blocking": (isinstance(self.blocking, bool), "a bool"),
+            "rollback": (isinstance(self.rollback, bool), "a bool"),
             "if_busy": (self.if_busy in BUSY_POLICIES, "'wait' or 'error'"),
             "snapshot": (self.snapshot in SNAPSHOTS, "'host', 'device' or 'device_staged'"),
         }

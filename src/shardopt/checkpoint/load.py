@@ -24,7 +24,7 @@ import torch
 from .. import moments as moments_
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
-from . import background, convert, state
+from . import background, commit, convert, state
 from .agree import CheckpointError, agree
 from .commit import resolve
 from ..config import GROUP_KEYS, dtype_name
@@ -131,6 +131,7 @@ def load(
     if "torch_cuda" in plan.rng:
         torch.cuda.set_rng_state(plan.rng["torch_cuda"])
     m = plan.manifest
+    commit.note_resume(optimizer, m.path, m.step)  # its saves may roll this root back
     return LoadInfo(m.step, dict(m.extra), str(m.path), m.dp_size)
 
 

@@ -107,6 +107,7 @@ def save(
     blocking: bool | None = None,
     if_busy: str | None = None,
     snapshot: str | None = None,
+    rollback: bool | None = None,
     config: CheckpointConfig | None = None,
 ) -> str | SaveHandle:
     """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.
@@ -115,7 +116,9 @@ def save(
     ``keep_last`` deletes older committed checkpoints beyond the newest ``k``
     (never the one just saved). Committed checkpoints of steps ``>= step`` (left by a run
     this one rolled back from) are replaced when this one commits, never before (see
-    :mod:`.commit`). ``io_threads`` (default: this process's share of
+    :mod:`.commit`); a run that did not resume from ``root`` (``checkpoint.load``) at or
+    before ``step`` is refused such a save unless ``rollback=True``. ``io_threads`` (default:
+    this process's share of
     the node's CPUs, 2-16) is how many files of about equal size each rank's data
     is split into and written at once. On any failure of any rank every rank
     raises :class:`CheckpointError` and nothing is committed. ``config`` holds these
@@ -140,7 +143,8 @@ def save(
         try:
             cfg = resolve_config(config, keep_last=keep_last, block_bytes=block_bytes,
                                  staging_bytes=staging_bytes, io_threads=io_threads,
-                                 blocking=blocking, if_busy=if_busy, snapshot=snapshot)
+                                 blocking=blocking, if_busy=if_busy, snapshot=snapshot,
+                                 rollback=rollback)
             error = background.settle(cfg.if_busy)
             if error is None:
                 frozen = state.frozen_tensors(model, optimizer, check_model=True)
@@ -155,7 +159,8 @@ def save(
                     optimizer.set_save_fence(fence)
                 if dp.rank == 0:
                     base = _manifest_base(optimizer, step, extra_obj, frozen)
-                    staged = commit.begin(root, step_dir_name(step))
+                    staged = commit.begin(root, step_dir_name(step), 0 if cfg.rollback else
+                                          commit.resumed_step(optimizer, root))
         except Exception as e:  # noqa: BLE001 - reported to every rank by agree
             error = e
         payloads = agree(dp, error, what, (step if error is None else None, cfg.blocking,
