@@ -174,6 +174,8 @@ def test_partial_offload_keeps_forward_and_refuses_step_only():
         opt.offload(("weights",))
     with pytest.raises(OffloadError, match="nothing"):
         opt.offload(())
+    with pytest.raises(OffloadError, match=r"offload\(what=None\): give kinds"):
+        opt.offload(None)
     assert opt.offloaded == ()
 
 

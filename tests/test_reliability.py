@@ -494,3 +494,14 @@ def test_a_tie_declared_the_other_way_and_buffers_of_another_dtype_are_told(tmp_
         checkpoint.load(path, narrow, DistributedOptimizer(narrow, OptimizerConfig()))
     assert "scale (float32 -> bfloat16)" in caplog.text
     assert torch.equal(narrow.scale, torch.full((6,), 1.001).to(torch.bfloat16))
+
+
+def test_a_temporary_directory_given_explicitly_is_not_loaded(tmp_path: Path) -> None:
+    """A save's temporary directory may hold a manifest (written just before the rename that
+    commits it): loading it by name is refused, as latest() never returns it."""
+    model, opt = trained(1)
+    path = Path(checkpoint.save(tmp_path / "root", model, opt, step=1))
+    tmp = path.parent / ".tmp-step_00000002-abc"
+    shutil.copytree(path, tmp)
+    with pytest.raises(checkpoint.CheckpointError, match="not a committed checkpoint"):
+        checkpoint.load(tmp, *trained(2))

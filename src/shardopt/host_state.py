@@ -361,6 +361,8 @@ class HostState:
 def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
     if isinstance(what, str):
         what = (what,)
+    if not isinstance(what, Iterable):
+        raise OffloadError(f"offload(what={what!r}): give kinds of state from {list(KINDS)}")
     kinds = tuple(dict.fromkeys(what))
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:

@@ -200,6 +200,9 @@ def resolve(root_or_path: str | os.PathLike) -> Path:
     """Coordinator-free. A checkpoint directory, given itself or a root holding some.
     Raises :class:`CheckpointError` when there is none."""
     p = Path(root_or_path)
+    if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        raise CheckpointError(f"{p} is not a committed checkpoint: a save's temporary or "
+                              "removed directory (a committed one is named step_XXXXXXXX)")
     if os.path.lexists(p / MANIFEST):
         return p
     if not p.exists():
