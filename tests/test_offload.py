@@ -638,8 +638,8 @@ def test_copying_pickling_or_listing_the_model_while_offloaded_is_refused():
     train(model, opt, 1)
     buckets = opt.iter_param_buckets()
     opt.offload()
-    for what, do in (("copying", copy.deepcopy), ("pickling", lambda m: torch.save(m, io.BytesIO()))):
-        with pytest.raises(OffloadError, match=f"pickling or copying module '<root>'"):
+    for do in (copy.deepcopy, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(OffloadError, match="pickling or copying module '<root>'"):
             do(model)
     with pytest.raises(OffloadError, match="iter_param_buckets"):
         next(buckets)

@@ -50,9 +50,9 @@ class _StepCount(torch.Tensor):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         out = kwargs.get("out")
-        written = [*args[:1], *(out if isinstance(out, (tuple, list)) else [out])]
         if ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS
                 or out is not None):
+            written = [*args[:1], *(out if isinstance(out, (tuple, list)) else [out])]
             count = next((t for t in written if isinstance(t, _StepCount)), None)
             if count is not None:
                 raise _refuse_write(count._opt, count._fqn, f"{name} on the step count of")
@@ -121,8 +121,8 @@ class LocalState(defaultdict):
     ``exp_avg`` and ``exp_avg_sq``, all 1-D views starting at element ``offset`` of the
     flattened param. Writing into the views changes the optimizer's state, and so does
     assigning a tensor like one of them (copied in); ``step`` is a copy that refuses
-    in-place writes naming the param, and any other replacing or removing of an entry (of a param or of
-    the mapping) raises :class:`StateWriteError`: it could not reach the state."""
+    in-place writes naming the param, and any other replacing or removing of an entry (of a
+    param or of the mapping) raises :class:`StateWriteError`: it could not reach the state."""
 
     def __init__(self, opt: DistributedOptimizer) -> None:
         super().__init__(dict)

@@ -271,16 +271,16 @@ class Snapshot:
         # The sources are final once the work queued so far on the current stream has run.
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
-        pieces = []
+        pieces, hot_done = [], None
         with torch.cuda.stream(self._stream):
             for dst, src, where in _pieces(pairs, hot):
                 dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-                if where[0] in hot:  # the last hot one's event is the one waited for below
+                if where[0] in hot:  # hot pieces come first: the last one's event
                     hot_done = event
                 pieces.append((*where, event))
-        if any(p[0] in hot for p in pieces):
+        if hot_done is not None:
             # The next forward must not update a buffer before its copy has read it.
             current.wait_event(hot_done)
         # Blocking: the background writer waits on it for as long as the copies take, asleep
