@@ -15,13 +15,13 @@
 #            threads, 32 and 256 MiB writes, best of 3                                    ~4 min
 #   disk     the same on local disk (/tmp), at 6 layers (5.7 GB) for time: shardopt and
 #            DCP's writer, 3 rounds, cold reads; raw baseline at 4 and io threads         ~2 min
-#   storage  storage_decision.py on /dev/shm, 1b: shardopt's writer against DCP's
+#   storage  probes/storage_decision.py on /dev/shm, 1b: shardopt's writer against DCP's
 #            HuggingFaceStorageWriter on the same chunks, same threads, 3 rounds          ~1.5 min
 #
-# Parts run only when named (the open measurements of issues 15-17, 1 GPU):
+# Parts run only when named (1 GPU):
 #
 #   lowprec  optimizer_step.py for int8 moments with fp32 and bf16 grads (torchao's
-#            AdamW8bit beside it when its wheel is carried), and step_kernel_sweep.py
+#            AdamW8bit beside it when its wheel is carried), and probes/step_kernel_sweep.py
 #            timing the kernel as each kind of step runs it (--modes)                    ~1 min
 #   offload  offload.py, default allocator (torch_memory_saver beside it when carried),
 #            20 cycles; the rollout's memory given back by unmapping, 9 cycles; with
@@ -85,14 +85,14 @@ for part in $PARTS; do
         --repeats 3 --raw-threads 4,io --raw-piece-mib 32 --raw-repeats 3 \
         --first-gbps 1 --budget 100 --timeout 120 --out "$OUT" --tag _suite_disk "${EXTRA[@]}" ;;
     storage)
-      run storage "$PY" benchmarks/storage_decision.py --nproc 1 --dir /dev/shm --repeats 3 \
+      run storage "$PY" benchmarks/probes/storage_decision.py --nproc 1 --dir /dev/shm --repeats 3 \
         --timeout 240 --out "$OUT" "${EXTRA[@]}" ;;
     lowprec)
       for g in float32 bfloat16; do
         run "lowprec-$g" "$PY" benchmarks/optimizer_step.py --repeats 20 --out "$OUT" \
           --exp-avg-dtype int8 --exp-avg-sq-dtype int8 --grad-dtype $g "${EXTRA[@]}"
       done
-      run sweep "$PY" benchmarks/step_kernel_sweep.py --configs 1024x4 --modes plain,clip,norm \
+      run sweep "$PY" benchmarks/probes/step_kernel_sweep.py --configs 1024x4 --modes plain,clip,norm \
         --combos fp32/fp32/fp32,bf16/bf16/fp32,int8/int8/fp32,int8/int8/bf16 --tag _modes \
         --out "$OUT" ;;
     offload)

@@ -186,7 +186,7 @@ def run_one(system: str, mode: str, args, ckpt: Path, scratch: Path, deadline: f
     timeout = min(args.run_timeout, max(1.0, deadline - time.monotonic()))
     print(f"--- {system} {mode}: running (timeout {timeout:.0f} s) ...", flush=True)
     with open(log, "w") as f:
-        # Own session, so a timeout kills the spawned ranks too (they hold GPUs).
+        # Its own process group, so a timeout kills the spawned ranks too (they hold GPUs).
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc: int | str = proc.wait(timeout=timeout)

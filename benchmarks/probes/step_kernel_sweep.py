@@ -7,7 +7,7 @@ same run. ``--modes`` adds the kernel as a clipped step runs it (``clip``: a gra
 a step without clipping does (``norm``: per-block sums of squared grads for the grad norm).
 Prints a table and writes ``step_kernel_sweep.json``.
 
-    PYTHONPATH=src python3 benchmarks/step_kernel_sweep.py --out benchmarks/results \\
+    PYTHONPATH=src python3 benchmarks/probes/step_kernel_sweep.py --out benchmarks/results \\
         --combos fp32/fp32/fp32,bf16/bf16/fp32,int8/int8/fp32,int8/int8/bf16
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 import _common  # noqa: E402
 from shardopt import kernels, quant  # noqa: E402
 

@@ -9,8 +9,8 @@ it; the files are evicted from the page cache where that means anything (not on 
 back the same way (``_io_probes._raw_pass``, the checkpoint benchmark's raw test). Best of
 ``--repeats``.
 
-    PYTHONPATH=src python3 benchmarks/storage_scaling.py --out benchmarks/results
-    PYTHONPATH=src python3 benchmarks/storage_scaling.py --mib 256 --threads 1,2 --targets disk  # smoke
+    PYTHONPATH=src python3 benchmarks/probes/storage_scaling.py --out benchmarks/results
+    PYTHONPATH=src python3 benchmarks/probes/storage_scaling.py --mib 256 --threads 1,2 --targets disk  # smoke
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 import _common  # noqa: E402
 import _io_probes  # noqa: E402
 

@@ -12,8 +12,8 @@ in four variants, interleaved over ``--repeats``:
 and the raw test beside them (``_io_probes._raw_pass`` with ``--files`` threads, a file each).
 Staging per thread is ``--staging-mib`` / ``--files`` (the save's default split).
 
-    PYTHONPATH=src python3 benchmarks/save_breakdown.py --out benchmarks/results
-    PYTHONPATH=src python3 benchmarks/save_breakdown.py --files 2 --gib-per-file 0.125 --repeats 1  # smoke
+    PYTHONPATH=src python3 benchmarks/probes/save_breakdown.py --out benchmarks/results
+    PYTHONPATH=src python3 benchmarks/probes/save_breakdown.py --files 2 --gib-per-file 0.125 --repeats 1  # smoke
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 import _common  # noqa: E402
 import _io_probes  # noqa: E402
 

@@ -7,7 +7,7 @@ v and the Adam direction ``m / (sqrt(v) + eps)``: the normwise relative error
 ``||q - x|| / ||x||``, the median elementwise relative error, and the share of nonzero
 entries flushed to zero (a flushed v turns its element's step into ``m / eps``).
 
-    PYTHONPATH=src python3 benchmarks/lowprec_quant_error.py --out benchmarks/results
+    PYTHONPATH=src python3 benchmarks/probes/lowprec_quant_error.py --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 from lowprec_quality import job_parts  # noqa: E402
 
 from shardopt import DistributedOptimizer, OptimizerConfig  # noqa: E402

@@ -10,8 +10,8 @@ in-place load of it; the checkpoint is then deleted. Prints a table and, with ``
 writes ``checkpoint_tuning.json``. This is what chose the defaults; the comparison with other
 systems is ``checkpoint_io.py``.
 
-    PYTHONPATH=src python3 benchmarks/checkpoint_tuning.py --out benchmarks/results
-    PYTHONPATH=src python3 benchmarks/checkpoint_tuning.py --device cpu --preset tiny --repeats 1
+    PYTHONPATH=src python3 benchmarks/probes/checkpoint_tuning.py --out benchmarks/results
+    PYTHONPATH=src python3 benchmarks/probes/checkpoint_tuning.py --device cpu --preset tiny --repeats 1
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 import _common  # noqa: E402
 import _peers  # noqa: E402
 

@@ -7,7 +7,7 @@ after a save) and cold (pages dropped with ``posix_fadvise(DONTNEED)``).
 Reports the median and minimum of ``--repeats`` runs, interleaved so that
 background load hits every variant alike.
 
-    python benchmarks/checkpoint_hashing.py --repeats 5 --out /tmp/ckpt-hash
+    python benchmarks/probes/checkpoint_hashing.py --repeats 5 --out /tmp/ckpt-hash
 """
 
 from __future__ import annotations

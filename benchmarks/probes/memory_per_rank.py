@@ -7,7 +7,7 @@ state is 12 bytes per bf16 param (fp32 main copy + two fp32 moments) and 8 per
 fp32 param (two moments; the param itself is the main copy), divided by the DP
 size; padding makes up the difference.
 
-    python benchmarks/memory_per_rank.py --preset small --dp 1,2,4
+    python benchmarks/probes/memory_per_rank.py --preset small --dp 1,2,4
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 from _common import format_table, run_header, write_json  # noqa: E402
 
 import shardopt  # noqa: E402

@@ -65,14 +65,14 @@ are freed); the whole run takes about 40 s on one H200 (6-10 s of it pinning the
 
 GPU (run twice, once per allocator setting, which is recorded in the result)::
 
-    PYTHONPATH=src python3 benchmarks/onload_probe.py \\
+    PYTHONPATH=src python3 benchmarks/probes/onload_probe.py \\
         --out benchmarks/results/onload_probe_1gpu.json
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src python3 \\
-        benchmarks/onload_probe.py --out benchmarks/results/onload_probe_1gpu_expandable.json
+        benchmarks/probes/onload_probe.py --out benchmarks/results/onload_probe_1gpu_expandable.json
 
 CPU (code paths only: plain tensors, no streams or events; the numbers mean nothing)::
 
-    PYTHONPATH=src python benchmarks/onload_probe.py --device cpu --out /tmp/onload_probe_cpu.json
+    PYTHONPATH=src python benchmarks/probes/onload_probe.py --device cpu --out /tmp/onload_probe_cpu.json
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 import _common  # noqa: E402
 
 from shardopt import host_state, kernels  # noqa: E402

@@ -8,8 +8,8 @@ alone), and the longest gaps with the save's parts that were running then (each 
 wrapped with a timer). A long gap during a part that runs Python or C code holding the GIL
 (JSON, headers, splitting) is time the training loop cannot launch anything.
 
-    PYTHONPATH=src python3 benchmarks/writer_gil.py --out $OUT                   # GPU, 1b
-    PYTHONPATH=src python3 benchmarks/writer_gil.py --device cpu --preset small --out /tmp
+    PYTHONPATH=src python3 benchmarks/probes/writer_gil.py --out $OUT                   # GPU, 1b
+    PYTHONPATH=src python3 benchmarks/probes/writer_gil.py --device cpu --preset small --out /tmp
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 import _common  # noqa: E402
 import _peers  # noqa: E402
 

@@ -11,7 +11,7 @@ Each ``step()`` walks the params a few times in Python (C-level ``map`` where it
 
 One rank, no collectives; each part is timed alone over ``--repeats`` calls.
 
-    PYTHONPATH=src python3 benchmarks/step_bookkeeping.py --num-params 1000 --out benchmarks/results
+    PYTHONPATH=src python3 benchmarks/probes/step_bookkeeping.py --num-params 1000 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 from _common import format_table, run_header, stats, write_json  # noqa: E402
 
 from shardopt import DistributedOptimizer, OptimizerConfig, step_plan  # noqa: E402

@@ -8,7 +8,7 @@ for the background writer's copies). Then the same with the background write rep
 wait for the snapshot copy only (separates the copy from the writer's CPU work), plus the
 raw copy speeds (device-to-device and device-to-host, 3 repetitions, same bytes).
 
-    PYTHONPATH=src python3 benchmarks/async_breakdown.py --out $OUT
+    PYTHONPATH=src python3 benchmarks/probes/async_breakdown.py --out $OUT
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 import _common  # noqa: E402
 import _peers  # noqa: E402
 

@@ -22,11 +22,11 @@ writer cannot be built the reason is recorded and shardopt is measured alone.
 
 GPU::
 
-    PYTHONPATH=src python3 benchmarks/storage_decision.py --out $OUT
+    PYTHONPATH=src python3 benchmarks/probes/storage_decision.py --out $OUT
 
 CPU smoke::
 
-    PYTHONPATH=src python benchmarks/storage_decision.py --device cpu --preset tiny --dir /tmp
+    PYTHONPATH=src python benchmarks/probes/storage_decision.py --device cpu --preset tiny --dir /tmp
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 import _common  # noqa: E402
 import _dcp_chunks  # noqa: E402
 import _io_probes  # noqa: E402
