@@ -596,8 +596,8 @@ def test_a_backward_while_grads_or_params_are_offloaded_is_refused():
 
 def test_a_param_moved_while_offloaded_is_still_found():
     """``p.data = ...`` (or ``model.to(...)``) while offloaded leaves a param outside the
-    buffer; onload() used to take its new address as the buffer's, hiding the move, so
-    the param silently stopped training. The next step raises ParamMovedError."""
+    buffer. onload() must not take its new address as the buffer's, which would hide the
+    move and silently stop the param's training: the next step raises ParamMovedError."""
     from shardopt import ParamMovedError
     for what in (("moments",), ("params", "grads")):
         model, opt = make()

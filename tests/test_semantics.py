@@ -643,7 +643,7 @@ def broadcast_weights_rank(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_weights_broadcast_before_the_first_step_are_kept(world_size, tmp_path):
     """The first step re-seeds every main param from its param: rank 0's broadcast weights
-    survive it on every rank (the parts other ranks own used to revert to their own draws)."""
+    survive it on every rank (no rank's part reverts to that rank's own initial draws)."""
     results = run_distributed(broadcast_weights_rank, world_size, tmp_path=tmp_path)
     assert {"torch.bfloat16", "torch.float32"} <= set(results[0]["dtypes"].values())
     for res in results:

@@ -132,9 +132,9 @@ class HostState:
 
         Where the allocator makes expandable segments (:func:`allocator_expandable`), giving
         memory back unmaps its pages, which waits only for the current stream but takes long
-        enough that offloading with it after the copies ran at 82.9% of the raw copy's rate
-        (``benchmarks/offload.py``): each storage is freed as soon as its own copy is done,
-        while the later copies run (94.3%). Otherwise ``cudaFree`` waits for the whole
+        enough that freeing everything after the copies slows the offload (docs/offload.md):
+        each storage is freed as soon as its own copy is done, while the later copies run.
+        Otherwise ``cudaFree`` waits for the whole
         device, so the host waits for all the copies once and frees everything after them."""
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(self.opt.device))
@@ -404,9 +404,9 @@ def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda
     or by the copy engine (``copy_``): ``by_kernel``, by default :func:`h2d_by_kernel`. Into
     device memory that ``cudaMalloc`` returned soon after memory went back to the driver by
     ``cudaFree`` (an offload's, or an inference engine's ``empty_cache()``), copy-engine
-    transfers run ~15% slower for their whole length (neither a kernel writing the memory
-    first nor 60-100 ms of kernel copies first helps), while kernels run at their full ~90%
-    of the copy engine's rate (``benchmarks/onload_probe.py``, ``offload.py``). With
+    transfers run slower for their whole length (neither a kernel writing the memory first
+    nor kernel copies first helps), while kernels run at their full rate (docs/offload.md;
+    ``benchmarks/probes/onload_probe.py``, ``benchmarks/offload.py``). With
     ``sizes``, each device storage is re-allocated to that many bytes (for the current
     stream) just before its copy is queued, so that an allocation returns while the copies
     before it run (with expandable segments an allocation maps its pages: tens of ms for
@@ -434,9 +434,8 @@ def h2d_by_kernel() -> bool:
     """Whether host-to-device copies into fresh memory go by kernel (:func:`queue_h2d`):
     :data:`H2D_BY_KERNEL` if set, else unless the allocator makes expandable segments
     (:func:`allocator_expandable`). There an allocation maps its pages itself, the slow part
-    moves into ``resize_`` and overlaps the copies before it, and the copy engine then reaches
-    92-98% of its raw rate against the kernel's 79-90% (``benchmarks/onload_probe.py``,
-    ``offload.py``). Where the memory an onload gets was given back by unmapping (an engine
+    moves into ``resize_`` and overlaps the copies before it, and the copy engine is then the
+    faster (docs/offload.md). Where the memory an onload gets was given back by unmapping (an engine
     on the CUDA virtual-memory API: torch_memory_saver, vLLM's sleep mode) rather than by
     ``cudaFree``, the copy engine reaches its full rate: ``onload(copy="copy_engine")``."""
     if H2D_BY_KERNEL is not None:

@@ -48,7 +48,7 @@ try:
 except ImportError:  # optional: the optimizer falls back to torch's fused AdamW
     triton = None
 
-BLOCK = 1024  # elements per program; BLOCK and NUM_WARPS are set by benchmarks/step_kernel_sweep.py
+BLOCK = 1024  # elements per program; with NUM_WARPS the fastest pair of benchmarks/probes/step_kernel_sweep.py
 NUM_WARPS = 4
 
 
@@ -178,8 +178,7 @@ if triton is not None:
         raw_grad = grad  # for SUM_SQ, summed after every load is issued (below)
         # With 8-bit moments (FAST) the step is not torch's to the bit anyway: per element a
         # product by a reciprocal and a fast division replace three IEEE divisions, which
-        # made that kernel compute-bound (benchmarks/results/2026-12-01d: the int8 kernel in
-        # the 160-tensor layout of optimizer_step.py took 4.93 ms, 88% of its bytes' limit).
+        # make that kernel compute-bound (docs/lowprec.md, "The two step paths").
         if HAS_SCALE:
             if FAST:
                 grad = grad * (1.0 / tl.load(scale_ptr))
@@ -210,8 +209,7 @@ if triton is not None:
             tl.store(out_ptr + g_idx, param.to(out_ptr.dtype.element_ty), mask=mask)
         # This block's share of the squared grad norm, one slot per block. Last: a block-wide
         # sum waits for the grads and synchronises the warps, so right after the grad load it
-        # held back the loads behind it (the int8 step with bf16 grads without clipping: 4.89 ms
-        # then, 4.61-4.65 ms now; benchmarks/results/2026-12-01e).
+        # would hold back the loads behind it (docs/lowprec.md, "The two step paths").
         if SUM_SQ:
             if FULL:
                 tl.store(sq_ptr + tl.program_id(0), tl.sum(raw_grad * raw_grad))
@@ -261,8 +259,7 @@ if triton is not None:
             amax = tl.max(tl.reshape(a, (BLOCK // QBLOCK, QBLOCK)), axis=1)
             scale = tl.div_rn(amax, top)
             # One division per block and a product per element (as quant.Moment.store_): a
-            # division per element made the int8 kernel compute-bound (with bf16 grads 81% of
-            # the copy rate against 88%: benchmarks/results/2026-12-01d, step_kernel_sweep).
+            # division per element makes the int8 kernel compute-bound (docs/lowprec.md).
             inv = tl.div_rn(top, tl.where(amax == 0.0, 1.0, amax))
             per_elem = tl.reshape(tl.broadcast_to(inv[:, None], (BLOCK // QBLOCK, QBLOCK)),
                                   (BLOCK,))
@@ -338,8 +335,9 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
         first += n
 
 
-COPY_BLOCK_BYTES = 4 << 10  # bytes per program of copy_from_host_ (onload_probe.py: 4 KiB,
-# 4 warps read 50.0 GB/s; 16 KiB 49.2; 64 KiB and 8 warps 49.5)
+# Bytes per program of copy_from_host_: the fastest of the settings benchmarks/probes/onload_probe.py
+# tries (docs/offload.md).
+COPY_BLOCK_BYTES = 4 << 10
 COPY_WARPS = 4
 
 
@@ -347,8 +345,9 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for a contiguous device ``dst`` and a page-locked host ``src`` of
     the same dtype and size, queued on the current stream as a kernel whose loads read the
     host memory over PCIe, rather than by a copy engine. Into device memory allocated soon
-    after memory went back to the driver (``empty_cache()``), copy-engine transfers run ~15%
-    slower for their whole length, kernels do not: ``benchmarks/onload_probe.py``."""
+    after memory went back to the driver (``empty_cache()``), copy-engine transfers run
+    slower for their whole length, kernels do not (docs/offload.md,
+    ``benchmarks/probes/onload_probe.py``)."""
     assert dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
     n = dst.numel()
     assert src.numel() == n

@@ -24,9 +24,9 @@ And one thing to a param the optimizer does not hold: unfreeze it
 out only the params trainable then, so it would never train it, where
 ``torch.optim.AdamW(model.parameters())`` would: ``step()`` raises instead.
 
-Both checks are a C-level ``map`` over the params: 0.08 us per param per
-step on a 2-core VM, 0.04 more to record the versions after the step
-(``benchmarks/step_bookkeeping.py``).
+Both checks are a C-level ``map`` over the params, as is recording the versions after the
+step; their cost per param is measured by ``benchmarks/probes/step_bookkeeping.py``
+(docs/optimizer.md).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def split_entries(entries: Sequence[WriteEntry], parts: int) -> list[list[WriteE
 
 # Threads per file of a save: one thread copies, hashes and writes each block in turn. The
 # kernel serialises writes to one file, so a second thread per file only adds contention
-# (measured in benchmarks/checkpoint_tuning.py).
+# (measured in benchmarks/probes/checkpoint_tuning.py).
 FILE_THREADS = 1
 # The smallest per-thread staging buffer: below it a copy's fixed cost dominates.
 MIN_SCRATCH_BYTES = 64 << 10

@@ -43,7 +43,7 @@ def io_threads(requested: int | None = None) -> int:
     :class:`~.config.CheckpointConfig`), or by default the CPUs this process may run on
     shared among the node's ranks (``LOCAL_WORLD_SIZE``, as torchrun sets it), between 2
     and :data:`MAX_IO_THREADS`. On tmpfs the bandwidth grows with every thread up to 16
-    (``benchmarks/storage_scaling.py``); a disk saturates with a few, and more cost little."""
+    (``benchmarks/probes/storage_scaling.py``); a disk saturates with a few, and more cost little."""
     if requested is not None:
         return requested
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -2,9 +2,9 @@
 
 Hashing and writing gigabytes from Python threads costs the training thread little CPU
 but much waiting: every torch op releases the GIL and must take it back, and with a
-writer thread per file wanting it too, a loop of small torch ops lost 20-65% of its time
-while a background save of the ``1b`` state wrote to ``/dev/shm`` on the H200 host
-(``benchmarks/writer_gil.py``). So an asynchronous save's host snapshot lives in shared
+writer thread per file wanting it too, a loop of small torch ops loses a large share of its
+time while a background save writes (``benchmarks/probes/writer_gil.py``; figures in
+docs/async_save.md). So an asynchronous save's host snapshot lives in shared
 memory (:class:`~shardopt.pinned.PinnedBuffer` with ``shared=True``: a memfd mapping,
 page-locked as before) and one writer process per training process
 (:mod:`._writer_main`, which imports neither torch nor shardopt) maps it and writes,
