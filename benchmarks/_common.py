@@ -1,7 +1,7 @@
 """Helpers shared by the benchmark scripts: run metadata, statistics, memory probes, result files.
 
-Every benchmark writes one JSON document that starts with :func:`run_header` (date, GPU, torch and
-peer versions, the exact command) so a number can always be traced to the run that produced it.
+Every benchmark writes one JSON document that starts with :func:`run_header` (date, commit, GPU,
+torch and peer versions, the exact command) so a number can always be traced to the run that produced it.
 Repeated timings are summarised with :func:`stats` (min / median / max, never a mean alone).
 
 Memory probes:
@@ -26,6 +26,7 @@ import platform
 import resource
 import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -79,12 +80,27 @@ def device_description(device: torch.device) -> dict[str, Any]:
     }
 
 
+def commit() -> str | None:
+    """The code a run measures: ``SHARDOPT_COMMIT`` if set (for a copy of the tree whose git
+    metadata is missing or stale), else ``git describe --always --dirty`` of this checkout,
+    else None."""
+    if os.environ.get("SHARDOPT_COMMIT"):
+        return os.environ["SHARDOPT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def run_header(device: torch.device, config: dict[str, Any]) -> dict[str, Any]:
     """What every result file starts with."""
     import shardopt
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
         "command": command_line(),
         "device": device_description(device),
         "versions": {
