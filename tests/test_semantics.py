@@ -655,7 +655,7 @@ def test_weights_broadcast_before_the_first_step_are_kept(world_size, tmp_path):
 
 def optimizer_then_model_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """An optimizer state saved two steps before the weights: loaded first, then the newer
-    weights over it, as README says to put an optimizer state under other weights."""
+    weights over it, as docs/optimizer.md says to put an optimizer state under other weights."""
     torch.manual_seed(0)
     model = Net()
     opt = DistributedOptimizer(model, config("torch"))
