@@ -48,8 +48,8 @@ variant runs ``--reps`` times; the time is wall clock from the start of the oper
 * ``fresh_onload``, ``fresh_after_rollout_onload``: what onload runs,
   ``shardopt.host_state.queue_h2d`` (each storage re-allocated just before its copy, by the
   kernel or the copy engine as ``h2d_by_kernel()`` picks for this allocator setting).
-  (A share of the bytes by the kernel and the rest by the copy engine at the same time, tried
-  with 15, 30 and 50%, was slower than either alone: ``results/2026-12-01d``.)
+  (A share of the bytes by the kernel and the rest by the copy engine at the same time, 15, 30
+  and 50%, is slower than either alone: ``results/onload_probe_1gpu_mixed.json``.)
 * ``held_sm``, ``fresh_sm``, ``fresh_after_rollout_sm``: ``held``, ``fresh`` and
   ``fresh_after_rollout`` with each copy done by a kernel whose loads read the pinned host
   memory over PCIe (``shardopt.kernels.copy_from_host_``) instead of a copy engine; held_sm
