@@ -118,8 +118,8 @@ class ShardoptDeviceStagedSaver(ShardoptSaver):
 
 class ShardoptWholeFenceSaver(ShardoptSaver):
     """A host snapshot whose next ``step()`` waits for all of its copies before its first
-    write, as before the step waited bucket by bucket (the comparison for that change):
-    ``SaveFence.wait_for`` waits for every copy while this saver lives."""
+    write, the baseline for the step's bucket-by-bucket waits: ``SaveFence.wait_for`` waits for
+    every copy while this saver lives."""
 
     def __init__(self, model, opt, root: Path) -> None:
         super().__init__(model, opt, root)
