@@ -54,8 +54,10 @@ def _text_files() -> list[Path]:
         top = ROOT / name
         candidates = [top] if top.is_file() else sorted(top.rglob("*")) if top.is_dir() else []
         for f in candidates:
+            parts = f.relative_to(ROOT).parts
             if (f.is_file() and f.suffix not in BINARY_SUFFIXES
-                    and not SKIPPED_DIRS.intersection(f.relative_to(ROOT).parts)):
+                    and not SKIPPED_DIRS.intersection(parts)
+                    and not any(p.endswith(".egg-info") for p in parts)):  # built, not written
                 files.append(f)
     return files
 
