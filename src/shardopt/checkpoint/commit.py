@@ -52,7 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .agree import CheckpointError
-from .format import LATEST, MANIFEST, STEP_DIR
+from .format import LATEST, MANIFEST, STEP_DIR, FormatError
+from .storage import open_regular
 
 LOCK = ".lock"
 TMP_PREFIX = ".tmp-"
@@ -185,15 +186,26 @@ def latest(root: str | os.PathLike) -> str | None:
     unfinished saves are never returned.
     """
     root = Path(root)
-    try:
-        with open(root / LATEST, "rb") as f:
-            name = f.read(256).decode("ascii", "replace").strip()
-    except OSError:
-        name = ""
+    name = _marker(root)
     if STEP_DIR.fullmatch(name) and is_complete(root / name):
         return str(root / name)
     steps = complete_steps(root) if root.is_dir() else []
     return str(steps[-1]) if steps else None
+
+
+def _marker(root: Path) -> str:
+    """What ``root/latest`` names; "" when it is missing, unreadable, a symlink or not a
+    regular file (a FIFO would block a plain ``open`` forever): a damaged marker."""
+    try:
+        fd = open_regular(root / LATEST)
+    except FormatError:
+        return ""
+    try:
+        return os.pread(fd, 256, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 def resolve(root_or_path: str | os.PathLike) -> Path:
