@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from ..config import dtype_name
+from .agree import CheckpointError
 
 FORMAT_NAME = "shardopt"
 FORMAT_VERSION = 3
@@ -100,7 +101,7 @@ def build_header(entries: list[tuple[str, torch.dtype, int, int]]) -> tuple[byte
     return struct.pack("<Q", len(raw)) + raw, [start + s for s in sizes]
 
 
-class FormatError(ValueError):
+class FormatError(CheckpointError):
     """A file is not a well-formed checkpoint file (the message names it)."""
 
 
@@ -108,7 +109,7 @@ def parse_json_object(raw: bytes | str, what: str) -> dict:
     """Parse untrusted JSON that must be an object (deep nesting is an error, not a crash)."""
     try:
         value = json.loads(raw)
-    except (TypeError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (TypeError, ValueError, RecursionError) as e:  # ValueError: also 5000-digit ints
         raise FormatError(f"{what} is not valid JSON ({type(e).__name__})") from None
     if not isinstance(value, dict):
         raise FormatError(f"{what} is not a JSON object")

@@ -251,6 +251,11 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
     problems += [f"checkpoint param {fqn!r} does not exist in the model"
                  for fqn in m.params if fqn not in current and fqn not in opt.aliases
                  and fqn not in m.aliases.values()]
+    for alias, target in m.aliases.items():  # current names were checked above
+        if alias not in current and opt.aliases.get(alias) != target:
+            problems.append(f"checkpoint param {alias!r} (tied to {target!r}) "
+                            + (f"is tied to {opt.aliases[alias]!r} in the model"
+                               if alias in opt.aliases else "does not exist in the model"))
     cast = [f"{fqn} ({dtype_name(m.params[fqn].dtype)} -> {dtype_name(t.dtype)})"
             for fqn, t in frozen.items() if fqn in m.params and m.params[fqn].dtype != t.dtype]
     if cast and not problems and opt.dp.rank == 0:  # model.load_state_dict casts silently
