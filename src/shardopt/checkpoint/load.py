@@ -149,21 +149,36 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
     try:
         reads: list[Read] = []
+        scales: list[tuple[str, int, torch.Tensor]] = []  # checked before the ranks agree
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copied to after)
         for d in state.destinations(model, opt, dict(m.moments)):
-            reads += files.reads(d.key, d.want, d.resolve(moments),
-                                 in_place=d.tensor is not None or not fresh)
+            out, in_place = d.resolve(moments), d.tensor is not None or not fresh
+            if d.part == "scales":
+                if in_place:  # existing moments: read into a host copy now, copy in later
+                    staged.append((torch.empty(out.numel(), dtype=out.dtype), out))
+                    out, in_place = staged[-1][0], False
+                scales.append((d.key, d.want.start, out))
+            reads += files.reads(d.key, d.want, out, in_place=in_place)
         pieces, conversion_reads = convert.plan(opt, dict(m.moments), files)
         reads += conversion_reads
+        scales += [(p.scale_key, p.scale_start, p.scales) for p in pieces if p.scales is not None]
         rng_reads = _rng_reads(files, rng_file) if rng_file else {}
         reads += rng_reads.values()
         files.keep_only(reads)
-        read_in_place = read_verified(reads, verify=verify, threads=threads,
-                                      staging_bytes=staging_bytes)
+        read_rest = read_verified(reads, verify=verify, threads=threads,
+                                  staging_bytes=staging_bytes)
+        for key, first, values in scales:
+            files.check_scales(key, first, values)
         rng = {key: r.out for key, r in rng_reads.items()}
         _check_rng(rng, f"{m.path / rng_file}" if rng_file else "")
     except BaseException:
         files.close()
         raise
+
+    def read_in_place() -> None:
+        read_rest()
+        for source, target in staged:
+            target.copy_(source)
     return _Plan(m, files, read_in_place, steps, hparams, rng, moments, pieces)
 
 

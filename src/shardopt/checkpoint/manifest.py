@@ -154,6 +154,11 @@ class Manifest:
                                                   torch.float32)
         return out
 
+    def scale_keys(self) -> list[str]:
+        """The stored keys of 8-bit moments' scales (``"{fqn}.exp_avg.scale"`` & co.)."""
+        return [f"{fqn}.{name}.scale" for fqn, p in self.params.items() if p.trainable
+                for name, enc in self.moments.items() if enc.block]
+
     def data_files(self) -> list[FileRecord]:
         return [f for f in self.files.values() if f.kind != "rng"]
 
