@@ -214,17 +214,27 @@ def _marker(root: Path) -> str:
         os.close(fd)
 
 
-def resolve(root_or_path: str | os.PathLike) -> Path:
-    """Coordinator-free. A checkpoint directory, given itself or a root holding some.
-    Raises :class:`CheckpointError` when there is none."""
-    p = Path(root_or_path)
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    """Coordinator-free. Whether ``path`` is a checkpoint directory (True) or a root that
+    may hold some (False). Raises :class:`CheckpointError` for a missing path and for a
+    save's temporary or removed directory (it may hold a manifest before its commit)."""
+    p = Path(path)
     if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
         raise CheckpointError(f"{p} is not a committed checkpoint: a save's temporary or "
                               "removed directory (a committed one is named step_XXXXXXXX)")
     if os.path.lexists(p / MANIFEST):
-        return p
+        return True
     if not p.exists():
         raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    return False
+
+
+def resolve(root_or_path: str | os.PathLike) -> Path:
+    """Coordinator-free. A checkpoint directory, given itself or a root holding some.
+    Raises :class:`CheckpointError` when there is none."""
+    p = Path(root_or_path)
+    if is_checkpoint_dir(p):
+        return p
     found = latest(p)
     if found is None:
         raise CheckpointError(f"no committed checkpoint in {p} (no {MANIFEST} found)")

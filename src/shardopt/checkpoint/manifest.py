@@ -134,6 +134,7 @@ class Manifest:
     files: Mapping[str, FileRecord]
     extra: Mapping[str, Any]
     moments: Mapping[str, MomentEncoding]  # by moment name
+    checksum: str  # the manifest's own (checked): what tells two checkpoints apart
 
     @property
     def file(self) -> Path:
@@ -207,7 +208,8 @@ def parse(path: Path) -> Manifest:
                         m.get("created") if isinstance(m.get("created"), str) else None,
                         MappingProxyType(m.get("config", {})), MappingProxyType(params),
                         MappingProxyType(m.get("aliases", {})), MappingProxyType(files),
-                        MappingProxyType(m.get("extra", {})), MappingProxyType(moments))
+                        MappingProxyType(m.get("extra", {})), MappingProxyType(moments),
+                        checksum)
     _check_tiling(manifest)
     return manifest
 
