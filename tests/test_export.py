@@ -95,6 +95,6 @@ def test_failed_export_leaves_no_output(saved3, tmp_path, monkeypatch):
 
     real = export_mod.save_file
     monkeypatch.setattr(export_mod, "save_file", save_then_fail)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(checkpoint.CheckpointError, match="No space left"):
         checkpoint.export(saved3.path, tmp_path / "out")
     assert len(calls) == 2 and os.listdir(tmp_path) == []

@@ -152,5 +152,10 @@ def group_value(key: str, value: Any) -> Any:
 
 
 def _number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and value >= 0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        as_float = float(value)  # an int past float's range (10**400) is not a number AdamW takes
+    except OverflowError:
+        return False
+    return math.isfinite(as_float) and as_float >= 0

@@ -65,8 +65,14 @@ def snapshot(model: nn.Module, opt: DistributedOptimizer,
     out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     for s in opt.shards:
         for name in STATE_NAMES:
-            if name == "master_param" or opt.has_moments:
-                out[f"{s.fqn}.{name}@{s.range_param.start}"] = opt.state_view(name, s).clone()
+            where = f"{s.fqn}.{name}@{s.range_param.start}"
+            if name == "master_param" or (opt.has_moments and not opt.config.lowprec_moments):
+                out[where] = opt.state_view(name, s).clone()
+            elif opt.has_moments:  # as stored: values (and 8-bit scales)
+                m = opt.moment_view(name, s)
+                out[where] = m.values.clone()
+                if m.scales is not None:
+                    out[f"{where}.scale"] = m.scales.clone()
     out["param_steps"] = torch.tensor([opt.param_steps[f] for f in sorted(opt.param_steps)])
     if rng:
         out["rng"] = torch.get_rng_state()

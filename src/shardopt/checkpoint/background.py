@@ -9,13 +9,17 @@ The save's exchanges between ranks (:func:`~.agree.agree`) run from the backgrou
 thread while training issues its own collectives on the DP group from the main
 thread; on one group the two would interleave and deadlock or mix up data. They
 therefore run on a separate gloo group over the same ranks, created collectively at
-the first asynchronous save on that DP group and cached (gloo carries the small CPU
-objects on CPU and CUDA hosts alike; dp_size 1 needs none).
+the first asynchronous save on that DP group, right after its first exchange, and
+cached (gloo carries the small CPU objects on CPU and CUDA hosts alike; dp_size 1
+needs none). It is made with the DP group's own timeout: a rank that dies before
+joining it makes the others raise after that long, as any collective of the job
+would, not after gloo's default of 30 minutes.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import logging
 import threading
 from collections.abc import Callable
@@ -124,6 +128,19 @@ def coordination_group(dp: comm.DPGroup) -> comm.DPGroup:
     world = dist.group.WORLD
     cached = _groups.get(ranks)
     if cached is None or cached[0] is not world:
-        pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        pg = dist.new_group(list(ranks), backend="gloo", timeout=_timeout(dp.group),
+                            use_local_synchronization=True)
         cached = _groups[ranks] = (world, comm.DPGroup(pg, dp.rank, dp.size))
     return cached[1]
+
+
+def _timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
+    """Coordinator-free. The timeout ``group`` (None: the default group) was made with;
+    None (torch's default) where its backend does not say."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            return pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError, ValueError):  # private API: torch may change it
+            continue
+    return None

@@ -4,7 +4,8 @@ Every function here runs on one process (DP rank 0 of the saving job); none
 communicates. The protocol, and why each step is safe to crash at:
 
 1. ``begin``: under ``root/.lock`` (``flock``), move stale temporary
-   directories of dead saves to ``.trash-*``, then create
+   directories of dead saves to ``.trash-*``, record the committed checkpoints
+   (name and inode: what this save may later remove), then create
    ``.tmp-step_XXXXXXXX-<id>`` and ``flock`` it for the whole save. A
    temporary directory whose lock can be taken belongs to nobody alive, so it
    is stale; one that is locked belongs to a concurrent job and is left alone.
@@ -12,21 +13,26 @@ communicates. The protocol, and why each step is safe to crash at:
    ``.tmp-*`` changes, so a crash here costs nothing but the temporary dir.
 3. ``commit``: write ``manifest.json`` (fsynced, atomic), then under the root
    lock rename the directory to ``step_XXXXXXXX`` (the commit point: a
-   directory is a checkpoint exactly when it has a manifest), fsync the root,
-   replace ``latest`` atomically, and move checkpoints beyond ``keep_last``
-   to ``.trash-*`` (never the one just committed). Trash is deleted after the
-   lock is released; a crash leaves it for the next save to delete.
+   directory is a checkpoint exactly when it has a manifest) and fsync the root.
+4. Still under the lock: point ``latest`` (replaced atomically) at the
+   highest-numbered checkpoint that stays, then move to ``.trash-*`` what this
+   save replaces (below) and the checkpoints beyond ``keep_last`` (never the
+   one just committed). Only checkpoints recorded in step 1, with the same
+   inode, are ever removed: one another job committed while this save ran
+   stays, and if its step is higher, ``latest`` names it. Trash is deleted
+   after the lock is released; a crash leaves it for the next save to delete.
 
 Rollback: a job that resumed from an older checkpoint and saves step ``k`` while
 committed checkpoints of steps ``>= k`` exist (the abandoned branch) replaces
 them. Nothing of that branch changes before the commit point, which is then an
 atomic exchange of the temporary directory with ``step_k`` (``renameat2``
 ``RENAME_EXCHANGE``; where the file system lacks it, two renames with a crash
-window in which ``step_k`` is missing). After it, ``latest`` names ``step_k``,
-then the branch's steps ``> k`` and the old ``step_k`` go to trash, so neither
-the marker nor ``latest()``'s fallback to the highest step can return them (a
-crash between the exchange and the marker update leaves the marker on the old
-branch's head, whose checkpoints are then still whole).
+window in which ``step_k`` is missing). After it, ``latest`` names ``step_k``
+(or a higher step another job committed meanwhile), then the branch's steps
+``> k`` and the old ``step_k`` go to trash, so neither the marker nor
+``latest()``'s fallback to the highest step can return them (a crash between
+the exchange and the marker update leaves the marker on the old branch's head,
+whose checkpoints are then still whole).
 Only a ``step_k`` that existed when the save began is replaced: one committed
 by another job during the save is refused (``already exists``).
 
@@ -48,11 +54,12 @@ import time
 import uuid
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .agree import CheckpointError
-from .format import LATEST, MANIFEST, STEP_DIR
+from .format import LATEST, MANIFEST, STEP_DIR, FormatError
+from .storage import open_regular
 
 LOCK = ".lock"
 TMP_PREFIX = ".tmp-"
@@ -185,28 +192,49 @@ def latest(root: str | os.PathLike) -> str | None:
     unfinished saves are never returned.
     """
     root = Path(root)
-    try:
-        with open(root / LATEST, "rb") as f:
-            name = f.read(256).decode("ascii", "replace").strip()
-    except OSError:
-        name = ""
+    name = _marker(root)
     if STEP_DIR.fullmatch(name) and is_complete(root / name):
         return str(root / name)
     steps = complete_steps(root) if root.is_dir() else []
     return str(steps[-1]) if steps else None
 
 
-def resolve(root_or_path: str | os.PathLike) -> Path:
-    """Coordinator-free. A checkpoint directory, given itself or a root holding some.
-    Raises :class:`CheckpointError` when there is none."""
-    p = Path(root_or_path)
+def _marker(root: Path) -> str:
+    """What ``root/latest`` names; "" when it is missing, unreadable, a symlink or not a
+    regular file (a FIFO would block a plain ``open`` forever): a damaged marker."""
+    try:
+        fd = open_regular(root / LATEST)
+    except FormatError:
+        return ""
+    try:
+        return os.pread(fd, 256, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    """Coordinator-free. Whether ``path`` is a checkpoint directory (True) or a root that
+    may hold some (False). Raises :class:`CheckpointError` for a missing path and for a
+    save's temporary or removed directory (it may hold a manifest before its commit)."""
+    p = Path(path)
     if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
         raise CheckpointError(f"{p} is not a committed checkpoint: a save's temporary or "
                               "removed directory (a committed one is named step_XXXXXXXX)")
     if os.path.lexists(p / MANIFEST):
-        return p
+        return True
     if not p.exists():
         raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    return False
+
+
+def resolve(root_or_path: str | os.PathLike) -> Path:
+    """Coordinator-free. A checkpoint directory, given itself or a root holding some.
+    Raises :class:`CheckpointError` when there is none."""
+    p = Path(root_or_path)
+    if is_checkpoint_dir(p):
+        return p
     found = latest(p)
     if found is None:
         raise CheckpointError(f"no committed checkpoint in {p} (no {MANIFEST} found)")
@@ -221,8 +249,14 @@ class Staged:
     tmp: Path
     fd: int | None
     committed: bool = False
-    # The ``step_k`` that existed when the save began (device, inode): the one it may replace.
-    replaces: tuple[int, int] | None = None
+    # The committed checkpoints when the save began, by name: (device, inode). Only these
+    # are ever replaced or removed by it, never one another job committed meanwhile.
+    existing: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def still_existing(self, paths: list[Path]) -> list[Path]:
+        """Those of ``paths`` that are the checkpoints recorded when the save began."""
+        return [p for p in paths if p.name in self.existing
+                and _identity(p) == self.existing[p.name]]
 
 
 def _trash(root: Path, path: Path) -> Path:
@@ -296,14 +330,15 @@ def begin(root: Path, final_name: str, rollback_from: int | None = None) -> Stag
                 "rollback=True to replace them")
         if os.path.lexists(final) and not is_complete(final):
             raise FileExistsError(f"{final} exists and is not a committed checkpoint")
-        replaces = _identity(final)
+        existing = {p.name: ident for p in complete_steps(root)
+                    if (ident := _identity(p)) is not None}
         tmp = root / f"{TMP_PREFIX}{final_name}-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         if lock.supported:
             _try_flock(fd)
     _delete(trash)
-    return Staged(root, tmp, fd, replaces=replaces)
+    return Staged(root, tmp, fd, existing=existing)
 
 
 def abort(staged: Staged) -> None:
@@ -320,7 +355,8 @@ def release(staged: Staged) -> None:
 
 
 def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | None) -> Path:
-    """Write the manifest, rename into place, update ``latest``, apply retention.
+    """Write the manifest, rename into place, update ``latest``, apply retention (steps
+    3 and 4 of the protocol).
 
     Raises ``OSError`` if the checkpoint could not be committed. Once the rename
     has happened the checkpoint is complete whatever follows; a failure to update
@@ -335,13 +371,15 @@ def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | No
     with RootLock(root):
         old = _publish(staged, final)
         fsync_dir(root)
+        steps = complete_steps(root)
+        abandoned = [p for p in staged.still_existing(steps) if step_of(p) > step_of(final)]
+        kept = [p for p in steps if p not in abandoned]
         try:
-            write_atomic(root / LATEST, (final_name + "\n").encode())
+            write_atomic(root / LATEST, (kept[-1].name + "\n").encode())
         except OSError as e:
             raise OSError(e.errno, f"checkpoint {final} is complete, but {root / LATEST} could "
                                    f"not be updated: {e.strerror or e}") from e
         try:
-            abandoned = [p for p in complete_steps(root) if step_of(p) > step_of(final)]
             trash = ([old] if old is not None else []) + [_trash(root, p) for p in abandoned]
             if trash:
                 replaced = f"replaced {final.name}" if old is not None else ""
@@ -350,8 +388,7 @@ def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | No
                 log.warning("%s: committed after a rollback; %s of the abandoned branch",
                             final, " and ".join(w for w in (replaced, removed) if w))
             if keep_last is not None:
-                trash += [_trash(root, p) for p in complete_steps(root)[:-keep_last]
-                          if p != final]
+                trash += [_trash(root, p) for p in staged.still_existing(kept[:-keep_last])]
         except OSError as e:
             warnings.warn(f"removing old checkpoints in {root} failed: {e}", stacklevel=3)
     release(staged)
@@ -367,7 +404,7 @@ def _publish(staged: Staged, final: Path) -> Path | None:
         os.rename(staged.tmp, final)
         staged.committed = True
         return None
-    if current != staged.replaces or not is_complete(final):
+    if current != staged.existing.get(final.name) or not is_complete(final):
         raise FileExistsError(f"checkpoint {final} already exists (saved by another job?)")
     if _exchange(staged.tmp, final):
         staged.committed = True

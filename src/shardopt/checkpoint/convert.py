@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import dtype_name
-from ..layout import ParamShard
+from ..layout import ParamShard, Range
 from ..moments import NAMES, Moments
 from ..optimizer import DistributedOptimizer
 from .manifest import MomentEncoding
@@ -39,6 +39,11 @@ class Piece:
     name: str
     values: torch.Tensor
     scales: torch.Tensor | None
+    scale_start: int = 0  # the first block ``scales`` holds
+
+    @property
+    def scale_key(self) -> str:
+        return f"{self.shard.fqn}.{self.name}.scale"
 
 
 def plan(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], files: DataFiles
@@ -56,12 +61,12 @@ def plan(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], files: Dat
             r = s.range_param
             values = torch.empty(r.size, dtype=enc.dtype)
             reads += files.reads(f"{s.fqn}.{name}", r, values, in_place=False)
-            scales = None
+            scales, blocks = None, Range(0, 0)
             if enc.block:
                 blocks = r.blocks(enc.block)
                 scales = torch.empty(blocks.size, dtype=torch.float32)
                 reads += files.reads(f"{s.fqn}.{name}.scale", blocks, scales, in_place=False)
-            pieces.append(Piece(s, name, values, scales))
+            pieces.append(Piece(s, name, values, scales, blocks.start))
     return pieces, reads
 
 

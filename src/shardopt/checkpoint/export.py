@@ -13,9 +13,11 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..layout import Range
@@ -41,12 +43,33 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     files = DataFiles(m, m.files)
     try:
         read_verified([], verify=True, threads=io_threads(), whole=files.readers.values())
+        _check_every_scale(files)
     finally:
         files.close()
     unknown = m.unknown_files()
     if unknown:
         raise FormatError(f"{m.path}: files not listed in the manifest: {', '.join(unknown)}")
     return {"path": str(m.path), "step": m.step, "files": len(m.files), "bytes": m.nbytes}
+
+
+# Scales verify reads at a time.
+SCALE_BATCH_BYTES = 64 << 20
+
+
+def _check_every_scale(files: DataFiles) -> None:
+    """The value check ``load`` and ``export`` make of the 8-bit moment scales they read,
+    on every scale (hashes already checked), a batch of keys at a time."""
+    keys = sorted(files.scale_keys)
+    while keys:
+        batch: list[tuple[str, torch.Tensor]] = []
+        while keys and sum(t.numel() * 4 for _, t in batch) < SCALE_BATCH_BYTES:
+            key = keys.pop()
+            batch.append((key, torch.empty(files.stored[key][0], dtype=torch.float32)))
+        read_verified([r for key, t in batch
+                       for r in files.reads(key, Range(0, t.numel()), t, in_place=False)],
+                      verify=False, threads=io_threads())
+        for key, t in batch:
+            files.check_scales(key, 0, t)
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
@@ -125,12 +148,15 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
                 if enc is not None and enc.block and moments_dtype == "stored":
                     optim_keys.append((f"{fqn}.{n}.scale", (files.stored[f"{fqn}.{n}.scale"][0],)))
         decode = {} if moments_dtype == "stored" else dict(m.moments)
+        needed = sum(_out_bytes(files, k, decode) for k, _ in model_keys + optim_keys)
         names = _write_split(files, tmp, "model", model_keys, verify, max_file_bytes, {})
         names += _write_split(files, tmp, "optimizer", optim_keys, verify, max_file_bytes,
                               decode)
         os.rename(tmp, out)  # replaces an empty directory; fails on anything else
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, _WriteFailed):  # what is free is measured without the partial output
+            raise _write_error(m.path, out, e, needed) from e.__cause__
         raise
     finally:
         if files is not None:
@@ -154,26 +180,62 @@ def _check_output_dir(ckpt: Path, out: Path) -> None:
         raise CheckpointError(f"refusing to export into {out}: the directory is not empty")
 
 
+class _WriteFailed(Exception):
+    """Writing export file ``name`` failed (a full disk, a read-only file system, ...)."""
+
+    def __init__(self, name: str, cause: BaseException) -> None:
+        super().__init__(name)
+        self.name = name
+        self.reason = (cause.strerror or str(cause)) if isinstance(cause, OSError) else str(cause)
+
+
+def _writing(out: Path, name: str, write: Callable[[str], object]) -> None:
+    try:
+        write(str(out / name))
+    except (OSError, SafetensorError) as e:
+        raise _WriteFailed(name, e) from e
+
+
+def _write_error(ckpt: Path, out: Path, failed: _WriteFailed, needed: int) -> CheckpointError:
+    try:
+        free = f"{_mib(shutil.disk_usage(out.parent).free)} are free there"
+    except OSError:
+        free = "how much is free there cannot be read"
+    return CheckpointError(
+        f"exporting {ckpt} to {out} failed writing {failed.name}: {failed.reason}; the export "
+        f"needs {_mib(needed)} of free space in {out.parent}, {free} (nothing was left behind)")
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB ({num_bytes} bytes)"
+
+
+def _decoded(decode: dict[str, MomentEncoding], key: str) -> MomentEncoding | None:
+    """How moment ``key`` is stored, if the export writes it decoded to fp32."""
+    enc = decode.get(key.rsplit(".", 1)[-1])
+    return enc if enc is not None and enc.dtype != torch.float32 else None
+
+
+def _out_bytes(files: DataFiles, key: str, decode: dict[str, MomentEncoding]) -> int:
+    numel, dtype = files.stored[key]
+    return numel * (torch.float32 if _decoded(decode, key) else dtype).itemsize
+
+
 def _write_split(files: DataFiles, out: Path, stem: str, keys: list[tuple[str, tuple]],
                  verify: bool, max_file_bytes: int,
                  decode: dict[str, MomentEncoding]) -> list[str]:
     """Write ``keys`` as ``stem`` files under ``out`` (split past ``max_file_bytes``), each
     file's tensors read in one call; return the file names. Moments named in ``decode``
     (by moment name) are written in fp32."""
-    def wide(key: str) -> MomentEncoding | None:
-        enc = decode.get(key.rsplit(".", 1)[-1])
-        return enc if enc is not None and enc.dtype != torch.float32 else None
-
     groups: list[list[tuple[str, tuple]]] = [[]]
     size = 0
     for key, shape in keys:
-        numel, dtype = files.stored[key]
-        dtype = torch.float32 if wide(key) else dtype
-        if groups[-1] and size + numel * dtype.itemsize > max_file_bytes:
+        nbytes = _out_bytes(files, key, decode)
+        if groups[-1] and size + nbytes > max_file_bytes:
             groups.append([])
             size = 0
         groups[-1].append((key, shape))
-        size += numel * dtype.itemsize
+        size += nbytes
     names = ([f"{stem}.safetensors"] if len(groups) == 1 else
              [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map, total = {}, 0
@@ -183,7 +245,7 @@ def _write_split(files: DataFiles, out: Path, stem: str, keys: list[tuple[str, t
             numel, dtype = files.stored[key]
             tensors[key] = torch.empty(numel, dtype=dtype)
             reads += files.reads(key, Range(0, numel), tensors[key], in_place=False)
-            enc = wide(key)
+            enc = _decoded(decode, key)
             if enc is not None and enc.block:
                 scale = f"{key}.scale"
                 scales[key] = torch.empty(files.stored[scale][0], dtype=torch.float32)
@@ -191,17 +253,21 @@ def _write_split(files: DataFiles, out: Path, stem: str, keys: list[tuple[str, t
                                      in_place=False)
             weight_map[key] = name
         read_verified(reads, verify=verify, threads=io_threads())
+        for key, t in [*tensors.items(), *((f"{k}.scale", v) for k, v in scales.items())]:
+            if key in files.scale_keys:
+                files.check_scales(key, 0, t)
         for key, shape in group:
-            enc = wide(key)
+            enc = _decoded(decode, key)
             if enc is not None:
                 tensors[key] = enc.decode(tensors[key], scales.pop(key, None), 0)
             tensors[key] = tensors[key].view(shape)
             total += tensors[key].numel() * tensors[key].element_size()
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        _writing(out, name, lambda file: save_file(tensors, file, metadata={"format": "pt"}))
         del tensors, reads
     if len(names) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                           indent=2)
+        _writing(out, f"{stem}.safetensors.index.json", lambda file: Path(file).write_text(index))
     return names
 
 

@@ -11,7 +11,6 @@ so a reader that needs only part of a file can verify just the blocks it reads.
 from __future__ import annotations
 
 import json
-import math
 import re
 import struct
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 import xxhash
 
 from ..config import dtype_name
+from .agree import CheckpointError
 
 FORMAT_NAME = "shardopt"
 FORMAT_VERSION = 3
@@ -100,7 +100,7 @@ def build_header(entries: list[tuple[str, torch.dtype, int, int]]) -> tuple[byte
     return struct.pack("<Q", len(raw)) + raw, [start + s for s in sizes]
 
 
-class FormatError(ValueError):
+class FormatError(CheckpointError):
     """A file is not a well-formed checkpoint file (the message names it)."""
 
 
@@ -108,7 +108,7 @@ def parse_json_object(raw: bytes | str, what: str) -> dict:
     """Parse untrusted JSON that must be an object (deep nesting is an error, not a crash)."""
     try:
         value = json.loads(raw)
-    except (TypeError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (TypeError, ValueError, RecursionError) as e:  # ValueError: also 5000-digit ints
         raise FormatError(f"{what} is not valid JSON ({type(e).__name__})") from None
     if not isinstance(value, dict):
         raise FormatError(f"{what} is not a JSON object")
@@ -128,27 +128,51 @@ def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int,
     if n > min(max_bytes, MAX_HEADER_BYTES) or 8 + n > file_size:
         raise FormatError(f"{file}: header length {n} is too large for a file of {file_size} "
                           "bytes and the chunks its manifest lists (not a checkpoint data file?)")
-    header = parse_json_object(read_json(n), f"{file}: header")
+    raw = read_json(n)
+    if not raw.startswith(b"{"):  # as safetensors requires
+        raise FormatError(f"{file}: the safetensors header does not start with '{{'")
+    header = parse_json_object(raw, f"{file}: header")
     meta = header.pop("__metadata__", {}) or {}
-    if not isinstance(meta, dict):
-        raise FormatError(f"{file}: header __metadata__ is not a JSON object")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise FormatError(f"{file}: header __metadata__ is not a JSON object of strings")
     sharding = parse_json_object(meta.get(SHARDING_KEY, "{}"), f"{file}: {SHARDING_KEY} metadata")
-    chunks = []
-    data_bytes = file_size - 8 - n
+    chunks, spans = [], []
     for key, info in header.items():
         try:
             dtype = DTYPES[info["dtype"]]
-            shape = [int(s) for s in info["shape"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-            offset = int(sharding.get(key, {"saved_offsets": [0]})["saved_offsets"][0])
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError):
-            raise FormatError(f"{file}: malformed header entry for {key!r}") from None
-        numel = math.prod(shape)
-        if len(shape) != 1 or min(shape + [begin, offset]) < 0 or \
-                end - begin != numel * dtype.itemsize or end > data_bytes:
+            (numel,) = info["shape"]
+            begin, end = info["data_offsets"]
+            (offset,) = sharding.get(key, {"saved_offsets": [0]})["saved_offsets"]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise FormatError(f"{file}: malformed header entry for {key!r} (one 1-D tensor "
+                              "with its dtype, shape and data_offsets)") from None
+        if not all(_natural(x) for x in (numel, begin, end, offset)) or \
+                end - begin != numel * dtype.itemsize:
             raise FormatError(f"{file}: header entry {key!r} is inconsistent with the file")
         chunks.append(StoredChunk(key, file, offset, numel, dtype, 8 + n + begin))
+        spans.append((begin, end, key))
+    _check_spans(spans, file_size - 8 - n, file)
     return FileHeader(8 + n, tuple(chunks))
+
+
+def _natural(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_spans(spans: list[tuple[int, int, str]], data_bytes: int, file: str) -> None:
+    """The safetensors library's rule: the tensors' byte ranges, in order, are contiguous,
+    do not overlap and cover the data section exactly (no trailing bytes)."""
+    pos = 0
+    for begin, end, key in sorted(spans):
+        if begin != pos:
+            what = "overlaps the tensor before it" if begin < pos else \
+                f"leaves bytes [{pos}, {begin}) of the data section uncovered"
+            raise FormatError(f"{file}: header entry {key!r} {what} (not a valid safetensors "
+                              "file)")
+        pos = end
+    if pos != data_bytes:
+        raise FormatError(f"{file}: the tensors cover {pos} of the {data_bytes} bytes of the data "
+                          "section (not a valid safetensors file)")
 
 
 def data_file_name(kind: str, rank: int, part: int = 0) -> str:

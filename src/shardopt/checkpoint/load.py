@@ -1,7 +1,9 @@
 """load: collective restore of a checkpoint saved at any DP size.
 
-Load schedule (collective): every rank parses and validates the manifest
-(:mod:`.manifest`), checks it against the model and optimizer, opens the files
+Load schedule (collective): the ranks agree on one checkpoint, DP rank 0 choosing
+what a root's ``latest`` names (:mod:`.choose`: the first exchange). Every rank
+parses and validates its manifest (:mod:`.manifest`), checks that it is rank 0's,
+checks it against the model and optimizer, opens the files
 and cross-checks their headers, plans the reads that cover its own shard, reads
 the Adam moments into newly allocated tensors in one pass that checks each
 block's hash as it reads it, verifies the hashes of every other block it will
@@ -24,13 +26,12 @@ import torch
 from .. import moments as moments_
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
-from . import background, commit, convert, state
+from . import background, choose, commit, convert, state
 from .agree import CheckpointError, agree
-from .commit import resolve
 from ..config import GROUP_KEYS, dtype_name
 from .config import CheckpointConfig, resolve_config
 from .format import FormatError, data_file_name
-from .manifest import Manifest, parse
+from .manifest import Manifest
 from .read import DataFiles, Read, read_verified
 from .transfer import io_threads as resolve_threads
 
@@ -88,7 +89,8 @@ def load(
     background.wait_pending()  # it may be writing what this reads, and reads what this writes
     dp = optimizer.dp
     optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
-    plan, error, host = None, None, False
+    what = f"loading {root_or_path}"
+    mine, found, error = None, None, None
     try:
         optimizer.check_model(model)
         cfg = resolve_config(config, low_memory_resume=low_memory_resume, verify=verify,
@@ -97,12 +99,20 @@ def load(
         host = bool(optimizer.config.low_memory_resume if cfg.low_memory_resume is None
                     else cfg.low_memory_resume)
         threads = resolve_threads(cfg.io_threads)
-        plan = _prepare(root_or_path, model, optimizer, cfg.verify, host, cfg.staging_bytes,
-                        threads, cfg.hyperparameters == "current")
+        mine, found = choose.propose(root_or_path, dp.rank)
+    except Exception as e:  # noqa: BLE001 - reported to every rank by agree
+        error = e
+    choices = agree(dp, error, what, mine)  # one checkpoint for all ranks: rank 0's choice
+
+    plan, error = None, None
+    try:
+        m = choose.settle(mine, found, choices, dp.rank)
+        plan = _prepare(m, model, optimizer, cfg.verify, host, cfg.staging_bytes, threads,
+                        cfg.hyperparameters == "current")
     except Exception as e:  # noqa: BLE001 - reported to every rank by agree
         error = e
     try:
-        agree(dp, error, f"loading {root_or_path}")
+        agree(dp, error, what)
     except BaseException:
         if plan is not None:
             plan.files.close()
@@ -135,12 +145,11 @@ def load(
     return LoadInfo(m.step, dict(m.extra), str(m.path), m.dp_size)
 
 
-def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
-             opt: DistributedOptimizer, verify: bool, host: bool,
-             staging_bytes: int, threads: int, keep_hyper: bool) -> _Plan:
-    """Coordinator-free. Every check of a load, and everything it reads before writing."""
+def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, verify: bool,
+             host: bool, staging_bytes: int, threads: int, keep_hyper: bool) -> _Plan:
+    """Coordinator-free. Every check of a load of ``m``, and everything it reads before
+    writing."""
     opt.check_onloaded("checkpoint.load")
-    m = parse(resolve(root_or_path))
     _check_compatible(m, model, opt)
     steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
     hparams = [{} for _ in opt.param_groups] if keep_hyper else _group_hyperparameters(m, opt)
@@ -149,21 +158,36 @@ def _prepare(root_or_path: str | os.PathLike, model: torch.nn.Module,
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
     try:
         reads: list[Read] = []
+        scales: list[tuple[str, int, torch.Tensor]] = []  # checked before the ranks agree
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copied to after)
         for d in state.destinations(model, opt, dict(m.moments)):
-            reads += files.reads(d.key, d.want, d.resolve(moments),
-                                 in_place=d.tensor is not None or not fresh)
+            out, in_place = d.resolve(moments), d.tensor is not None or not fresh
+            if d.part == "scales":
+                if in_place:  # existing moments: read into a host copy now, copy in later
+                    staged.append((torch.empty(out.numel(), dtype=out.dtype), out))
+                    out, in_place = staged[-1][0], False
+                scales.append((d.key, d.want.start, out))
+            reads += files.reads(d.key, d.want, out, in_place=in_place)
         pieces, conversion_reads = convert.plan(opt, dict(m.moments), files)
         reads += conversion_reads
+        scales += [(p.scale_key, p.scale_start, p.scales) for p in pieces if p.scales is not None]
         rng_reads = _rng_reads(files, rng_file) if rng_file else {}
         reads += rng_reads.values()
         files.keep_only(reads)
-        read_in_place = read_verified(reads, verify=verify, threads=threads,
-                                      staging_bytes=staging_bytes)
+        read_rest = read_verified(reads, verify=verify, threads=threads,
+                                  staging_bytes=staging_bytes)
+        for key, first, values in scales:
+            files.check_scales(key, first, values)
         rng = {key: r.out for key, r in rng_reads.items()}
         _check_rng(rng, f"{m.path / rng_file}" if rng_file else "")
     except BaseException:
         files.close()
         raise
+
+    def read_in_place() -> None:
+        read_rest()
+        for source, target in staged:
+            target.copy_(source)
     return _Plan(m, files, read_in_place, steps, hparams, rng, moments, pieces)
 
 
@@ -251,6 +275,11 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
     problems += [f"checkpoint param {fqn!r} does not exist in the model"
                  for fqn in m.params if fqn not in current and fqn not in opt.aliases
                  and fqn not in m.aliases.values()]
+    for alias, target in m.aliases.items():  # current names were checked above
+        if alias not in current and opt.aliases.get(alias) != target:
+            problems.append(f"checkpoint param {alias!r} (tied to {target!r}) "
+                            + (f"is tied to {opt.aliases[alias]!r} in the model"
+                               if alias in opt.aliases else "does not exist in the model"))
     cast = [f"{fqn} ({dtype_name(m.params[fqn].dtype)} -> {dtype_name(t.dtype)})"
             for fqn, t in frozen.items() if fqn in m.params and m.params[fqn].dtype != t.dtype]
     if cast and not problems and opt.dp.rank == 0:  # model.load_state_dict casts silently

@@ -32,6 +32,9 @@ from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFES
 from .storage import open_regular
 
 _HASH = re.compile(r"^[0-9a-f]{16}$")
+# Every integer field (steps, sizes, offsets, dimensions) fits in int64, as the tensors and
+# step counts it becomes must.
+MAX_INT = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ class Manifest:
     files: Mapping[str, FileRecord]
     extra: Mapping[str, Any]
     moments: Mapping[str, MomentEncoding]  # by moment name
+    checksum: str  # the manifest's own (checked): what tells two checkpoints apart
 
     @property
     def file(self) -> Path:
@@ -150,6 +154,11 @@ class Manifest:
                     out[f"{fqn}.{name}.scale"] = (Range(0, p.numel).blocks(enc.block).size,
                                                   torch.float32)
         return out
+
+    def scale_keys(self) -> list[str]:
+        """The stored keys of 8-bit moments' scales (``"{fqn}.exp_avg.scale"`` & co.)."""
+        return [f"{fqn}.{name}.scale" for fqn, p in self.params.items() if p.trainable
+                for name, enc in self.moments.items() if enc.block]
 
     def data_files(self) -> list[FileRecord]:
         return [f for f in self.files.values() if f.kind != "rng"]
@@ -189,6 +198,7 @@ def parse(path: Path) -> Manifest:
     if not isinstance(raw_params, dict):
         raise FormatError(f"{file}: params must be a JSON object")
     params = {fqn: _param(fqn, info, file) for fqn, info in raw_params.items()}
+    _check_aliases(m.get("aliases", {}), params, file)
     raw_files = m.get("files")
     if not isinstance(raw_files, dict) or not raw_files:
         raise FormatError(f"{file}: files must be a non-empty JSON object")
@@ -198,7 +208,8 @@ def parse(path: Path) -> Manifest:
                         m.get("created") if isinstance(m.get("created"), str) else None,
                         MappingProxyType(m.get("config", {})), MappingProxyType(params),
                         MappingProxyType(m.get("aliases", {})), MappingProxyType(files),
-                        MappingProxyType(m.get("extra", {})), MappingProxyType(moments))
+                        MappingProxyType(m.get("extra", {})), MappingProxyType(moments),
+                        checksum)
     _check_tiling(manifest)
     return manifest
 
@@ -219,9 +230,16 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _int(value: Any, what: str, file: Path, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise FormatError(f"{file}: {what} must be an int >= {minimum}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_INT:
+        raise FormatError(f"{file}: {what} must be an int in [{minimum}, 2**63 - 1], got "
+                          f"{shown(value)}")
     return value
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut short: a forged field may be a 400-digit number or a long list."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _check_optimizer(saved: Any, file: Path) -> dict[str, MomentEncoding]:
@@ -260,8 +278,10 @@ def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
     if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
         raise FormatError(f"{file}: param {fqn!r} has no shape")
     shape = tuple(_int(s, f"a dimension of {fqn!r}", file) for s in info["shape"])
-    if info.get("dtype") not in TORCH_DTYPE_NAMES:
-        raise FormatError(f"{file}: param {fqn!r} has unknown dtype {info.get('dtype')!r}")
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in TORCH_DTYPE_NAMES:
+        raise FormatError(f"{file}: param {fqn!r} has unknown dtype {shown(dtype)} (a torch "
+                          f"dtype name: {', '.join(sorted(TORCH_DTYPE_NAMES))})")
     trainable = info.get("trainable")
     if not isinstance(trainable, bool):
         raise FormatError(f"{file}: param {fqn!r} lacks 'trainable'")
@@ -269,8 +289,19 @@ def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
     if trainable:
         step = _int(info.get("step"), f"step of {fqn!r}", file)
         hyper = _hyper(fqn, info.get("group"), file)
-    return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[info["dtype"]], trainable, step,
+    return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], trainable, step,
                        MappingProxyType(hyper))
+
+
+def _check_aliases(aliases: dict[str, Any], params: dict[str, ParamRecord], file: Path) -> None:
+    """Each alias (another name of a tied param) names a stored param and is not one."""
+    for alias, target in aliases.items():
+        if not isinstance(target, str) or target not in params:
+            raise FormatError(f"{file}: alias {alias!r} names {shown(target)}, which is not a "
+                              "stored param")
+        if not alias or alias in params:
+            raise FormatError(f"{file}: alias {alias!r} of {target!r} is empty or also a "
+                              "stored param")
 
 
 def _hyper(fqn: str, group: Any, file: Path) -> dict[str, Any]:
@@ -280,8 +311,8 @@ def _hyper(fqn: str, group: Any, file: Path) -> dict[str, Any]:
     out = {key: group_value(key, group.get(key)) for key in GROUP_KEYS}
     for key, v in out.items():
         if v is None:
-            raise FormatError(f"{file}: param group value {key}={group.get(key)!r} of {fqn!r} "
-                              "is malformed")
+            raise FormatError(f"{file}: param group value {key}={shown(group.get(key))} of "
+                              f"{fqn!r} is malformed")
     return out
 
 

@@ -20,6 +20,7 @@ from .blocks import BlockFile, one_pass_ok, read_blocks, verify_blocks
 from .index import ChunkIndex
 from .manifest import Manifest
 from .config import STAGING_BYTES
+from .format import FormatError
 from .storage import FileReader, read_scratch
 from .transfer import FileSegment, Segment, read_segments
 
@@ -55,7 +56,9 @@ class DataFiles:
         except BaseException:
             self.close()
             raise
+        self.directory = m.path
         self.stored = stored
+        self.scale_keys = frozenset(m.scale_keys())
         self.index = ChunkIndex(chunks)
 
     def reads(self, key: str, want: Range, out: torch.Tensor, in_place: bool) -> list[Read]:
@@ -63,6 +66,20 @@ class DataFiles:
         dtype = self.stored[key][1]
         return [Read(self.readers[r.file], r.file_start, out.narrow(0, r.dest_start, r.numel),
                      dtype, in_place) for r in self.index.plan(key, want)]
+
+    def check_scales(self, key: str, first: int, scales: torch.Tensor) -> None:
+        """Raise :class:`FormatError`, naming the file, unless every scale of ``scales``
+        (elements ``first`` on of the stored 8-bit moment scales ``key``) is finite and
+        >= 0: a scale is its block's absolute maximum over the largest code, and a NaN,
+        infinite or negative one makes the weights NaN one step after the load."""
+        bad = (~torch.isfinite(scales) | (scales < 0)).nonzero()
+        if not bad.numel():
+            return
+        i = int(bad[0, 0])
+        file = self.index.plan(key, Range(first + i, first + i + 1))[0].file
+        raise FormatError(f"{self.directory / file}: {key!r} holds the scale "
+                          f"{scales[i].item()} for block {first + i} (8-bit moment scales are "
+                          "finite and >= 0: the file is damaged or forged)")
 
     def rng_state(self, name: str, key: str) -> Read | None:
         """A whole uint8 tensor ``key`` of RNG file ``name`` into a new tensor (None if absent)."""

@@ -176,7 +176,12 @@ def save(
             _write_and_commit(tmp, staged, _split(contents, rank, threads), base, dp, cfg,
                               threads, optimizer.device, step, what)
             return path
-        group = background.coordination_group(dp)
+        try:
+            group = background.coordination_group(dp)
+        except Exception as e:  # noqa: BLE001 - a peer died or hung: no exchange can say so
+            raise CheckpointError(f"{what} failed: [dp rank {dp.rank}] creating the process "
+                                  "group of background saves failed (did another rank die?): "
+                                  f"{type(e).__name__}: {e}") from e
         owned, staged = staged, None  # the background thread removes it if it fails
 
         # A staged device snapshot goes out through pinned staging, on a stream of its own:
