@@ -23,9 +23,10 @@ measures, ``--reps`` times each (5; medians with min and max):
   bf16, SDPA, an all-ones attention mask, whose check reads the GPU on the host early in
   every forward), ``--accumulate`` micro-batches of ``--micro-batch`` x 1024 tokens
   (forward, backward; no optimizer step: the copy's source is a buffer of its own), each
-  micro-batch led by an explicit ``if (input_ids < 0).any():``. The GPU is idle at both ends
-  of every iteration. Each repetition runs one iteration without a copy and one that starts
-  the copy first, as a save called at the iteration's start does; the slowdown is the
+  micro-batch led by an explicit ``if (input_ids < 0).any():``. Every iteration starts on an
+  idle GPU and ends when the training stream has run all of it (as a loop that reads its loss
+  waits; the copy may go on). Each repetition runs one iteration without a copy and one that
+  starts the copy first, as a save called at the iteration's start does; the slowdown is the
   iteration with the copy minus the median of those without. Every host read of a GPU value
   in the iteration is timed (``Tensor.__bool__`` and ``Tensor.item`` wrapped): the first and
   their sum. ``/no_reads``: no mask and no explicit read, for the slowdown the copy costs
@@ -207,7 +208,7 @@ class Probe:
         _sync(self.device)
         t0 = time.perf_counter()
         self._iteration(reads)
-        _sync(self.device)
+        _stream_sync(self.device)
         return time.perf_counter() - t0
 
     def buffers(self, gib: float) -> copies.Buffers:
@@ -255,7 +256,7 @@ class Probe:
         run, t0, call_s = self._start(s, buf)
         self.timer.log = []
         self._iteration(reads)
-        _sync(self.device)
+        _stream_sync(self.device)  # the training stream only, as a loop reading its loss
         iter_s = time.perf_counter() - t0
         log, self.timer.log = self.timer.log, None
         row = {"quiet_iter_s": quiet, "iter_s": iter_s, "call_s": call_s,
