@@ -14,15 +14,17 @@ How the bytes move:
 * ``kernel``: a Triton kernel of ``ctas`` programs, each looping over the blocks of a piece
   (grid stride), whose stores go through the SMs to the mapped pinned memory over PCIe; no
   copy engine. Without Triton: ``torch.bitwise_or(src, 0, out=view)`` on the UVA view (a
-  kernel over every SM; recorded in ``how``).
+  kernel over every SM; ``Running.kernel`` says which ran).
 * ``d2d`` first (``d2d="ce"``: one ``copy_`` per piece into spare device memory;
   ``d2d="kernel"``: the Triton kernel over 4 programs per SM), then the drain above from the
   device copy (``d2d_only``: no drain).
 
-Streams get ``priority`` ("low": the lowest CUDA allows, which is also the default stream's;
-"high": the highest). Off CUDA (code paths only) copies run in order on the host, streams are
-None and events are clock readings. :data:`STRATEGIES` names the ways the probe measures;
-:func:`fill` and :func:`check` give each repetition a pattern of its own and check the copy.
+Side streams have the default priority, which is also the lowest CUDA has (0: no stream
+ranks below the training stream, and torch refuses a positive one), or with
+``priority="high"`` the highest. Off CUDA (code paths only) copies run in order on the host,
+streams are None and events are clock readings. :data:`STRATEGIES` names the ways the probe
+measures; :func:`fill` and :func:`check` give each repetition a pattern of its own and check
+the copy.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ class _Clock:
 def _stream(device: torch.device, priority: str):
     if device.type != "cuda":
         return None
-    return torch.cuda.Stream(device, priority={"low": 1 << 10, "high": -(1 << 10)}.get(
-        priority, 0))
+    # torch maps a priority past the highest to the highest
+    return torch.cuda.Stream(device, priority=-(1 << 10) if priority == "high" else 0)
 
 
 def _on(stream):
@@ -163,7 +165,7 @@ class Strategy:
     piece: int = 256 * MIB
     streams: int = 1
     in_flight: int = 2
-    priority: str = "default"
+    priority: str = "default"  # or "high"
     ctas: int = 16
     d2d: str = ""  # "", "ce", "kernel"
 
@@ -286,7 +288,7 @@ def device_facts(device: torch.device) -> dict[str, Any]:
         return {"cuda": False}
     out: dict[str, Any] = {"sms": torch.cuda.get_device_properties(device).multi_processor_count,
                            "stream_priority": {p: _stream(device, p).priority
-                                               for p in ("low", "default", "high")}}
+                                               for p in ("default", "high")}}
     try:
         from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
 
@@ -322,18 +324,17 @@ STRATEGIES = {s.name: s for s in (
     Strategy("thread_16m", "thread", piece=16 * MIB),
     Strategy("thread_64m", "thread", piece=64 * MIB),
     Strategy("thread_256m", "thread"),
-    Strategy("queued_256m_low", "queued", priority="low"),
     Strategy("queued_256m_high", "queued", priority="high"),
     Strategy("queued_256m_4streams", "queued", streams=4),
     Strategy("uva_256m", "uva"),
-    *(Strategy(f"kernel_{n}", "kernel", ctas=n, priority="low") for n in (4, 8, 16, 32, 64)),
+    *(Strategy(f"kernel_{n}", "kernel", ctas=n) for n in (4, 8, 16, 32, 64)),
     Strategy("d2d_only", "none", d2d="ce"),
-    Strategy("d2d+kernel_16", "kernel", ctas=16, priority="low", d2d="ce"),
-    Strategy("d2d+kernel_32", "kernel", ctas=32, priority="low", d2d="ce"),
+    Strategy("d2d+kernel_16", "kernel", ctas=16, d2d="ce"),
+    Strategy("d2d+kernel_32", "kernel", ctas=32, d2d="ce"),
     Strategy("d2d+thread_64m", "thread", piece=64 * MIB, d2d="ce"),
     Strategy("d2d+queued_4g", "queued", piece=4 * GIB, d2d="ce"),  # as snapshot="device"
     Strategy("d2dk_only", "none", d2d="kernel"),
-    Strategy("d2dk+kernel_16", "kernel", ctas=16, priority="low", d2d="kernel"),
+    Strategy("d2dk+kernel_16", "kernel", ctas=16, d2d="kernel"),
 )}
 
 
