@@ -13,6 +13,11 @@ Memory probes:
   the peak of a phase (an iteration, a load) is the max over its events: exactly what
   ``torch.cuda.reset_peak_memory_stats()`` at the phase start followed by ``max_memory_*()`` at its end
   would give. On CPU every GPU figure is 0 (smoke runs only check that the code paths work).
+
+Models (``--model``): ``gpt``, the reference job's GPT (``shardopt.recipes``), and ``hf-llama``,
+Hugging Face's ``LlamaForCausalLM`` built from a config (:data:`HF_LLAMA_PRESETS`; nothing is
+downloaded), behind the same ``model(inputs, labels) -> loss`` call (:class:`HFLlama`), so
+that a benchmark's loop runs either. :func:`build_model` and :func:`make_batches` pick by name.
 """
 
 from __future__ import annotations
@@ -327,3 +332,104 @@ class MemoryTimeline:
 def cuda_sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- models
+MODELS = ("gpt", "hf-llama")
+
+# LlamaConfig fields per preset. "1b": 1,345,423,360 params (1.35B; 64 layers: 3.37B), bf16,
+# SDPA attention, untied embeddings, as a Llama of that size is trained.
+HF_LLAMA_PRESETS: dict[str, dict[str, Any]] = {
+    "1b": {"hidden_size": 2048, "intermediate_size": 5504, "num_hidden_layers": 24,
+           "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000,
+           "max_position_embeddings": 1024},
+    "tiny": {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 64,
+             "max_position_embeddings": 64},
+}
+
+
+class HFLlama(torch.nn.Module):
+    """A ``LlamaForCausalLM`` (``self.lm``) called as the benchmarks call a model:
+    ``model(input_ids, labels)`` returns the loss. Labels are the inputs, as for any Hugging
+    Face causal LM (it shifts them itself). With ``attention_mask`` (the default) every call
+    passes an all-ones mask, as a tokenizer's batches carry one: the model then checks on the
+    host whether the mask can be skipped (``padding_mask.all()`` in ``masking_utils``, a read
+    of a GPU value early in every forward), as a training loop over real data does."""
+
+    def __init__(self, lm: torch.nn.Module, attention_mask: bool = True) -> None:
+        super().__init__()
+        self.lm = lm
+        self.attention_mask = attention_mask
+        self._masks: dict[tuple, torch.Tensor] = {}  # not state: no buffer, no param
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        mask = None
+        if self.attention_mask:
+            key = (tuple(input_ids.shape), input_ids.device)
+            if key not in self._masks:
+                self._masks[key] = torch.ones_like(input_ids)
+            mask = self._masks[key]
+        return self.lm(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+
+
+def hf_llama_config(preset: str, num_layers: int | None = None):
+    """The ``LlamaConfig`` of ``preset`` (``num_layers`` replaces its layers)."""
+    from transformers import LlamaConfig
+
+    if preset not in HF_LLAMA_PRESETS:
+        raise ValueError(f"no hf-llama preset {preset!r}; have {sorted(HF_LLAMA_PRESETS)}")
+    fields = dict(HF_LLAMA_PRESETS[preset])
+    if num_layers:
+        fields["num_hidden_layers"] = num_layers
+    return LlamaConfig(**fields, tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+def build_hf_llama(preset: str, device: torch.device, seed: int = 0,
+                   num_layers: int | None = None, attention_mask: bool = True) -> HFLlama:
+    """:class:`HFLlama` of ``preset``, bf16, its weights drawn on ``device`` (Hugging Face's
+    own initialisation) from ``seed``."""
+    from transformers import LlamaForCausalLM
+
+    config = hf_llama_config(preset, num_layers)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy first
+    try:
+        with torch.device(device):
+            lm = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return HFLlama(lm, attention_mask)
+
+
+def build_model(model: str, preset: str, device: torch.device, seed: int = 0,
+                num_layers: int | None = None) -> torch.nn.Module:
+    """The benchmark model ``model`` (one of :data:`MODELS`) of ``preset`` on ``device``."""
+    if model == "hf-llama":
+        return build_hf_llama(preset, device, seed, num_layers)
+    if model != "gpt":
+        raise ValueError(f"unknown model {model!r}; have {MODELS}")
+    import _peers
+
+    return _peers.build_gpt(preset, device, seed,
+                            **({"num_layers": num_layers} if num_layers else {}))
+
+
+def make_batches(model: str, preset: str, rank: int, world: int, micro_batch: int, num: int,
+                 device: torch.device, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``num`` micro-batches ``(inputs, labels)`` of this rank for ``model``: the Markov task
+    of ``_peers`` over the model's vocabulary and sequence length (for ``hf-llama`` the labels
+    are the inputs: the model shifts them)."""
+    import _peers
+
+    if model == "gpt":
+        return _peers.make_batches(preset, rank, world, micro_batch, num, device, seed)
+    config = hf_llama_config(preset)
+    pairs = _peers.markov_batches(config.vocab_size, config.max_position_embeddings, rank,
+                                  world, micro_batch, num, device, seed)
+    return [(x, x) for x, _ in pairs]
+
+
+def param_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -195,11 +195,21 @@ def build_gpt(preset: str, device: torch.device, seed: int = 0, **overrides: Any
 def make_batches(preset: str, rank: int, world: int, micro_batch: int, num: int,
                  device: torch.device, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``num`` micro-batches of this rank (shardopt's synthetic Markov task), already on device."""
-    from shardopt.recipes.data import BatchPlan, MarkovTask, local_batches
     from shardopt.recipes.model import model_config
 
     cfg = model_config(preset)
-    task = MarkovTask(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, seed=seed)
+    return markov_batches(cfg.vocab_size, cfg.seq_len, rank, world, micro_batch, num, device,
+                          seed)
+
+
+def markov_batches(vocab_size: int, seq_len: int, rank: int, world: int, micro_batch: int,
+                   num: int, device: torch.device, seed: int = 1
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``num`` micro-batches ``(inputs, next tokens)`` of this rank of the Markov task over
+    ``vocab_size`` tokens, sequences of ``seq_len``, already on device."""
+    from shardopt.recipes.data import BatchPlan, MarkovTask, local_batches
+
+    task = MarkovTask(vocab_size=vocab_size, seq_len=seq_len, seed=seed)
     plan = BatchPlan(global_batch_size=micro_batch * world, dp_size=world, dp_rank=rank,
                      micro_batch_size=micro_batch)
     out = []

@@ -2,11 +2,16 @@
 ``checkpoint.save(..., blocking=False)`` against ``torch.distributed.checkpoint.async_save``.
 
 One process, one GPU (``--nproc N``: N ranks, one a GPU, data parallel), the ``1b`` preset
-(1.3B params, bf16 with fp32 norms and routers, shardopt's optimizer for both systems; DCP
-saves ``{"model": model.state_dict(), "optim": opt.state_dict()}``, the same bytes). Every
-iteration (forward, backward, step) ends by waiting for the training stream (as a loop that
-reads its loss does; a save's copies on side streams are waited for only where training
-itself waits for them) and is timed. Phases, each into ``/dev/shm`` and ``/tmp``:
+of ``--model``: ``gpt`` (default), the reference GPT (1.3B params, bf16 with fp32 norms and
+routers), or ``hf-llama``, Hugging Face's ``LlamaForCausalLM`` of 1.35B params built from a
+config (``_common.HF_LLAMA_PRESETS``: bf16, SDPA attention; each forward gets an all-ones
+attention mask and so reads a GPU value on the host early on, as Hugging Face models do with
+real batches); shardopt's optimizer for every system; DCP saves ``{"model":
+model.state_dict(), "optim": opt.state_dict()}``, the same bytes. An iteration is
+``--accumulate`` micro-batches of ``--micro-batch`` sequences (forward, backward), then the
+step; it starts and ends by waiting for the training stream (as a loop that reads its loss
+does; a save's copies on side streams are waited for only where training itself waits for
+them) and is timed. Phases, each into ``/dev/shm`` and ``/tmp``:
 
 * ``none``: no checkpoint; its median iteration is the baseline.
 * ``sparse``: a save every ``--sparse-every`` iterations (long enough for the write to
@@ -22,7 +27,11 @@ itself waits for them) and is timed. Phases, each into ``/dev/shm`` and ``/tmp``
   ``during_write`` = median iteration while a background write runs, against the
   baseline (target <= 3% slower).
 * ``every``: a save every iteration for ``--every-iters`` iterations (each save waits for
-  the one before): throughput against ``none``.
+  the one before): throughput against ``none`` (``--every-iters 0``: no such phase).
+
+Every figure is a median with min and max over the phase's iterations or saves (the first
+save, which allocates the snapshot, is reported alone); ``--sparse-saves 6`` gives 5 saves
+after the first.
 
 ``--systems megatron`` adds megatron-core's asynchronous ``dist_checkpointing.save`` of its own
 DDP model and distributed optimizer (same preset, same batches, its own training loop and its
@@ -52,6 +61,13 @@ GPU (one H200, under 5 minutes)::
 
     PYTHONPATH=src python3 benchmarks/async_save.py --out $OUT
 
+The Hugging Face model at 2 micro-batches, default settings, ``/dev/shm``, 5 saves after
+the first (about a minute; ``--model gpt`` for the GPT)::
+
+    PYTHONPATH=src python3 benchmarks/async_save.py --model hf-llama --accumulate 2 \\
+        --systems shardopt --dirs /dev/shm --sparse-every 12 --sparse-saves 6 \\
+        --every-iters 0 --out $OUT
+
 DP 2 (two H200)::
 
     PYTHONPATH=src python3 benchmarks/async_save.py --nproc 2 \\
@@ -61,6 +77,9 @@ CPU smoke (``--nproc 2`` for two ranks over gloo)::
 
     PYTHONPATH=src python benchmarks/async_save.py --device cpu --preset tiny \\
         --every-iters 3 --sparse-every 2 --sparse-saves 2 --warmup 1 --dirs /tmp
+    PYTHONPATH=src python benchmarks/async_save.py --device cpu --preset tiny \\
+        --model hf-llama --accumulate 2 --every-iters 0 --sparse-every 2 --sparse-saves 2 \\
+        --warmup 1 --dirs /tmp --systems shardopt,dcp
 """
 
 from __future__ import annotations
@@ -260,6 +279,8 @@ def _loop(step_fn: Callable[[Callable[[], None]], None], device: torch.device, i
     for i in range(iters):
         if time.perf_counter() - started > cap_s:
             break
+        if device.type == "cuda":  # starts on an idle training stream
+            torch.cuda.current_stream(device).synchronize()
         busy_before = saver is not None and saver.busy()
         t0 = time.perf_counter()
         saved = saver is not None and save_at(i)
@@ -321,6 +342,7 @@ def _phase(name: str, rows: list[dict], baseline: float | None, rss) -> dict:
                 if writing:
                     out["during_write_vs_quiet"] = statistics.median(writing) / q - 1
         if writing:
+            out["during_write_iter_s"] = _common.stats(writing)
             out["during_write_slowdown"] = statistics.median(writing) / baseline - 1
         out["throughput_vs_none"] = baseline * len(rows) / sum(it)
     return out
@@ -373,7 +395,7 @@ class _Trainer:
     def __init__(self, kind: str, args: argparse.Namespace, batches: list, device: torch.device
                  ) -> None:
         self.baseline = 0.0
-        self.model = _peers.build_gpt(args.preset, device, seed=0)
+        self.model = _common.build_model(args.model, args.preset, device, seed=0)
         setup = _peers.setup_megatron if kind == "megatron" else _peers.setup_shardopt
         self.system = setup(self.model, _peers.Hyper(), device)
         self.opt = self.system.optimizer
@@ -407,7 +429,8 @@ def _run(rank: int, world: int, args: argparse.Namespace, device: torch.device,
     phases skipped (rank 0's decisions; the budget counts from ``started``) and its trainers'
     baselines."""
     n_batches = 8
-    batches = _peers.make_batches(args.preset, rank, world, args.micro_batch, n_batches, device)
+    batches = _common.make_batches(args.model, args.preset, rank, world, args.micro_batch,
+                                   n_batches, device)
     phases, skipped = [], []
     trainers: dict[str, _Trainer] = {}
 
@@ -431,9 +454,10 @@ def _run(rank: int, world: int, args: argparse.Namespace, device: torch.device,
     est_save_s: dict[tuple[str, str], float] = {}
     dirs = args.dirs.split(",")
     # Most wanted first: the budget skips from the end.
-    plan = [(kind, d, system) for d in dirs[:1] for kind in ("sparse", "every")
+    kinds = ("sparse", "every") if args.every_iters > 0 else ("sparse",)
+    plan = [(kind, d, system) for d in dirs[:1] for kind in kinds
             for system in args.systems.split(",")]
-    plan += [(kind, d, system) for d in dirs[1:] for kind in ("sparse", "every")
+    plan += [(kind, d, system) for d in dirs[1:] for kind in kinds
              for system in args.systems.split(",")]
     first_step = 1
     for kind, d, system in plan:
@@ -503,7 +527,8 @@ def _run(rank: int, world: int, args: argparse.Namespace, device: torch.device,
             if rank == 0:
                 shutil.rmtree(root, ignore_errors=True)
     return {"phases": phases, "skipped": skipped,
-            "baseline_iter_s_by_trainer": {k: t.baseline for k, t in trainers.items()}}
+            "baseline_iter_s_by_trainer": {k: t.baseline for k, t in trainers.items()},
+            "parameters": _common.param_count(trainers["shardopt"].model)}
 
 
 def _rank(rank: int, world: int, a: dict) -> dict:
@@ -517,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=1,
                    help="ranks, one per GPU (data parallel); shardopt's systems only above 1")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--model", choices=_common.MODELS, default="gpt",
+                   help="the reference GPT, or Hugging Face's LlamaForCausalLM from a config")
     p.add_argument("--preset", default="1b")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--accumulate", type=int, default=1,
@@ -524,8 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--none-iters", type=int, default=20)
     p.add_argument("--sparse-every", type=int, default=15)
-    p.add_argument("--sparse-saves", type=int, default=3)
-    p.add_argument("--every-iters", type=int, default=50)
+    p.add_argument("--sparse-saves", type=int, default=6,
+                   help="saves of a sparse phase, the first (which allocates) included")
+    p.add_argument("--every-iters", type=int, default=50,
+                   help="iterations of the save-every-iteration phase (0: none)")
     p.add_argument("--dirs", default="/dev/shm,/tmp")
     p.add_argument("--systems", default="shardopt,shardopt_device,dcp")
     p.add_argument("--phase-cap-s", type=float, default=25.0,
@@ -542,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc < 1:
         p.error("--nproc must be at least 1")
     dp1_only = [s for s in args.systems.split(",") if s in DP1_ONLY]
+    if args.model != "gpt" and "megatron" in args.systems.split(","):
+        p.error("megatron trains its own GPT: --systems megatron needs --model gpt")
     if args.nproc > 1 and dp1_only:
         p.error(f"system {dp1_only[0]} runs at --nproc 1 only; --nproc {args.nproc} takes "
                 f"shardopt's systems ({', '.join(s for s in SAVERS if s not in DP1_ONLY)})")
@@ -564,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         "host_rss_peak_bytes_by_rank": [max(ph["host_rss"]["peak_bytes"] for ph in r["phases"])
                                         for r in ranks]}
     doc = {**_common.run_header(device, vars(args)), "benchmark": "async_save",
-           "dp_size": args.nproc,
+           "dp_size": args.nproc, "model": args.model, "parameters": r0["parameters"],
            "baseline_iter_s": r0["baseline_iter_s_by_trainer"]["shardopt"],
            "baseline_iter_s_by_trainer": r0["baseline_iter_s_by_trainer"],
            "phases": r0["phases"], "skipped": r0["skipped"],
@@ -572,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
            "wall_s": time.perf_counter() - started, "pid": os.getpid()}
     ranks_name = f"{args.nproc}gpu" if device.type == "cuda" else (
         "cpu" if args.nproc == 1 else f"cpu_dp{args.nproc}")
-    name = f"async_save_{ranks_name}{args.tag}.json"
+    model = "" if args.model == "gpt" else "_hf"
+    name = f"async_save_{ranks_name}{model}{args.tag}.json"
     _common.write_json(Path(args.out) / name, doc)
     print(f"wrote {Path(args.out) / name}; skipped {[s['phase'] for s in r0['skipped']]}")
     return 0

@@ -32,6 +32,10 @@
 #   async_megatron  async_save.py against megatron-core's asynchronous dist_checkpointing
 #            save (its own model, optimizer and loop), /dev/shm, 6 saves each; needs the
 #            megatron-core and psutil wheels in .whl/                                     ~6 min
+#   realmodel  probes/d2h_stall.py (its budget 200 s); async_save.py on the Hugging Face
+#            Llama and on the GPT, 2 micro-batches of 8 x 1024 tokens, default settings,
+#            /dev/shm, 5 saves after the first (~70 and ~60 s); offload.py on the Hugging
+#            Face Llama, the same steps, 6 cycles after the first (~75 s)                 ~7 min
 #
 # Wheels in .whl/ (carried: torchao, torch_memory_saver, megatron-core) are installed into
 # /tmp/site first and put on PYTHONPATH.
@@ -45,10 +49,12 @@
 #
 # BENCH_ARGS is appended to every benchmark's arguments (later ones win): a CPU check of the
 # suite is  BENCH_ARGS="--device cpu --preset tiny" OUT=/tmp/out bash benchmarks/gpu_suite.sh
+# (with PROBE_ARGS="--device cpu --tiny --reps 2" for the probe of the realmodel part)
 set -u
 OUT=${OUT:?set OUT to the directory for results}
 PY=${PY:-python3}
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
+read -r -a PROBE <<< "${PROBE_ARGS:-}"
 export PYTHONPATH=${PYTHONPATH:-src}
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
@@ -111,8 +117,20 @@ for part in $PARTS; do
       run async-megatron "$PY" benchmarks/async_save.py --dirs /dev/shm --accumulate 3 \
         --systems shardopt,megatron --sparse-every 9 --sparse-saves 6 --phase-cap-s 60 \
         --every-iters 10 --budget-s 330 --tag _acc3_megatron --out "$OUT" "${EXTRA[@]}" ;;
+    realmodel)  # the probe takes PROBE_ARGS, not BENCH_ARGS (it has no --preset)
+      run d2h_stall timeout 235 "$PY" benchmarks/probes/d2h_stall.py --budget-s 200 --out "$OUT" \
+        "${PROBE[@]}"
+      run async-hf timeout 100 "$PY" benchmarks/async_save.py --model hf-llama --accumulate 2 \
+        --systems shardopt --dirs /dev/shm --sparse-every 12 --sparse-saves 6 --every-iters 0 \
+        --phase-cap-s 60 --budget-s 90 --tag _acc2 --out "$OUT" "${EXTRA[@]}"
+      run async-gpt timeout 90 "$PY" benchmarks/async_save.py --model gpt --accumulate 2 \
+        --systems shardopt --dirs /dev/shm --sparse-every 14 --sparse-saves 6 --every-iters 0 \
+        --phase-cap-s 60 --budget-s 80 --tag _acc2 --out "$OUT" "${EXTRA[@]}"
+      run offload-hf timeout 100 "$PY" benchmarks/offload.py --model hf-llama --micro-batch 8 \
+        --accumulate 2 --cycles 7 --rss-cycles 13 --h2d kernel --no-peers \
+        --out "$OUT/offload_1gpu_hf.json" "${EXTRA[@]}" ;;
     *)
-      echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async, async_megatron)" | tee -a "$LOG"
+      echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async, async_megatron, realmodel)" | tee -a "$LOG"
       status=1 ;;
   esac
 done

@@ -1,8 +1,11 @@
 """offload() / onload() for colocated RL: speed, memory given back, exact continuation.
 
 One process, one GPU (``--nproc N``: N ranks, one a GPU, data parallel), the ``1b`` preset
-of ``shardopt.model`` (1.3B params, bf16 with fp32 norms and routers) trained by shardopt as
-in ``train_iter.py``. In order:
+of ``--model``: ``gpt``, the reference GPT of ``shardopt.recipes`` (1.3B params, bf16 with
+fp32 norms and routers), or ``hf-llama``, Hugging Face's ``LlamaForCausalLM`` of 1.35B params
+built from a config (``_common.HF_LLAMA_PRESETS``), trained by shardopt as in
+``train_iter.py``; a training step is ``--accumulate`` micro-batches of ``--micro-batch``
+sequences, then the step. In order:
 
 1. Baseline: a subprocess that sees only the GPU and creates a CUDA context there reports
    the device memory in use (``total - free`` of ``cudaMemGetInfo``), before this process
@@ -33,8 +36,10 @@ in ``train_iter.py``. In order:
    /tmp/site .whl/torch_memory_saver-*.whl``).
 
 Targets (recorded in ``targets``): offload and onload each >= 90% of the raw pinned
-copy's GB/s; device memory in use after offload <= 1 GiB above the CUDA-context
-baseline; losses identical to the reference. Expected well under 5 minutes on one H200.
+copy's GB/s, medians against medians (every time is also reported with its min and max,
+``--reps`` repetitions of the raw copies, the cycles after the first for offload and
+onload); device memory in use after offload <= 1 GiB above the CUDA-context baseline;
+losses identical to the reference. Expected well under 5 minutes on one H200.
 
 ``--nproc N`` (N > 1) runs N ranks (``_peers.spawn``: rank r on ``cuda:r`` over NCCL, gloo
 on CPU), each with the same model and its own micro-batches, the optimizer over all of them
@@ -56,6 +61,13 @@ GPU::
     PYTHONPATH=src python3 benchmarks/offload.py --out benchmarks/results/offload_1gpu.json \\
         --plot benchmarks/results/offload_1gpu.png
 
+The Hugging Face model, 2 micro-batches of 8 sequences per step, 6 timed cycles after the
+first (about a minute and a half)::
+
+    PYTHONPATH=src python3 benchmarks/offload.py --model hf-llama --micro-batch 8 \\
+        --accumulate 2 --cycles 7 --rss-cycles 13 --h2d kernel --no-peers \\
+        --out $OUT/offload_1gpu_hf.json
+
 DP 2 (two GPUs)::
 
     PYTHONPATH=src python3 benchmarks/offload.py --nproc 2 \\
@@ -65,12 +77,15 @@ CPU smoke (code paths only; no memory figures; ``--nproc 2`` for two ranks over 
 
     PYTHONPATH=src python benchmarks/offload.py --device cpu --preset tiny --cycles 3 \\
         --rss-cycles 5 --out /tmp/offload_smoke.json
+    PYTHONPATH=src python benchmarks/offload.py --device cpu --preset tiny --model hf-llama \\
+        --accumulate 2 --cycles 3 --rss-cycles 5 --out /tmp/offload_smoke_hf.json
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
 import os
 import subprocess
@@ -126,6 +141,29 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
+def _rate(nbytes: int, times: list[float]) -> dict[str, float]:
+    """GB/s of ``nbytes`` moved in each of ``times``: median, min and max (the min from the
+    slowest time)."""
+    t = _common.stats(times)
+    return {"median": _gbps(nbytes, t["median"]), "min": _gbps(nbytes, t["max"]),
+            "max": _gbps(nbytes, t["min"]), "n": t["n"]}
+
+
+def _train(system, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """One training step over ``micro_batches`` (grads reduced once, at the last), then
+    ``zero_grad()``; the mean loss, read on the host (which waits for the step)."""
+    opt, acc = system.optimizer, len(micro_batches)
+    total = None
+    for i, (x, y) in enumerate(micro_batches):
+        with opt.no_sync() if i < acc - 1 else contextlib.nullcontext():
+            loss = system.model(x, y) / acc
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    opt.step()
+    opt.zero_grad()
+    return float(total)
+
+
 def _moved_pairs(opt) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(host copy, device tensor) for every tensor offload() copies (grads not pending
     are freed without a copy)."""
@@ -160,7 +198,8 @@ def _raw_copies(opt, device: torch.device, reps: int) -> dict[str, Any]:
             stream.synchronize()
             times.append(time.perf_counter() - t0)
         out[f"{name}_s"] = _common.stats(times)
-        out[f"{name}_gbps"] = _gbps(nbytes, min(times))
+        out[f"{name}_gbps"] = _rate(nbytes, times)["median"]
+        out[f"{name}_gbps_range"] = _rate(nbytes, times)
     out["h2d_bar_gbps"] = max(out["h2d_gbps"], out["h2d_kernel_gbps"])  # the faster way
     # What onload pays beyond the copy: fresh device memory for the same tensors (the
     # allocator's cache emptied first, as after an offload), alone and then with the copies
@@ -245,8 +284,8 @@ def _memory_saver(opt, device: torch.device, reps: int) -> dict[str, Any]:
                 resume.append(time.perf_counter() - t1)
             out[name] = {"first_pause_s": pause[0], "first_resume_s": resume[0],
                          "pause_s": _common.stats(pause[1:]), "resume_s": _common.stats(resume[1:]),
-                         "pause_gbps": _gbps(nbytes, min(pause[1:])),
-                         "resume_gbps": _gbps(nbytes, min(resume[1:]))}
+                         "pause_gbps": _rate(nbytes, pause[1:])["median"],
+                         "resume_gbps": _rate(nbytes, resume[1:])["median"]}
         out["values_kept"] = all(torch.equal(t, d) for t, d in zip(theirs, devs))
         del theirs
         torch.cuda.empty_cache()
@@ -296,15 +335,19 @@ def _run(rank: int, world: int, a: argparse.Namespace, device: torch.device,
         torch.use_deterministic_algorithms(True)  # flash attention's backward too
         # deterministic mode would also fill every torch.empty (host copies included)
         torch.utils.deterministic.fill_uninitialized_memory = False
-    batches = _peers.make_batches(a.preset, rank, world, a.micro_batch, a.cycles, device)
+    flat = _common.make_batches(a.model, a.preset, rank, world, a.micro_batch,
+                                a.cycles * a.accumulate, device)
+    batches = [flat[i:i + a.accumulate] for i in range(0, len(flat), a.accumulate)]
     hp = _peers.Hyper()
-    shape = {"num_layers": a.num_layers} if a.num_layers else {}
+
+    def build():
+        return _common.build_model(a.model, a.preset, device, num_layers=a.num_layers)
 
     # With --noise-check the reference runs twice: if two runs without offload differ, the
     # loss comparison below measures the backward's nondeterminism, not offload.
     for key in ("reference_losses", "reference_again_losses")[:2 if a.noise_check else 1]:
-        ref = _peers.setup_shardopt(_peers.build_gpt(a.preset, device, **shape), hp, device)
-        result[key] = [float(ref.step(*b)) for b in batches]
+        ref = _peers.setup_shardopt(build(), hp, device)
+        result[key] = [_train(ref, b) for b in batches]
         del ref
         gc.collect()
         if device.type == "cuda":
@@ -314,7 +357,7 @@ def _run(rank: int, world: int, a: argparse.Namespace, device: torch.device,
                                           == result["reference_again_losses"])
 
     timeline = _common.MemoryTimeline(device)
-    sys_ = _peers.setup_shardopt(_peers.build_gpt(a.preset, device, **shape), hp, device)
+    sys_ = _peers.setup_shardopt(build(), hp, device)
     opt = sys_.optimizer
     result["bytes_by_kind"] = opt.memory_bytes()
     mem = {"reserved_before_training": _reserved(device),
@@ -324,7 +367,7 @@ def _run(rank: int, world: int, a: argparse.Namespace, device: torch.device,
     modes = a.h2d.split(",")
     default_h2d = "kernel" if host_state.h2d_by_kernel() else "copy_engine"
     for i, b in enumerate(batches):
-        losses.append(float(sys_.step(*b)))
+        losses.append(_train(sys_, b))
         timeline.mark("train")
         _peers.barrier()  # every rank offloads at once (no-op at DP 1), and onloads below
         held = _reserved(device)
@@ -381,14 +424,14 @@ def _run(rank: int, world: int, a: argparse.Namespace, device: torch.device,
 
     moved = sum(h.numel() * h.element_size() for h, _ in _moved_pairs(opt))
     steady = cycles[1:] or cycles  # the first offload also registers the host memory
-    off_s = min(c["offload_s"] for c in steady)
+    off_times = [c["offload_s"] for c in steady]
     # Onload times by copy method, of the steady cycles (all of them where it had none).
     times = {m: [c["onload_s"] for c in steady if c["h2d"] == m]
              or [c["onload_s"] for c in cycles if c["h2d"] == m] for m in modes}
-    by_h2d = {m: {"s": _common.stats(v), "gbps": _gbps(moved, min(v))}
+    by_h2d = {m: {"s": _common.stats(v), "gbps": _rate(moved, v)["median"],
+                  "gbps_range": _rate(moved, v)}
               for m, v in times.items() if v}
     on_mode = default_h2d if default_h2d in modes else modes[0]
-    on_s = min(times[on_mode])
     raw = _raw_copies(opt, device, a.reps)
     last = cycles[-1]
     mem.update(reserved_after_offload=last["reserved_offloaded"],
@@ -397,17 +440,19 @@ def _run(rank: int, world: int, a: argparse.Namespace, device: torch.device,
                device_used_after_onload=last["device_used_onloaded"])
     result.update(
         cycles=cycles, memory=mem, moved_bytes=moved,
-        offload={"s": _common.stats([c["offload_s"] for c in steady]), "gbps": _gbps(moved, off_s),
-                 "first_s": cycles[0]["offload_s"]},
-        onload={"s": _common.stats(times[on_mode]),
-                "gbps": _gbps(moved, on_s), "h2d": on_mode},
+        offload={"s": _common.stats(off_times), "gbps": _rate(moved, off_times)["median"],
+                 "gbps_range": _rate(moved, off_times), "first_s": cycles[0]["offload_s"]},
+        onload={"s": _common.stats(times[on_mode]), "gbps": _rate(moved, times[on_mode])["median"],
+                "gbps_range": _rate(moved, times[on_mode]), "h2d": on_mode},
         onload_by_h2d=by_h2d,
         back_to_back={} if not b2b_on else {
             "cycles": len(b2b_on), "h2d": default_h2d,
-            "offload": {"s": _common.stats(b2b_off), "gbps": _gbps(moved, min(b2b_off))},
-            "onload": {"s": _common.stats(b2b_on), "gbps": _gbps(moved, min(b2b_on))}},
-        raw_pinned=raw, timeline=timeline.as_list(), parameters=sum(
-            p.numel() for p in sys_.model.parameters()))
+            "offload": {"s": _common.stats(b2b_off), "gbps": _rate(moved, b2b_off)["median"],
+                        "gbps_range": _rate(moved, b2b_off)},
+            "onload": {"s": _common.stats(b2b_on), "gbps": _rate(moved, b2b_on)["median"],
+                       "gbps_range": _rate(moved, b2b_on)}},
+        raw_pinned=raw, timeline=timeline.as_list(), model=a.model,
+        parameters=_common.param_count(sys_.model))
     if not a.no_peers and rank == 0:
         result.update(plain_to=_plain_to(opt, device),
                       torch_memory_saver=_memory_saver(opt, device, a.reps))
@@ -489,12 +534,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None,
                    help="PNG of GPU memory over time (rank 0's at --nproc > 1)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--model", choices=_common.MODELS, default="gpt",
+                   help="the reference GPT, or Hugging Face's LlamaForCausalLM from a config")
     p.add_argument("--preset", default="1b")
     p.add_argument("--num-layers", type=int, default=None,
                    help="the preset's layers replaced (a larger model: 64 layers of 1b, 3.3B)")
     p.add_argument("--no-peers", action="store_true",
                    help="skip the plain .to() copies and torch_memory_saver (time, host memory)")
-    p.add_argument("--micro-batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches (forward+backward) per training step, before its step")
     p.add_argument("--cycles", type=int, default=20, help="train + colocation cycles")
     p.add_argument("--rss-cycles", type=int, default=100, help="offload/onload cycles in all")
     p.add_argument("--rollout-fraction", type=float, default=0.9)
@@ -502,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="how the rollout allocates: cudaMalloc'd memory given back by cudaFree "
                         "(onload right after copies slower by the copy engine), or mapped "
                         "pages given back by unmapping (torch_memory_saver, vLLM's sleep mode)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions of the raw copies")
+    p.add_argument("--reps", type=int, default=5, help="repetitions of the raw copies")
     p.add_argument("--h2d", default="kernel,copy_engine",
                    help="onload's ways to copy to the device, taken in turn by the cycles")
     p.add_argument("--noise-check", action="store_true",
@@ -510,8 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds the ranks may run at --nproc > 1 before they are killed")
     a = p.parse_args(argv)
-    if a.nproc < 1:
-        p.error("--nproc must be at least 1")
+    if a.nproc < 1 or a.accumulate < 1:
+        p.error("--nproc and --accumulate must be at least 1")
     if a.nproc > 1 and a.device == "cuda" and torch.cuda.device_count() < a.nproc:
         p.error(f"--nproc {a.nproc} needs {a.nproc} GPUs, found {torch.cuda.device_count()}")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the ranks inherit it
