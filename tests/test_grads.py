@@ -116,6 +116,44 @@ def test_p_grad_matches_ddp_with_clipping_edits_and_accumulation(tmp_path):
                 assert torch.equal(bits(got[fqn]), bits(w)), (step, fqn)
 
 
+def no_sync_only_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """Every micro-batch under no_sync(), then step(): p.grad holds this rank's sum until
+    step() averages it (DDP would step on unaveraged grads)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = DistributedOptimizer(model, OptimizerConfig(**HYPER))
+    local, used = [], []
+    for step in range(3):
+        with opt.no_sync():
+            for micro in range(2):
+                x, y = data(step, rank, micro)
+                (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+        local.append(grads_of(model))
+        opt.step()
+        used.append(grads_of(model))
+        opt.zero_grad()
+    return {"local": local, "used": used,
+            "params": {f: p.detach().clone() for f, p in model.named_parameters()}}
+
+
+def test_micro_batches_all_under_no_sync_are_averaged_by_step(tmp_path):
+    results = run_distributed(no_sync_only_rank, 2, tmp_path=tmp_path)
+    torch.manual_seed(0)
+    model = Net()
+    ref = torch.optim.AdamW(model.parameters(), **HYPER, fused=True)
+    for step in range(3):
+        for fqn, p in model.named_parameters():
+            p.grad = results[0]["local"][step][fqn] / 2 + results[1]["local"][step][fqn] / 2
+        ref.step()
+        for res in results:
+            for fqn, p in model.named_parameters():
+                assert torch.equal(bits(res["used"][step][fqn]), bits(p.grad)), (step, fqn)
+    assert not torch.equal(results[0]["local"][0]["a.weight"], results[1]["local"][0]["a.weight"])
+    for res in results:
+        for fqn, p in model.named_parameters():
+            assert torch.equal(bits(res["params"][fqn]), bits(p.detach())), fqn
+
+
 def buffer_second_backward_rank(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net()

@@ -180,41 +180,34 @@ class Replacements:
     registration hooks report every such assignment; this keeps the first that replaces a
     param (or a module holding params) of this model by one the optimizer does not hold, and
     :meth:`check` raises :class:`ParamMovedError` naming it. Setting the old one back undoes
-    it. Holds modules by id and the owner weakly; the hooks go with the optimizer."""
+    it. Holds modules by id; torch's hooks reach it through :data:`_WATCHERS`."""
 
     def __init__(self, model: Any, owned: Mapping[Any, str], dp_rank: int) -> None:
         self._dp_rank = dp_rank
         self._owned = owned
-        self._params: dict[int, dict[str, Any]] = {}  # id(module) -> name -> owned param
-        self._children: dict[int, dict[str, Any]] = {}  # id(module) -> name -> child
+        # id(module) -> (the module, weakly; name -> its owned param / its child, weakly)
+        self._params: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+        self._children: dict[int, tuple[weakref.ref, dict[str, weakref.ref]]] = {}
         self._fqn_of_module: dict[int, str] = {}
         for name, module in model.named_modules():
             self._fqn_of_module[id(module)] = name
             mine = {n: q for n, q in module._parameters.items() if q is not None and q in owned}
             if mine:
-                self._params[id(module)] = mine
-        for module in model.modules():
-            kids = {n: c for n, c in module._modules.items()
+                self._params[id(module)] = (weakref.ref(module), mine)
+            kids = {n: weakref.ref(c) for n, c in module._modules.items()
                     if c is not None and any(q in owned for q in c.parameters())}
             if kids:
-                self._children[id(module)] = kids
+                self._children[id(module)] = (weakref.ref(module), kids)
         self.problems: dict[tuple[int, str], str] = {}
-        import torch.nn.modules.module as nn_module
-
-        me = weakref.ref(self)
-        self._handles = [
-            nn_module.register_module_parameter_registration_hook(
-                lambda m, n, q: (lambda r: r is not None and r._on_param(m, n, q))(me())),
-            nn_module.register_module_module_registration_hook(
-                lambda m, n, c: (lambda r: r is not None and r._on_module(m, n, c))(me()))]
-        weakref.finalize(self, _remove_all, list(self._handles))
+        _watch_registrations(self)
 
     def _where(self, module: Any, name: str) -> str:
         base = self._fqn_of_module.get(id(module), "?")
         return f"{base}.{name}" if base else name
 
     def _on_param(self, module: Any, name: str, param: Any) -> None:
-        old = self._params.get(id(module), {}).get(name)
+        entry = self._params.get(id(module))
+        old = entry[1].get(name) if entry is not None and entry[0]() is module else None
         if old is None:
             return
         key = (id(module), name)
@@ -226,10 +219,11 @@ class Replacements:
                 "DistributedOptimizer(model) was built (module.weight = nn.Parameter(...), or "
                 "a library swapping it): the optimizer holds the old one and would never "
                 "train the new one")
-        return None
 
     def _on_module(self, module: Any, name: str, child: Any) -> None:
-        old = self._children.get(id(module), {}).get(name)
+        entry = self._children.get(id(module))
+        ref = entry[1].get(name) if entry is not None and entry[0]() is module else None
+        old = None if ref is None else ref()
         if old is None:
             return
         key = (id(module), name)
@@ -242,7 +236,6 @@ class Replacements:
                 f"module {self._where(module, name)!r} was replaced after "
                 "DistributedOptimizer(model) was built: the optimizer holds the old "
                 "module's params and would never train the new one's")
-        return None
 
     def check(self) -> None:
         """Raise :class:`ParamMovedError` naming the first replacement, if any."""
@@ -252,6 +245,26 @@ class Replacements:
                                   "first, then build the optimizer.")
 
 
-def _remove_all(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
+# torch's registration hooks are process-wide, so one pair serves every optimizer's
+# Replacements, held weakly here: a pair per optimizer could not be removed when its
+# optimizer is collected, since the collection may run while torch iterates the hooks.
+_WATCHERS: weakref.WeakSet[Replacements] = weakref.WeakSet()
+_HOOKS: list[Any] = []
+
+
+def _watch_registrations(watcher: Replacements) -> None:
+    _WATCHERS.add(watcher)
+    if _HOOKS:
+        return
+    import torch.nn.modules.module as nn_module
+
+    def on_param(module: Any, name: str, param: Any) -> None:
+        for w in list(_WATCHERS):
+            w._on_param(module, name, param)
+
+    def on_module(module: Any, name: str, child: Any) -> None:
+        for w in list(_WATCHERS):
+            w._on_module(module, name, child)
+
+    _HOOKS.append(nn_module.register_module_parameter_registration_hook(on_param))
+    _HOOKS.append(nn_module.register_module_module_registration_hook(on_module))
