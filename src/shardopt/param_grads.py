@@ -213,8 +213,8 @@ class ParamGrads(GradSync):
             flags = flags.to(self.buffers.device)
         else:  # a rank with every gradient knows the answer: it sends and never reads
             if self._flags_all is None:
-                self._flags_all = torch.ones(len(grads), device=self.buffers.device)
-            flags = self._flags_all
+                self._flags_all = torch.empty(len(grads), device=self.buffers.device)
+            flags = self._flags_all.fill_(1)  # the last all-reduce summed into it
         handle = comm.all_reduce_sum_async_(flags, self.dp)
         self.wait()
         handle.wait()
