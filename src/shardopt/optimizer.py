@@ -3,16 +3,21 @@
 Communication schedule of one iteration (``dp_size`` ranks, buckets ``B_0..B_n``
 in launch order, which every rank shares):
 
-* Phase 1, during backward (:mod:`.sync`): each param's gradient is added
-  into the grad buffer and ``param.grad`` is freed; when every param of the next
-  bucket in launch order has reported, that bucket's reduce-scatter (average)
-  starts asynchronously. Buckets launch strictly in order, so every rank issues
-  identical collectives whatever order its hooks fire in.
+* Phase 1, during backward: each param's gradient reaches the grad buffer; when
+  every param of the next bucket in launch order has reported, that bucket's
+  reduction (average) starts asynchronously. Buckets launch strictly in order, so
+  every rank issues identical collectives whatever order its hooks fire in. With
+  ``grad_mode="torch"`` (default, :mod:`.param_grads`) the reduction is an
+  all-reduce, the autograd engine's final callback launches and waits for the
+  rest, and ``param.grad`` views the averaged gradient when backward returns; with
+  ``grad_mode="buffer"`` (:mod:`.sync`) it is a reduce-scatter, ``param.grad`` is
+  freed, and what is left is launched in phase 2.
 * Phase 2, ``step()``: re-seed the fp32 main params of params the user wrote
-  since the last step (:mod:`.param_watch`), launch whatever was not launched
-  (a param without a gradient on this rank counts as zero in the average),
-  wait for all reductions, all-reduce the squared norm of the local grad shard
-  for clipping together with one "got a gradient here" flag per param (params
+  since the last step (:mod:`.param_watch`), take what ``param.grad`` holds
+  (``grad_mode="torch"``) or launch whatever was not launched (a param without
+  a gradient on this rank counts as zero in the average), wait for all
+  reductions, all-reduce the squared norm of the local grad shard for clipping
+  together with one "got a gradient here" flag per param (params
   that got none on any rank are not updated and keep their step count, as in
   ``torch.optim.AdamW``: :mod:`.step_plan`), run fused AdamW on the local
   shard (fp32 main params, lazily allocated moments) and copy the result into
@@ -82,6 +87,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``state_dict()`` / ``load_state_dict()`` (collective) follow torch.optim, keyed
     by FQN (:mod:`shardopt.state_dict`); ``state[param]`` shows this rank's part of a
     param's state. A param belongs to one optimizer at a time.
+
+    Gradients (``config.grad_mode``, docs/optimizer.md): ``"torch"`` (default) leaves
+    each param's averaged gradient in ``param.grad`` when backward returns, as DDP does,
+    and ``step()`` uses what ``param.grad`` holds; ``"buffer"`` keeps them only in the
+    grad buffer. ``model.state_dict()`` hands out copies of the params
+    (:mod:`shardopt.model_state`), so savers see each weight at its own size.
     """
 
     def __init__(
