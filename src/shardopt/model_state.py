@@ -11,9 +11,9 @@ weights) gets one copy for both within one ``state_dict()`` call, which shares s
 torch's entries for tied weights do.
 
 ``state_dict(keep_vars=True)`` returns the live Parameters, as asked, uncopied (shardopt's
-checkpoint code reads them so). The copies are what ``model.state_dict()`` costs here:
-one read of the trainable params. Loading goes through ``model.load_state_dict``, which
-writes into the params in place, as always.
+checkpoint code reads them so). The copies are what ``model.state_dict()`` costs here: the
+trainable params' size, on their device, while the state dict lives. Loading goes through
+``model.load_state_dict``, which writes into the params in place, as always.
 """
 
 from __future__ import annotations
