@@ -29,6 +29,9 @@
 #   async    async_save.py, 3 micro-batches, 8 saves per snapshot mode (and with the step
 #            waiting for all copies at once), /dev/shm then /tmp, and 50 iterations of a
 #            save each (the budget skips what will not fit)                                ~8 min
+#   gradmodes  grad_mode "torch" (p.grad after backward, the default) against "buffer" side by
+#            side: optimizer_step.py (fp32 and bf16 grads, 50 reps) and train_iter.py
+#            (shardopt in both modes and DDP, 10 timed iterations each)                   ~4 min
 #   async_megatron  async_save.py against megatron-core's asynchronous dist_checkpointing
 #            save (its own model, optimizer and loop), /dev/shm, 6 saves each; needs the
 #            megatron-core and psutil wheels in .whl/                                     ~6 min
@@ -113,6 +116,14 @@ for part in $PARTS; do
       run async "$PY" benchmarks/async_save.py --dirs /dev/shm,/tmp --accumulate 3 \
         --systems shardopt,shardopt_whole_fence,shardopt_device --sparse-every 9 --sparse-saves 8 \
         --phase-cap-s 90 --every-iters 50 --budget-s 470 --tag _acc3 --out "$OUT" "${EXTRA[@]}" ;;
+    gradmodes)
+      for g in float32 bfloat16; do
+        run "gradmodes-step-$g" "$PY" benchmarks/optimizer_step.py --repeats 50 --out "$OUT" \
+          --grad-dtype $g --grad-modes torch,buffer "${EXTRA[@]}"
+      done
+      run gradmodes-iter "$PY" benchmarks/train_iter.py --nproc 1 --systems shardopt,ddp \
+        --grad-modes torch,buffer --warmup 3 --iters 10 --tag _grad_modes --out "$OUT" \
+        "${EXTRA[@]}" ;;
     async_megatron)
       run async-megatron "$PY" benchmarks/async_save.py --dirs /dev/shm --accumulate 3 \
         --systems shardopt,megatron --sparse-every 9 --sparse-saves 6 --phase-cap-s 60 \
@@ -130,7 +141,7 @@ for part in $PARTS; do
         --accumulate 2 --cycles 7 --rss-cycles 13 --h2d kernel --no-peers \
         --out "$OUT/offload_1gpu_hf.json" "${EXTRA[@]}" ;;
     *)
-      echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async, async_megatron, realmodel)" | tee -a "$LOG"
+      echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async, gradmodes, async_megatron, realmodel)" | tee -a "$LOG"
       status=1 ;;
   esac
 done

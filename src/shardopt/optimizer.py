@@ -3,16 +3,21 @@
 Communication schedule of one iteration (``dp_size`` ranks, buckets ``B_0..B_n``
 in launch order, which every rank shares):
 
-* Phase 1, during backward (:mod:`.sync`): each param's gradient is added
-  into the grad buffer and ``param.grad`` is freed; when every param of the next
-  bucket in launch order has reported, that bucket's reduce-scatter (average)
-  starts asynchronously. Buckets launch strictly in order, so every rank issues
-  identical collectives whatever order its hooks fire in.
+* Phase 1, during backward: each param's gradient reaches the grad buffer; when
+  every param of the next bucket in launch order has reported, that bucket's
+  reduction (average) starts asynchronously. Buckets launch strictly in order, so
+  every rank issues identical collectives whatever order its hooks fire in. With
+  ``grad_mode="torch"`` (default, :mod:`.param_grads`) the reduction is an
+  all-reduce, the autograd engine's final callback launches and waits for the
+  rest, and ``param.grad`` views the averaged gradient when backward returns; with
+  ``grad_mode="buffer"`` (:mod:`.sync`) it is a reduce-scatter, ``param.grad`` is
+  freed, and what is left is launched in phase 2.
 * Phase 2, ``step()``: re-seed the fp32 main params of params the user wrote
-  since the last step (:mod:`.param_watch`), launch whatever was not launched
-  (a param without a gradient on this rank counts as zero in the average),
-  wait for all reductions, all-reduce the squared norm of the local grad shard
-  for clipping together with one "got a gradient here" flag per param (params
+  since the last step (:mod:`.param_watch`), take what ``param.grad`` holds
+  (``grad_mode="torch"``) or launch whatever was not launched (a param without
+  a gradient on this rank counts as zero in the average), wait for all
+  reductions, all-reduce the squared norm of the local grad shard for clipping
+  together with one "got a gradient here" flag per param (params
   that got none on any rank are not updated and keep their step count, as in
   ``torch.optim.AdamW``: :mod:`.step_plan`), run fused AdamW on the local
   shard (fp32 main params, lazily allocated moments) and copy the result into
@@ -41,8 +46,10 @@ from .config import OptimizerConfig
 from .grad_norm import GradNorm
 from .host_state import KINDS, HostState
 from .layout import Layout, ParamShard, ParamSpec, build_layout
+from .model_state import StateDictCopies
 from .moments import Moments
-from .param_watch import ParamWatch
+from .param_grads import ParamGrads
+from .param_watch import ParamWatch, Replacements
 from .sync import GradientOrderError, GradSync, ParamSync
 from .update import STATE_NAMES, Update
 
@@ -80,6 +87,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``state_dict()`` / ``load_state_dict()`` (collective) follow torch.optim, keyed
     by FQN (:mod:`shardopt.state_dict`); ``state[param]`` shows this rank's part of a
     param's state. A param belongs to one optimizer at a time.
+
+    Gradients (``config.grad_mode``, docs/optimizer.md): ``"torch"`` (default) leaves
+    each param's averaged gradient in ``param.grad`` when backward returns, as DDP does,
+    and ``step()`` uses what ``param.grad`` holds; ``"buffer"`` keeps them only in the
+    grad buffer. ``model.state_dict()`` hands out copies of the params
+    (:mod:`shardopt.model_state`), so savers see each weight at its own size.
     """
 
     def __init__(
@@ -107,7 +120,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         guards.claim(self, named)
         self.layout: Layout = build_layout(specs, self.dp.size, self.config.bucket_numel,
                                            *build.alignment(self.config))
-        self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_dtype)
+        self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_dtype,
+                                   self.config.param_grads)
         self.fqn_of = {p: fqn for fqn, p in named}
         self._fqns = tuple(fqn for fqn, _ in named)
         self.shards: tuple[ParamShard, ...] = self.layout.shards(self.dp.rank)
@@ -145,20 +159,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.step_kernel = build.choose_kernel(self.config, self.device)
         self._update = Update(self)
         self._watch = ParamWatch(self._fqns, [p for _, p in named],
-                                 [(p.dtype, p.device) for _, p in named], self.dp.rank,
+                                 [(p.dtype, p.device, tuple(p.shape)) for _, p in named], self.dp.rank,
                                  [(f, p) for f, p in model.named_parameters()
                                   if not p.requires_grad])
+        self._watch.replaced = Replacements(model, self.fqn_of, self.dp.rank)
 
     def _init_sync(self, model: torch.nn.Module, named: Named) -> None:
         """Phases 1 and 3 of the schedule (module docstring) and the norm between them."""
-        self.grad_sync = GradSync(self.dp, self.buffers, self.layout, self.config, named,
-                                  self.fqn_of)
+        grads = ParamGrads if self.config.param_grads else GradSync
+        self.grad_sync = grads(self.dp, self.buffers, self.layout, self.config, named,
+                               self.fqn_of)
+        self.grad_sync.replaced = self._watch.replaced
         self._hooks = build.grad_hooks(self, named)
         self._norm = GradNorm(self.dp, self.buffers, self.layout, self.config, self._fqns,
                               self.grad_sync.written)
         self.param_sync = ParamSync(self.dp, self.buffers, self.layout, self.main_params,
                                     self.grad_sync.launch_order)
         self._hooks += self.param_sync.register_hooks(model, self.config, self.fqn_of)
+        self._state_copies = StateDictCopies(self, model)  # model.state_dict(): own storages
+        self._hooks += self._state_copies.register()
 
     # ------------------------------------------------------------------- sync
     def finish_param_sync(self) -> None:
@@ -180,11 +199,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.grad_sync.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._kept_grads.zero_grad(set_to_none)
-        self.grad_sync.wait()
-        self.grad_sync.clear()  # the next gradient overwrites: the buffer needs no memset
-        for p in self.fqn_of:  # a grad set by hand is dropped too
-            p.grad = None
+        """As torch's: ``p.grad = None`` (or zeroed in place with ``set_to_none=False``) for
+        every param. With ``grad_mode="buffer"``, drops every gradient since the last step
+        (``set_to_none=False``: params that had one are stepped with a zero gradient)."""
+        if not self.config.param_grads:
+            self._kept_grads.zero_grad(set_to_none)
+        self.grad_sync.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -198,8 +218,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         guards.check_group_options(self)
         self.finish_param_sync()  # the update writes into the param buffers
         self.reseed_written()  # before any collective: a moved param raises
-        self.grad_sync.take_assigned()
-        self.finish_grad_sync()
+        self.grad_sync.before_step()
         # Clipping needs the norm before the update; otherwise the Triton update computes
         # it from the grads it reads anyway.
         fused_norm = self.step_kernel == "triton" and not self.config.max_grad_norm
@@ -224,9 +243,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_sync.publish(own_written=self.step_kernel == "triton",
                                 wait=not self.config.overlap_param_gather)
         self._watch.record()  # the update's own writes are not the user's
-        self.grad_sync.clear()  # step() consumes the gradients
+        self.grad_sync.after_step()
         self._host.after_step()
         return loss
+
+    @property
+    def param_writes(self) -> int:
+        """How many times the optimizer has written the params (steps, loads, onloads)."""
+        return self._watch.writes
 
     @property
     def last_grad_norm(self) -> float | None:

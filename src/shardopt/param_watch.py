@@ -31,8 +31,10 @@ step; their cost per param is measured by ``benchmarks/probes/step_bookkeeping.p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
+from typing import Any
 
 import torch
 
@@ -56,7 +58,8 @@ class ParamWatch:
     """Recorded storage address and version counter of each param, in ``fqns`` order."""
 
     def __init__(self, fqns: Sequence[str], params: Sequence[torch.nn.Parameter],
-                 expected: Sequence[tuple[torch.dtype, torch.device]], dp_rank: int,
+                 expected: Sequence[tuple[torch.dtype, torch.device, tuple[int, ...]]],
+                 dp_rank: int,
                  frozen: Sequence[tuple[str, torch.nn.Parameter]] = ()) -> None:
         self.fqns = tuple(fqns)
         self.params = list(params)
@@ -72,11 +75,13 @@ class ParamWatch:
         # picks up writes no counter sees made before the first step: rank 0's weights
         # broadcast with torch.distributed, writes through ``p.data``.
         self._fresh = True
+        self.writes = 0  # how many times the optimizer wrote the params
 
     def record(self) -> None:
         """Call after every write of the optimizer to the params: they are in sync now."""
         self._versions = list(map(_version, self.params))
         self._fresh = False
+        self.writes += 1
 
     def rebase(self, views: Sequence[torch.Tensor]) -> None:
         """Call after the optimizer itself gave the params' storage back and re-allocated it
@@ -103,6 +108,8 @@ class ParamWatch:
                     self._versions[i] = a
         return out
 
+    replaced: Replacements | None = None  # set by the optimizer
+
     def written(self, record: bool = True) -> list[str]:
         """FQNs of the params written in place since :meth:`record` (with ``record``, before
         the first :meth:`record`: every param); raises
@@ -112,6 +119,8 @@ class ParamWatch:
         re-seeds from the params it gets)."""
         if list(map(_data_ptr, self.params)) != self._ptrs:
             self._raise_moved()
+        if self.replaced is not None:
+            self.replaced.check()
         if any(map(_requires_grad, self._frozen_params)):
             self._check_unfrozen()
         now = list(map(_version, self.params))
@@ -136,13 +145,126 @@ class ParamWatch:
             "trainable; freezing one later with requires_grad_(False) leaves it alone.")
 
     def _raise_moved(self) -> None:
-        for fqn, p, ptr, (dtype, device) in zip(self.fqns, self.params, self._ptrs,
-                                                self._expected):
+        for fqn, p, ptr, expected in zip(self.fqns, self.params, self._ptrs, self._expected):
             if p.data_ptr() != ptr:
-                raise ParamMovedError(
-                    f"[dp rank {self._dp_rank}] param {fqn!r} no longer lives in the optimizer's "
-                    f"buffer: it is {p.dtype} on {p.device}, the optimizer holds it as {dtype} on "
-                    f"{device}. The model was cast or moved (model.float(), .half(), .to(...), "
-                    ".cuda(), or param.data = ...) after DistributedOptimizer(model) was built, "
-                    "so training would no longer reach it. Cast and move the model first, then "
-                    "build the optimizer.")
+                raise ParamMovedError(moved_message(self._dp_rank, fqn, p, *expected))
+
+
+def moved_message(dp_rank: int, fqn: str, p: torch.Tensor, dtype: torch.dtype,
+                  device: torch.device, shape: tuple[int, ...]) -> str:
+    """Why param ``fqn`` no longer lives in the optimizer's buffer, naming what differs: its
+    dtype, device or shape when those changed, else its storage (``param.data = ...``, or
+    a library that re-binds it, as ``resize_token_embeddings`` does)."""
+    differs = []
+    if p.dtype != dtype:
+        differs.append(f"it is {p.dtype} (the optimizer holds it as {dtype})")
+    if p.device != device:
+        differs.append(f"it is on {p.device} (the optimizer holds it on {device})")
+    if tuple(p.shape) != tuple(shape):
+        differs.append(f"its shape is {tuple(p.shape)} (the optimizer holds {tuple(shape)})")
+    what = "; ".join(differs) if differs else (
+        f"its storage was replaced (same dtype {p.dtype}, device {p.device} and shape "
+        f"{tuple(p.shape)}: param.data = ... or a library re-binding it)")
+    return (f"[dp rank {dp_rank}] param {fqn!r} no longer lives in the optimizer's buffer: "
+            f"{what}. The model was changed (model.float(), .half(), .to(...), .cuda(), "
+            "param.data = ..., resize_token_embeddings) after DistributedOptimizer(model) was "
+            "built, so training would no longer reach it. Change the model first, then build "
+            "the optimizer.")
+
+
+class Replacements:
+    """Params of the model replaced by other objects after construction: ``module.weight =
+    nn.Parameter(...)``, a submodule swapped for a new one (``model.head = nn.Linear(...)``).
+    The optimizer holds the old params; the new ones would never be trained (as
+    ``torch.optim.AdamW`` would not train them either, silently). torch's global
+    registration hooks report every such assignment; this keeps the first that replaces a
+    param (or a module holding params) of this model by one the optimizer does not hold, and
+    :meth:`check` raises :class:`ParamMovedError` naming it. Setting the old one back undoes
+    it. Holds modules by id; torch's hooks reach it through :data:`_WATCHERS`."""
+
+    def __init__(self, model: Any, owned: Mapping[Any, str], dp_rank: int) -> None:
+        self._dp_rank = dp_rank
+        self._owned = owned
+        # id(module) -> (the module, weakly; name -> its owned param / its child, weakly)
+        self._params: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+        self._children: dict[int, tuple[weakref.ref, dict[str, weakref.ref]]] = {}
+        self._fqn_of_module: dict[int, str] = {}
+        for name, module in model.named_modules():
+            self._fqn_of_module[id(module)] = name
+            mine = {n: q for n, q in module._parameters.items() if q is not None and q in owned}
+            if mine:
+                self._params[id(module)] = (weakref.ref(module), mine)
+            kids = {n: weakref.ref(c) for n, c in module._modules.items()
+                    if c is not None and any(q in owned for q in c.parameters())}
+            if kids:
+                self._children[id(module)] = (weakref.ref(module), kids)
+        self.problems: dict[tuple[int, str], str] = {}
+        _watch_registrations(self)
+
+    def _where(self, module: Any, name: str) -> str:
+        base = self._fqn_of_module.get(id(module), "?")
+        return f"{base}.{name}" if base else name
+
+    def _on_param(self, module: Any, name: str, param: Any) -> None:
+        entry = self._params.get(id(module))
+        old = entry[1].get(name) if entry is not None and entry[0]() is module else None
+        if old is None:
+            return
+        key = (id(module), name)
+        if param is old or param in self._owned or param is None or not param.requires_grad:
+            self.problems.pop(key, None)  # back, another param this optimizer trains, frozen
+        else:
+            self.problems[key] = (
+                f"param {self._where(module, name)!r} was replaced by a new Parameter after "
+                "DistributedOptimizer(model) was built (module.weight = nn.Parameter(...), or "
+                "a library swapping it): the optimizer holds the old one and would never "
+                "train the new one")
+
+    def _on_module(self, module: Any, name: str, child: Any) -> None:
+        entry = self._children.get(id(module))
+        ref = entry[1].get(name) if entry is not None and entry[0]() is module else None
+        old = None if ref is None else ref()
+        if old is None:
+            return
+        key = (id(module), name)
+        new = [] if child is None else [q for q in child.parameters()
+                                       if q.requires_grad and q not in self._owned]
+        if child is old or not new:
+            self.problems.pop(key, None)
+        else:
+            self.problems[key] = (
+                f"module {self._where(module, name)!r} was replaced after "
+                "DistributedOptimizer(model) was built: the optimizer holds the old "
+                "module's params and would never train the new one's")
+
+    def check(self) -> None:
+        """Raise :class:`ParamMovedError` naming the first replacement, if any."""
+        if self.problems:
+            what = next(iter(self.problems.values()))
+            raise ParamMovedError(f"[dp rank {self._dp_rank}] {what}. Change the model "
+                                  "first, then build the optimizer.")
+
+
+# torch's registration hooks are process-wide, so one pair serves every optimizer's
+# Replacements, held weakly here: a pair per optimizer could not be removed when its
+# optimizer is collected, since the collection may run while torch iterates the hooks.
+_WATCHERS: weakref.WeakSet[Replacements] = weakref.WeakSet()
+_HOOKS: list[Any] = []
+
+
+def _watch_registrations(watcher: Replacements) -> None:
+    _WATCHERS.add(watcher)
+    if _HOOKS:
+        return
+    import torch.nn.modules.module as nn_module
+
+    def on_param(module: Any, name: str, param: Any) -> None:
+        for w in list(_WATCHERS):
+            w._on_param(module, name, param)
+
+    def on_module(module: Any, name: str, child: Any) -> None:
+        for w in list(_WATCHERS):
+            w._on_module(module, name, child)
+
+    _HOOKS.append(nn_module.register_module_parameter_registration_hook(on_param))
+    _HOOKS.append(nn_module.register_module_module_registration_hook(on_module))
