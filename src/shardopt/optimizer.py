@@ -45,6 +45,7 @@ from .moments import Moments
 from .param_watch import ParamWatch
 from .sync import GradientOrderError, GradSync, ParamSync
 from .update import STATE_NAMES, Update
+from .wrap_guard import WrapGuard
 
 if TYPE_CHECKING:
     from .checkpoint.snapshot import SaveFence
@@ -159,6 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_sync = ParamSync(self.dp, self.buffers, self.layout, self.main_params,
                                     self.grad_sync.launch_order)
         self._hooks += self.param_sync.register_hooks(model, self.config, self.fqn_of)
+        self._wrap_guard = WrapGuard(self, model)  # wrapped in DDP or copied after this
 
     # ------------------------------------------------------------------- sync
     def finish_param_sync(self) -> None:
@@ -194,6 +196,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._wrap_guard.check_step()
         self._host.check_onloaded("step()")
         guards.check_group_options(self)
         self.finish_param_sync()  # the update writes into the param buffers
