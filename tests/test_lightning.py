@@ -1,0 +1,211 @@
+"""Lightning with ``ShardoptStrategy`` against Lightning with ``torch.optim.AdamW`` (DDP at 2
+processes): bf16-mixed precision, ``gradient_clip_val``, ``accumulate_grad_batches=2``, an LR
+scheduler, ``ModelCheckpoint``; resume bit for bit at the same number of processes and at
+another (2 -> 1, 1 -> 2). Each world size is one spawned run (the ranks join a process group
+first, then Lightning sees ``LOCAL_RANK`` and uses it, as under ``torchrun``); the tests read
+the runs' results."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from _dist import run_distributed  # noqa: E402
+from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint  # noqa: E402
+from shardopt.integrations.lightning import ShardoptStrategy  # noqa: E402
+from shardopt.wrap_guard import WrappedModelError  # noqa: E402
+
+LR, CLIP, STEPS_PER_EPOCH, EPOCHS = 2e-2, 0.3, 4, 2
+SAMPLES, MICRO_BATCH = 32, 4  # over all processes; 8 micro-batches an epoch: 4 steps of 2
+TOL = 2e-5
+
+
+class Net(pl.LightningModule):
+    def __init__(self, shardopt: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 1)
+        self.shardopt = shardopt
+        self.norms: list[float] = []
+        self.state_at: dict[str, Any] = {}  # the optimizer's full state at some points
+
+    def training_step(self, batch: Any, _index: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.head(self.body(x)).float().squeeze(-1), y)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:  # before Lightning clips
+        norms = pl.utilities.grad_norm(self, 2)  # empty without p.grad
+        self.norms.append(float(norms.get("grad_2.0_norm_total", float("nan"))))
+
+    def on_train_start(self) -> None:  # after Lightning restored a checkpoint
+        if self.shardopt:
+            self.state_at["start"] = _full_state(self.trainer.optimizers[0])
+
+    def on_train_epoch_end(self) -> None:  # where ModelCheckpoint saves
+        if self.shardopt and self.current_epoch == 0:
+            self.state_at["epoch 0"] = _full_state(self.trainer.optimizers[0])
+
+    def configure_optimizers(self) -> Any:
+        kw = dict(lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        if self.shardopt:
+            opt = DistributedOptimizer(self, OptimizerConfig(**kw))
+        else:
+            opt = torch.optim.AdamW(self.parameters(), **kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.5 * s))
+        return {"optimizer": opt, "lr_scheduler": sched}
+
+
+def _full_state(opt: DistributedOptimizer) -> dict[Any, Any]:
+    """Collective. Every param's whole Adam state, step count and lr, from every rank's part."""
+    sd = opt.state_dict()
+    mine = {(fqn, name): (st[name].offset, st[name].local.clone(), st[name].numel())
+            for fqn, st in sd["state"].items() for name in ("exp_avg", "exp_avg_sq",
+                                                              "master_param")}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    full: dict[Any, Any] = {}
+    for part in parts:
+        for key, (offset, local, numel) in part.items():
+            t = full.setdefault(key, torch.full((numel,), float("nan")))
+            t[offset:offset + local.numel()] = local
+    full["steps"] = {fqn: int(st["step"]) for fqn, st in sd["state"].items()}
+    full["lr"] = [g["lr"] for g in opt.param_groups]
+    return full
+
+
+def _data(world_size: int) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 6, generator=g)
+    y = torch.sin(x.sum(-1)) * 3
+    # Each process sees every world_size-th sample (Lightning's own sampler would shuffle),
+    # so every world size trains on the same global batches.
+    data = torch.utils.data.TensorDataset(x, y)
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=False) if world_size > 1 else None
+    return torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH // world_size,
+                                       sampler=sampler)
+
+
+def _fit(world_size: int, shardopt: bool, ckpt_dir: Path | None = None,
+         resume: str | None = None, strategy: Any = None) -> Net:
+    model = Net(shardopt)
+    callbacks = [pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1)
+                 ] if ckpt_dir is not None else []
+    if strategy is None:
+        strategy = ShardoptStrategy() if shardopt else ("ddp" if world_size > 1 else "auto")
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
+                         max_epochs=EPOCHS, accumulate_grad_batches=2, gradient_clip_val=CLIP,
+                         precision="bf16-mixed", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=bool(callbacks),
+                         callbacks=callbacks, num_sanity_val_steps=0)
+    trainer.fit(model, _data(world_size), ckpt_path=resume)
+    return model
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _ckpt(directory: Path, step: int) -> str:
+    return str(directory / f"epoch={step // STEPS_PER_EPOCH - 1}-step={step}.ckpt")
+
+
+def _job(rank: int, world_size: int, tmp: str, other: str | None) -> dict[str, Any]:
+    """One world size's runs: the torch reference, shardopt with checkpoints, its resume at
+    the same size, a resume of ``other`` (saved at another size), the wrong strategy."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    tmp_path = Path(tmp)
+    out: dict[str, Any] = {}
+    ref = _fit(world_size, shardopt=False)
+    out["ref"], out["ref_norms"] = _params(ref), ref.norms
+    ckpts = tmp_path / f"ckpt_{world_size}"
+    ours = _fit(world_size, shardopt=True, ckpt_dir=ckpts)
+    out["ours"], out["ours_norms"], out["ckpts"] = _params(ours), ours.norms, str(ckpts)
+    out["saved_state"] = ours.state_at["epoch 0"]
+    out["resumed"] = _params(_fit(world_size, True, resume=_ckpt(ckpts, STEPS_PER_EPOCH)))
+    if other is not None:
+        out["loaded_state"] = _fit(world_size, True, resume=other).state_at["start"]
+    # A torch optimizer's Lightning checkpoint is refused, saying why.
+    plain = tmp_path / f"plain_{world_size}.ckpt"
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                         strategy="ddp" if world_size > 1 else "auto",
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)
+    trainer.fit(Net(False), _data(world_size))
+    trainer.save_checkpoint(plain)
+    try:
+        _fit(world_size, True, resume=str(plain))
+    except checkpoint.CheckpointError as e:
+        out["plain_refused"] = str(e)
+    if world_size > 1:  # Lightning's DDP strategy around a DistributedOptimizer
+        try:
+            _fit(world_size, True, strategy="ddp")
+        except WrappedModelError as e:
+            out["ddp_refused"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("lightning")
+    two = run_distributed(_job, 2, str(tmp), None, tmp_path=tmp, start_method="fork")
+    one = run_distributed(_job, 1, str(tmp), _ckpt(Path(two[0]["ckpts"]), STEPS_PER_EPOCH),
+                          tmp_path=tmp, start_method="fork")
+    two_again = run_distributed(_resume_only, 2, _ckpt(Path(one[0]["ckpts"]), STEPS_PER_EPOCH),
+                                tmp_path=tmp, start_method="fork")
+    return {1: one, 2: two, 21: two_again}
+
+
+def _resume_only(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    return {"loaded_state": _fit(world_size, True, resume=ckpt).state_at["start"]}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_trains_as_lightning_with_adamw(runs, world_size):
+    for out in runs[world_size]:
+        assert len(out["ours_norms"]) == STEPS_PER_EPOCH * EPOCHS
+        # Lightning's own grad-norm utility reads p.grad: the same norms as torch's
+        assert out["ours_norms"] == pytest.approx(out["ref_norms"], rel=1e-5)
+        assert max(out["ref_norms"]) > CLIP  # clipping changed the steps
+        assert _max_diff(out["ours"], out["ref"]) <= TOL
+        assert _max_diff(out["ours"], runs[world_size][0]["ours"]) == 0  # ranks agree
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_from_modelcheckpoint_is_bitwise(runs, world_size):
+    for out in runs[world_size]:
+        assert _max_diff(out["resumed"], out["ours"]) == 0
+
+
+def test_checkpoints_load_at_another_world_size(runs):
+    # What a resume at 1 process finds is what 2 processes saved, bit for bit, and back.
+    for loaded, saved in [(runs[1][0]["loaded_state"], runs[2][0]["saved_state"]),
+                          *[(out["loaded_state"], runs[1][0]["saved_state"]) for out in runs[21]]]:
+        assert loaded.keys() == saved.keys()
+        for key in saved:
+            if isinstance(saved[key], torch.Tensor):
+                assert torch.equal(loaded[key], saved[key]), key
+            else:
+                assert loaded[key] == saved[key], key
+
+
+def test_wrong_setups_are_refused(runs):
+    for world_size in (1, 2):
+        assert "holds no shardopt optimizer state" in runs[world_size][0]["plain_refused"]
+    for out in runs[2]:
+        assert "ShardoptStrategy" in out["ddp_refused"]
