@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from _dist import run_distributed  # noqa: E402
+from _frameworks import (  # noqa: E402
+    assert_same_state, assert_trains_as_reference, full_state, max_diff, params, runs_at_two_sizes)
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint  # noqa: E402
 from shardopt.integrations.lightning import ShardoptStrategy  # noqa: E402
 from shardopt.wrap_guard import WrappedModelError  # noqa: E402
@@ -49,11 +49,11 @@ class Net(pl.LightningModule):
 
     def on_train_start(self) -> None:  # after Lightning restored a checkpoint
         if self.shardopt:
-            self.state_at["start"] = _full_state(self.trainer.optimizers[0])
+            self.state_at["start"] = full_state(self.trainer.optimizers[0])
 
     def on_train_epoch_end(self) -> None:  # where ModelCheckpoint saves
         if self.shardopt and self.current_epoch == 0:
-            self.state_at["epoch 0"] = _full_state(self.trainer.optimizers[0])
+            self.state_at["epoch 0"] = full_state(self.trainer.optimizers[0])
 
     def configure_optimizers(self) -> Any:
         kw = dict(lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -63,24 +63,6 @@ class Net(pl.LightningModule):
             opt = torch.optim.AdamW(self.parameters(), **kw)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.5 * s))
         return {"optimizer": opt, "lr_scheduler": sched}
-
-
-def _full_state(opt: DistributedOptimizer) -> dict[Any, Any]:
-    """Collective. Every param's whole Adam state, step count and lr, from every rank's part."""
-    sd = opt.state_dict()
-    mine = {(fqn, name): (st[name].offset, st[name].local.clone(), st[name].numel())
-            for fqn, st in sd["state"].items() for name in ("exp_avg", "exp_avg_sq",
-                                                              "master_param")}
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    full: dict[Any, Any] = {}
-    for part in parts:
-        for key, (offset, local, numel) in part.items():
-            t = full.setdefault(key, torch.full((numel,), float("nan")))
-            t[offset:offset + local.numel()] = local
-    full["steps"] = {fqn: int(st["step"]) for fqn, st in sd["state"].items()}
-    full["lr"] = [g["lr"] for g in opt.param_groups]
-    return full
 
 
 def _data(world_size: int) -> torch.utils.data.DataLoader:
@@ -111,10 +93,6 @@ def _fit(world_size: int, shardopt: bool, ckpt_dir: Path | None = None,
     return model
 
 
-def _params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _ckpt(directory: Path, step: int) -> str:
     return str(directory / f"epoch={step // STEPS_PER_EPOCH - 1}-step={step}.ckpt")
 
@@ -126,12 +104,12 @@ def _job(rank: int, world_size: int, tmp: str, other: str | None) -> dict[str, A
     tmp_path = Path(tmp)
     out: dict[str, Any] = {}
     ref = _fit(world_size, shardopt=False)
-    out["ref"], out["ref_norms"] = _params(ref), ref.norms
+    out["ref"] = {"params": params(ref), "norms": ref.norms}
     ckpts = tmp_path / f"ckpt_{world_size}"
     ours = _fit(world_size, shardopt=True, ckpt_dir=ckpts)
-    out["ours"], out["ours_norms"], out["ckpts"] = _params(ours), ours.norms, str(ckpts)
+    out["ours"] = {"params": params(ours), "norms": ours.norms}
     out["saved_state"] = ours.state_at["epoch 0"]
-    out["resumed"] = _params(_fit(world_size, True, resume=_ckpt(ckpts, STEPS_PER_EPOCH)))
+    out["resumed"] = params(_fit(world_size, True, resume=_ckpt(ckpts, STEPS_PER_EPOCH)))
     if other is not None:
         out["loaded_state"] = _fit(world_size, True, resume=other).state_at["start"]
     # A torch optimizer's Lightning checkpoint is refused, saying why.
@@ -154,54 +132,36 @@ def _job(rank: int, world_size: int, tmp: str, other: str | None) -> dict[str, A
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
-    tmp = tmp_path_factory.mktemp("lightning")
-    two = run_distributed(_job, 2, str(tmp), None, tmp_path=tmp, start_method="fork")
-    one = run_distributed(_job, 1, str(tmp), _ckpt(Path(two[0]["ckpts"]), STEPS_PER_EPOCH),
-                          tmp_path=tmp, start_method="fork")
-    two_again = run_distributed(_resume_only, 2, _ckpt(Path(one[0]["ckpts"]), STEPS_PER_EPOCH),
-                                tmp_path=tmp, start_method="fork")
-    return {1: one, 2: two, 21: two_again}
-
-
-def _resume_only(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
+def _resume_only(rank: int, world_size: int, _tmp: str, ckpt: str) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     return {"loaded_state": _fit(world_size, True, resume=ckpt).state_at["start"]}
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("lightning")
+    return runs_at_two_sizes(_job, _resume_only, tmp,
+                             lambda ws: _ckpt(tmp / f"ckpt_{ws}", STEPS_PER_EPOCH))
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_trains_as_lightning_with_adamw(runs, world_size):
-    for out in runs[world_size]:
-        assert len(out["ours_norms"]) == STEPS_PER_EPOCH * EPOCHS
-        # Lightning's own grad-norm utility reads p.grad: the same norms as torch's
-        assert out["ours_norms"] == pytest.approx(out["ref_norms"], rel=1e-5)
-        assert max(out["ref_norms"]) > CLIP  # clipping changed the steps
-        assert _max_diff(out["ours"], out["ref"]) <= TOL
-        assert _max_diff(out["ours"], runs[world_size][0]["ours"]) == 0  # ranks agree
+    for out in runs[world_size]:  # norms: Lightning's grad_norm utility, from p.grad
+        assert_trains_as_reference(out["ours"], out["ref"], runs[world_size][0]["ours"],
+                                   STEPS_PER_EPOCH * EPOCHS, CLIP, TOL)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resume_from_modelcheckpoint_is_bitwise(runs, world_size):
     for out in runs[world_size]:
-        assert _max_diff(out["resumed"], out["ours"]) == 0
+        assert max_diff(out["resumed"], out["ours"]["params"]) == 0
 
 
 def test_checkpoints_load_at_another_world_size(runs):
     # What a resume at 1 process finds is what 2 processes saved, bit for bit, and back.
     for loaded, saved in [(runs[1][0]["loaded_state"], runs[2][0]["saved_state"]),
                           *[(out["loaded_state"], runs[1][0]["saved_state"]) for out in runs[21]]]:
-        assert loaded.keys() == saved.keys()
-        for key in saved:
-            if isinstance(saved[key], torch.Tensor):
-                assert torch.equal(loaded[key], saved[key]), key
-            else:
-                assert loaded[key] == saved[key], key
+        assert_same_state(loaded, saved)
 
 
 def test_wrong_setups_are_refused(runs):
