@@ -243,11 +243,16 @@ def test_dp_sizes_agree_with_dp1(world_size, tmp_path):
     (FP32, FP32, FP32, 12, 4), (BF16, BF16, FP32, 8, 4), (BF16, BF16, BF16, 8, 2),
     ("int8", "int8", BF16, 4 + 2 * (1 + 4 / QBLOCK), 2), ("int8", BF16, FP32, 4 + 3 + 4 / QBLOCK, 4),
 ])
-def test_memory_bytes_per_bf16_param(m, v, g, state, grad):
+@pytest.mark.parametrize("grad_mode", ["torch", "buffer"])
+def test_memory_bytes_per_bf16_param(m, v, g, state, grad, grad_mode):
+    """grad_mode='torch' with fp32 grads of bf16 params adds the bf16 copy p.grad views."""
+    if grad_mode == "torch" and g == FP32:
+        grad += 2
     model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)).to(BF16)
     numel = sum(p.numel() for p in model.parameters())
     opt = DistributedOptimizer(model, OptimizerConfig(exp_avg_dtype=m, exp_avg_sq_dtype=v,
-                                                      grad_dtype=g, step_kernel="torch"))
+                                                      grad_dtype=g, step_kernel="torch",
+                                                      grad_mode=grad_mode))
     before = opt.memory_bytes()
     assert before["optimizer_state"] == 4 * numel  # moments come with the first step
     model(torch.randn(3, 64, dtype=BF16)).float().square().mean().backward()

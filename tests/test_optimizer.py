@@ -314,7 +314,8 @@ def test_world_size_one_with_process_group(backend, tmp_path):
 
 # ------------------------------------------------- communication behaviour
 
-def count_collectives(rank: int, world_size: int, overlap: bool) -> dict[str, int]:
+def count_collectives(rank: int, world_size: int, overlap: bool,
+                      grad_mode: str) -> dict[str, Any]:
     """How many collectives backward issues, inside and outside ``no_sync``."""
     calls = {"n": 0}
     for name in ("all_reduce", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
@@ -328,7 +329,7 @@ def count_collectives(rank: int, world_size: int, overlap: bool) -> dict[str, in
         setattr(dist, name, counted)
     sc = Scenario(world_size=world_size, bucket_numel=100, overlap_grad_reduce=overlap)
     model = sc.model()
-    opt = DistributedOptimizer(model, sc.config())
+    opt = DistributedOptimizer(model, dataclasses.replace(sc.config(), grad_mode=grad_mode))
     tokens, targets = sc.batches()
     out = {}
     opt.zero_grad()
@@ -339,6 +340,8 @@ def count_collectives(rank: int, world_size: int, overlap: bool) -> dict[str, in
     before = calls["n"]
     model(tokens[1, 0, rank], targets[1, 0, rank], False).backward()
     out["sync_backward"] = calls["n"] - before
+    out["grads_after_backward"] = {f: None if p.grad is None else p.grad.clone()
+                                   for f, p in model.named_parameters()}
     before = calls["n"]
     opt.step()
     out["step"] = calls["n"] - before
@@ -347,15 +350,36 @@ def count_collectives(rank: int, world_size: int, overlap: bool) -> dict[str, in
 
 
 def test_no_sync_and_overlap_schedule(tmp_path):
-    """no_sync backward issues nothing; with overlap, backward itself starts reductions."""
-    with_overlap = run_distributed(count_collectives, 2, True, tmp_path=tmp_path)
-    without = run_distributed(count_collectives, 2, False, tmp_path=tmp_path)
+    """grad_mode='buffer': a no_sync backward issues nothing; with overlap, backward itself
+    starts reductions, without it step() does; p.grad is None throughout."""
+    with_overlap = run_distributed(count_collectives, 2, True, "buffer", tmp_path=tmp_path)
+    without = run_distributed(count_collectives, 2, False, "buffer", tmp_path=tmp_path)
     for res in with_overlap + without:
         assert res["no_sync_backward"] == 0
         assert res["step"] > 0
         assert res["grads_freed"]
+        assert all(g is None for g in res["grads_after_backward"].values())
     assert all(res["sync_backward"] > 0 for res in with_overlap)
     assert all(res["sync_backward"] == 0 for res in without)
+
+
+def test_torch_grad_mode_averages_p_grad_inside_backward(tmp_path):
+    """grad_mode='torch': a no_sync backward issues nothing; any other backward returns with
+    p.grad averaged over the ranks (reductions overlapping it, or at its end without
+    overlap), equal on every rank; an unused param's p.grad stays None; step() keeps them."""
+    for overlap in (True, False):
+        results = run_distributed(count_collectives, 2, overlap, "torch", tmp_path=tmp_path)
+        for res in results:
+            assert res["no_sync_backward"] == 0
+            assert res["sync_backward"] > 0
+            assert not res["grads_freed"]
+            grads = res["grads_after_backward"]
+            assert grads["unused.weight"] is None and grads["emb.weight"] is not None
+            for fqn, g in grads.items():
+                other = results[0]["grads_after_backward"][fqn]
+                assert (g is None) == (other is None), fqn
+                if g is not None:
+                    assert torch.equal(bits(g), bits(other)), fqn
 
 
 # ------------------------------------------------------- mixed precision

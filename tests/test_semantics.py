@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,11 @@ def loss_of(model: Net, step: int, rank: int, micro: int, skip: frozenset[str]) 
     return F.mse_loss(model(x, skip), y)
 
 
-def config(kernel: str, clip: float | None = None, overlap: bool = False) -> OptimizerConfig:
+def config(kernel: str, clip: float | None = None, overlap: bool = False,
+           grad_mode: str = "torch") -> OptimizerConfig:
     return OptimizerConfig(lr=2e-2, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=clip,
                            bucket_numel=90, align_numel=4, step_kernel=kernel,
-                           overlap_param_gather=overlap)
+                           overlap_param_gather=overlap, grad_mode=grad_mode)
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -265,6 +267,10 @@ def test_weights_written_then_saved_before_the_next_step_are_what_resumes(tmp_pa
 
 @pytest.mark.parametrize("move", ["float", "double", "half"])
 def test_cast_model_is_a_clear_error_naming_the_param(move):
+    """The first backward after the cast raises at the first moved param, naming what
+    differs, before its gradient reaches the grad buffer (a grad of another dtype or shape
+    would be cast or refused there); step() and reload_model_params() raise too, and the
+    params and main params are as they were."""
     torch.manual_seed(0)
     model = Net()
     opt = DistributedOptimizer(model, config("torch"))
@@ -272,9 +278,15 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     held = [t.clone() for t in opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]]
     steps = dict(opt.param_steps)
     {"float": model.float, "double": lambda: model.to(torch.float64), "half": model.half}[move]()
-    loss_of(model, 1, 0, 0, frozenset()).backward()
+    # d (fp16) is first to get a gradient; "half" leaves it as it was and moves a, b, c.
+    first = "d.bias" if move != "half" else "c.bias"
+    differs = {"float": "it is torch.float32 (the optimizer holds it as torch.float16)",
+               "double": "it is torch.float64 (the optimizer holds it as torch.float16)",
+               "half": "it is torch.float16 (the optimizer holds it as torch.float32)"}[move]
+    with pytest.raises(ParamMovedError, match=rf"param '{first}' no longer lives in the "
+                       rf"optimizer's buffer: {re.escape(differs)}"):
+        loss_of(model, 1, 0, 0, frozenset()).backward()
     opt.zero_grad()  # allowed: it does not depend on where the params live
-    loss_of(model, 1, 0, 0, frozenset()).backward()
     with pytest.raises(ParamMovedError, match=r"param 'a\.weight' no longer lives in the "
                        r"optimizer's buffer.*then build the optimizer"):
         opt.step()
@@ -290,7 +302,8 @@ def test_model_moved_to_cuda_is_a_clear_error():
     model = nn.Linear(4, 3)
     opt = DistributedOptimizer(model, OptimizerConfig())
     model.cuda()
-    model(torch.ones(2, 4, device="cuda")).sum().backward()
+    with pytest.raises(ParamMovedError, match=r"param 'bias' no longer lives .* on cuda"):
+        model(torch.ones(2, 4, device="cuda")).sum().backward()
     with pytest.raises(ParamMovedError, match=r"param 'weight' no longer lives .* on cuda"):
         opt.step()
 
@@ -305,75 +318,121 @@ def test_fp32_model_float_is_a_no_op_and_keeps_training():
     assert not torch.equal(model.weight.detach(), before)
 
 
-def assigned_grads_rank(rank: int, world_size: int, after_backward: bool = False
-                        ) -> dict[str, torch.Tensor]:
+def assigned_grad(step: int, rank: int, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def assigned_seed(step: int, rank: int, same_on_ranks: bool) -> int:
+    return 100 * step + (0 if same_on_ranks else rank)
+
+
+def assigned_grads_rank(rank: int, world_size: int, after_backward: bool,
+                        grad_mode: str) -> dict[str, Any]:
     """``after_backward``: each step first runs a backward (of a loss that leaves out
-    ``c``), whose grads the assignments then replace, as in torch."""
+    ``c``), whose grads the assignments then replace, as in torch. With grad_mode='torch'
+    the backward has averaged p.grad already and an assignment replaces the average as it
+    is (as with DDP), so every rank assigns the same grads there."""
     torch.manual_seed(0)
     model = Net()
-    cfg = dataclasses.replace(config("torch"), overlap_grad_reduce=not after_backward)
+    cfg = dataclasses.replace(config("torch", grad_mode=grad_mode),
+                              overlap_grad_reduce=not after_backward)
     opt = DistributedOptimizer(model, cfg)
+    after_step = []
     for step in range(3):
         if after_backward:
             loss_of(model, step, rank, 0, frozenset("c")).backward()
-        g = torch.Generator().manual_seed(100 * step + rank)
+        same = after_backward and grad_mode == "torch"
+        g = torch.Generator().manual_seed(assigned_seed(step, rank, same))
         for p in model.parameters():
             if not (step == 1 and p is model.c.weight):  # no grad anywhere: left alone
-                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+                p.grad = assigned_grad(step, rank, p, g)
+            elif after_backward and grad_mode == "torch":
+                p.grad = None  # the backward left one: dropped, as in torch
         opt.step()
-        assert all(p.grad is None for p in model.parameters())  # taken, as backward's are
+        after_step.append({f: None if p.grad is None else p.grad.detach().clone()
+                           for f, p in model.named_parameters()})
         opt.zero_grad()
-    return snapshot(model)
+    return {"params": snapshot(model), "after_step": after_step}
 
 
-@pytest.mark.parametrize("after_backward", [False, True], ids=["alone", "after_backward"])
-def test_grads_assigned_by_hand_are_stepped_with_as_torch_does(after_backward, tmp_path):
+@pytest.mark.parametrize("after_backward,grad_mode", [
+    (False, "torch"), (True, "torch"), (False, "buffer"), (True, "buffer")])
+def test_grads_assigned_by_hand_are_stepped_with_as_torch_does(after_backward, grad_mode,
+                                                               tmp_path):
     """``p.grad = g`` (grads from ``torch.autograd.grad`` or ``torch.func``, gradient
-    surgery) bypasses the backward hooks that fill the grad buffer; ``step()`` takes them
-    as a backward's, averaged over the ranks, instead of silently ignoring them; set after
-    a backward, they replace its grads (they were added to them)."""
-    results = run_distributed(assigned_grads_rank, 2, after_backward, tmp_path=tmp_path)
+    surgery) is what ``step()`` takes: set where no backward averaged since the last step,
+    averaged over the ranks as a backward's would be; set after a backward, it replaces
+    its grads (it is not added to them). With grad_mode='torch' p.grad still holds what
+    the step used afterwards, the same on every rank, as torch keeps it until zero_grad();
+    with grad_mode='buffer' the step took it (None)."""
+    results = run_distributed(assigned_grads_rank, 2, after_backward, grad_mode,
+                              tmp_path=tmp_path)
     torch.manual_seed(0)
     model = Net()
     params = dict(model.named_parameters())
     masters = {f: p.detach().float().clone().requires_grad_(True) for f, p in params.items()}
     ref = torch.optim.AdamW(list(masters.values()), lr=2e-2, betas=(0.9, 0.95),
                             weight_decay=0.1)
+    same = after_backward and grad_mode == "torch"
+    used = []
     for step in range(3):
         grads: dict[str, torch.Tensor] = {}
         for rank in range(2):
-            g = torch.Generator().manual_seed(100 * step + rank)
+            g = torch.Generator().manual_seed(assigned_seed(step, rank, same))
             for f, p in params.items():
                 if not (step == 1 and p is model.c.weight):
-                    one = torch.randn(p.shape, generator=g).to(p.dtype).float()
+                    one = assigned_grad(step, rank, p, g).float()
                     grads[f] = grads.get(f, 0) + one / 2
         for f, m in masters.items():
             m.grad = grads.get(f)
+        used.append(grads)
         ref.step()
         with torch.no_grad():
             for f, p in params.items():
                 p.copy_(masters[f])
     for res in results:
         for f, p in params.items():
-            torch.testing.assert_close(res[f], p.detach(), **TOL)
+            torch.testing.assert_close(res["params"][f], p.detach(), **TOL)
+        for step, grads in enumerate(res["after_step"]):
+            if grad_mode == "buffer":
+                assert all(g is None for g in grads.values())
+                continue
+            assert grads.keys() == params.keys()
+            for f, g in grads.items():
+                assert (g is None) == (f not in used[step]), (f, step)
+                if g is not None:
+                    assert g.dtype == params[f].dtype
+                    torch.testing.assert_close(g.float(), used[step][f], rtol=1e-2, atol=1e-3)
+                    assert torch.equal(bits(g), bits(results[0]["after_step"][step][f]))
 
 
-def test_grad_assigned_after_its_bucket_was_reduced_is_a_clear_error():
-    """With reductions overlapping backward, a grad set by hand after the backward that
-    reduced its bucket cannot replace the reduced one: step() says so and changes nothing
-    (the same step then runs once the assignment is gone)."""
+def assigned_after_reduction_rank(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net()
-    opt = DistributedOptimizer(model, config("torch"))
-    loss_of(model, 0, 0, 0, frozenset()).backward()
+    opt = DistributedOptimizer(model, config("torch", grad_mode="buffer"))
+    loss_of(model, 0, rank, 0, frozenset()).backward()
     model.a.weight.grad = torch.ones_like(model.a.weight)
     before = snapshot(model)
-    with pytest.raises(GradientOrderError, match=r"'a\.weight' was set by hand after a"):
+    try:
         opt.step()
-    assert all(torch.equal(p, before[f]) for f, p in snapshot(model).items())
+        error = None
+    except GradientOrderError as e:
+        error = str(e)
+    unchanged = all(torch.equal(p, before[f]) for f, p in snapshot(model).items())
     model.a.weight.grad = None
     opt.step()
-    assert not torch.equal(model.a.weight, before["a.weight"])
+    return {"error": error, "unchanged": unchanged,
+            "stepped": not torch.equal(model.a.weight, before["a.weight"])}
+
+
+def test_grad_assigned_after_its_bucket_was_reduced_is_a_clear_error(tmp_path):
+    """grad_mode='buffer' at DP 2: with reductions overlapping backward, a grad set by hand
+    after the backward that reduced its bucket cannot replace the reduced one: step() says
+    so and changes nothing (the same step then runs once the assignment is gone). At one
+    rank nothing was reduced, and the assignment replaces the backward's gradient."""
+    for res in run_distributed(assigned_after_reduction_rank, 2, tmp_path=tmp_path):
+        assert res["error"] is not None and "'a.weight' was set by hand after a" in res["error"]
+        assert res["unchanged"] and res["stepped"]
 
 
 def test_param_frozen_at_construction_then_unfrozen_is_a_clear_error():

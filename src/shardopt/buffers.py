@@ -4,6 +4,14 @@ After construction every trainable param is a view into its dtype's param
 buffer (``param.data`` is rebound; values, dtype, device and the Parameter
 object itself are kept), so a bucket of params is one slice of one tensor and
 can be communicated in one collective without packing.
+
+Grads: the grad buffer (``grad_buffers``) is where backward accumulates and
+what the reductions carry, in ``grad_dtype`` (fp32 for bf16/fp16 params by
+default). With ``param_grads`` (``grad_mode="torch"``) each param's ``.grad``
+must be a tensor of the param's own dtype: where the grad buffer has it, the
+``.grad`` views the grad buffer; where it does not (bf16/fp16 params with fp32
+grads), a second buffer of the param dtype (``param_grad_buffers``) holds the
+gradient rounded once to it, and that is what the step reads (``step_grads``).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ class FlatBuffers:
         layout: Layout,
         device: torch.device,
         grad_dtype: torch.dtype,
+        param_grads: bool = False,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -37,10 +46,18 @@ class FlatBuffers:
             buf_grad_dtype = torch.float32 if grad_dtype == torch.float32 else buf.dtype
             self.param_buffers.append(torch.zeros(buf.numel, dtype=buf.dtype, device=device))
             self.grad_buffers.append(torch.zeros(buf.numel, dtype=buf_grad_dtype, device=device))
+        # The grads of params in their own dtype (p.grad), and what the step reads: the grad
+        # buffer where it is in the params' dtype (or p.grad is not used), else a copy of it.
+        self.param_grad_buffers: list[torch.Tensor] = [
+            g if g.dtype == buf.dtype or not param_grads
+            else torch.zeros(buf.numel, dtype=buf.dtype, device=device)
+            for g, buf in zip(self.grad_buffers, layout.buffers)]
+        self.step_grads = self.param_grad_buffers
 
         params = dict(named_params)
         self.param_views: dict[str, torch.Tensor] = {}
         self.grad_views: dict[str, torch.Tensor] = {}
+        self.param_grad_views: dict[str, torch.Tensor] = {}  # p.grad: the param's dtype
         with torch.no_grad():
             for fqn, slot in layout.slots.items():
                 p = params[fqn]
@@ -51,12 +68,27 @@ class FlatBuffers:
                 self.grad_views[fqn] = self.grad_buffers[slot.buffer_index][
                     slot.range_global.as_slice()
                 ].view(slot.shape)
+                self.param_grad_views[fqn] = self.param_grad_buffers[slot.buffer_index][
+                    slot.range_global.as_slice()].view(slot.shape)
+
+    def mirrored(self, buffer_index: int) -> bool:
+        """Whether buffer ``buffer_index``'s ``p.grad`` lives apart from its grad buffer."""
+        return self.param_grad_buffers[buffer_index] is not self.grad_buffers[buffer_index]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every distinct grad tensor (grad buffers, then the param-dtype copies)."""
+        return self.grad_buffers + [m for i, m in enumerate(self.param_grad_buffers)
+                                    if self.mirrored(i)]
 
     def bucket_params(self, bucket: Bucket) -> torch.Tensor:
         return self.param_buffers[bucket.buffer_index][bucket.range_global.as_slice()]
 
     def bucket_grads(self, bucket: Bucket) -> torch.Tensor:
         return self.grad_buffers[bucket.buffer_index][bucket.range_global.as_slice()]
+
+    def bucket_step_grads(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's grads as the step reads them (:attr:`step_grads`)."""
+        return self.step_grads[bucket.buffer_index][bucket.range_global.as_slice()]
 
     def packed_params(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's params back to back: a view where they lie so in the buffer, else
@@ -72,10 +104,11 @@ class FlatBuffers:
         return source[shard.buffer_index][shard.range_global.as_slice()]
 
     def shard_grads(self, shard: ParamShard) -> torch.Tensor:
-        return self.grad_buffers[shard.buffer_index][shard.range_global.as_slice()]
+        """This rank's grads of ``shard`` as the step reads them (:attr:`step_grads`)."""
+        return self.step_grads[shard.buffer_index][shard.range_global.as_slice()]
 
     def num_bytes(self) -> dict[str, int]:
         return {
             "params": sum(t.numel() * t.element_size() for t in self.param_buffers),
-            "grads": sum(t.numel() * t.element_size() for t in self.grad_buffers),
+            "grads": sum(t.numel() * t.element_size() for t in self.grad_tensors()),
         }

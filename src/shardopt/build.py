@@ -133,13 +133,13 @@ def grad_hooks(opt: Any, named: Named) -> list[Any]:
     tensor's hooks live where Python's garbage collector cannot see them, so a hook holding
     the optimizer would keep it (and through it the model) alive for good. Removed when
     ``opt`` is gone."""
-    on_grad = _WeakGradHook(opt)
+    on_grad = WeakGradHook(opt)
     handles = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
     weakref.finalize(opt, _remove_hooks, list(handles))
     return handles
 
 
-class _WeakGradHook:
+class WeakGradHook:
     """``opt.grad_sync.on_grad_ready`` through a weak reference (a no-op once ``opt`` is gone)."""
 
     def __init__(self, opt: Any) -> None:

@@ -12,6 +12,7 @@ all-gather goes through a list of views. CUDA tensors (NCCL) use the real
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +29,37 @@ class DPGroup:
 
     @staticmethod
     def resolve(process_group: dist.ProcessGroup | None) -> DPGroup:
-        """Coordinator-free: reads rank and size of ``process_group`` (default group if None)."""
+        """Coordinator-free: reads rank and size of ``process_group`` (default group if None).
+
+        Without an initialised process group this is a one-rank group, unless ``WORLD_SIZE``
+        says the process is one rank of several: each would then train alone, silently
+        diverging, so that raises :class:`ProcessGroupError`."""
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialized")
+            world = _launched_world_size()
+            if world > 1:
+                raise ProcessGroupError(
+                    f"WORLD_SIZE={world} says this process is one rank of {world} (torchrun or "
+                    "another launcher), but torch.distributed is not initialised: each rank "
+                    "would build a one-rank optimizer and train alone. Call "
+                    "torch.distributed.init_process_group() before building the "
+                    "DistributedOptimizer (under a framework: build it where the framework "
+                    "has set up its process group, e.g. in configure_optimizers).")
             return DPGroup(None, 0, 1)
         return DPGroup(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
+
+
+class ProcessGroupError(RuntimeError):
+    """The environment names a job of several ranks but torch.distributed is not initialised."""
+
+
+def _launched_world_size() -> int:
+    """``WORLD_SIZE`` as a launcher (torchrun, a SLURM wrapper) sets it; 1 when unset or bad."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 class _Done:
@@ -63,6 +89,17 @@ def reduce_scatter_avg_(bucket: torch.Tensor, dp: DPGroup, async_op: bool) -> ob
     return dist.all_reduce(bucket, group=dp.group, async_op=async_op) or DONE
 
 
+def all_reduce_avg_(bucket: torch.Tensor, dp: DPGroup, async_op: bool) -> object:
+    """Collective. Average ``bucket`` over ranks in place: every rank holds the whole average."""
+    if dp.size == 1:
+        return DONE
+    if bucket.is_cuda:
+        return dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=dp.group,
+                               async_op=async_op) or DONE
+    bucket.div_(dp.size)  # gloo has no AVG (and DDP divides before summing too)
+    return dist.all_reduce(bucket, group=dp.group, async_op=async_op) or DONE
+
+
 def all_gather_(bucket: torch.Tensor, dp: DPGroup, async_op: bool) -> object:
     """Collective. Fill every shard of ``bucket`` from the rank that owns it (in place)."""
     if dp.size == 1:
@@ -81,6 +118,13 @@ def all_reduce_sum_(tensor: torch.Tensor, dp: DPGroup) -> torch.Tensor:
     if dp.size > 1:
         dist.all_reduce(tensor, group=dp.group)
     return tensor
+
+
+def all_reduce_sum_async_(tensor: torch.Tensor, dp: DPGroup) -> object:
+    """Collective. In-place sum over ranks, started; returns its handle."""
+    if dp.size == 1:
+        return DONE
+    return dist.all_reduce(tensor, group=dp.group, async_op=True) or DONE
 
 
 def all_gather_objects(obj: object, dp: DPGroup) -> list[object]:

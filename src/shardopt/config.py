@@ -41,6 +41,16 @@ class OptimizerConfig:
     """Grad buffer and reduce-scatter dtype of bf16/fp16 params: ``torch.float32``, or
     ``torch.bfloat16`` to halve grad memory and traffic (fp16 params then keep fp16 grads;
     fp32 params always keep fp32 grads). The optimizer math stays fp32."""
+    grad_mode: str = "torch"
+    """Where gradients live after backward. ``"torch"`` (default): as with DDP and
+    ``torch.optim.AdamW``, when ``loss.backward()`` returns every trainable param's ``.grad``
+    is its gradient, averaged over the DP ranks (an all-reduce per bucket overlapping
+    backward), viewing the optimizer's grad buffer in the param's dtype; ``clip_grad_norm_``,
+    ``GradScaler``, ``p.grad`` edits and a second backward before ``step()`` (accumulation)
+    work as in torch, and ``step()`` uses what ``p.grad`` holds. ``"buffer"``: gradients
+    live only in the grad buffer and ``p.grad`` is ``None`` after backward (a reduce-scatter
+    per bucket: half the gradient traffic at DP > 1); code that reads or edits ``p.grad``
+    sees nothing there (docs/optimizer.md, "Gradients")."""
     grad_accum_fp32: bool | None = None
     """Deprecated alias of ``grad_dtype`` (``True`` = fp32, ``False`` = low precision), read at
     construction into ``grad_dtype`` and then ``None`` (an error when the two disagree)."""
@@ -71,6 +81,8 @@ class OptimizerConfig:
             raise ValueError(f"max_grad_norm must be >= 0 or None, got {self.max_grad_norm!r}")
         if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1):
             raise ValueError(f"bucket_numel must be an int >= 1, got {self.bucket_numel!r}")
+        if self.grad_mode not in GRAD_MODES:
+            raise ValueError(f"grad_mode must be one of {GRAD_MODES}, got {self.grad_mode!r}")
         if self.step_kernel not in STEP_KERNELS:
             raise ValueError(f"step_kernel must be one of {STEP_KERNELS}, got {self.step_kernel!r}")
         if not (isinstance(self.align_numel, int) and self.align_numel >= 1):
@@ -87,6 +99,11 @@ class OptimizerConfig:
                              "set grad_dtype only (grad_accum_fp32 is its deprecated alias)")
         if alias is False:
             self.grad_dtype = torch.bfloat16  # the alias's meaning: grads in the model dtype
+
+    @property
+    def param_grads(self) -> bool:
+        """Whether ``p.grad`` holds each param's gradient after backward (``grad_mode="torch"``)."""
+        return self.grad_mode == "torch"
 
     @property
     def lowprec_moments(self) -> bool:
@@ -114,6 +131,7 @@ class OptimizerConfig:
 
 
 STEP_KERNELS = ("auto", "triton", "torch")
+GRAD_MODES = ("torch", "buffer")
 INT8 = "int8"  # blockwise 8-bit moments (shardopt.quant)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, INT8)
 GRAD_DTYPES = (torch.float32, torch.bfloat16)

@@ -96,6 +96,27 @@ class FlatShard(torch.Tensor):
         return (f"FlatShard(numel={self.shape[0]}, offset={self.offset}, "
                 f"local_numel={self.local_numel}, dtype={self.dtype})")
 
+    def to(self, *args: Any, **kwargs: Any) -> FlatShard:  # type: ignore[override]
+        """As ``torch.Tensor.to``: ``self`` when nothing changes (and ``copy`` is not set),
+        else a FlatShard of the same range whose local tensor is moved or cast. Frameworks
+        that move optimizer state between devices call this on every state tensor."""
+        copy = bool(kwargs.pop("copy", False))
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
+            raise ValueError(f"a FlatShard is 1-D; memory_format={memory_format} does not apply")
+        local = self.local
+        moved = local.to(device=device, dtype=dtype, non_blocking=non_blocking, copy=copy)
+        if moved is local:
+            return self
+        return FlatShard(moved, self.offset, self.shape[0])
+
+    def cpu(self) -> FlatShard:  # type: ignore[override]
+        return self.to("cpu")
+
+    def cuda(self, device: Any = None, non_blocking: bool = False) -> FlatShard:  # type: ignore[override]
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
+                       if isinstance(device, int) else device, non_blocking=non_blocking)
+
     def __reduce_ex__(self, protocol: int) -> tuple:
         return FlatShard, (self.local, self.offset, self.shape[0])
 

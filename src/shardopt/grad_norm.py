@@ -36,7 +36,8 @@ class GradNorm:
         so it adds nothing, and a few large tensors are faster than one per param."""
         if self._views is None:
             self._views = [
-                self.buffers.bucket_grads(b).narrow(0, self.dp.rank * b.shard_numel, b.shard_numel)
+                self.buffers.bucket_step_grads(b).narrow(0, self.dp.rank * b.shard_numel,
+                                                       b.shard_numel)
                 for buf in self.layout.buffers for b in buf.buckets]
         if self._views:
             norms = torch._foreach_norm(self._views, 2, dtype=torch.float32)

@@ -266,7 +266,7 @@ class HostState:
         if kind == "params":
             return list(opt.buffers.param_buffers)
         if kind == "grads":
-            return list(opt.buffers.grad_buffers)
+            return list(opt.buffers.grad_tensors())
         if kind == "main_params":
             return list(opt.main_params)  # None: an fp32 buffer's main param is the param buffer
         if opt.moments is None:

@@ -42,6 +42,7 @@ from .grad_norm import GradNorm
 from .host_state import KINDS, HostState
 from .layout import Layout, ParamShard, ParamSpec, build_layout
 from .moments import Moments
+from .param_grads import ParamGrads
 from .param_watch import ParamWatch
 from .sync import GradientOrderError, GradSync, ParamSync
 from .update import STATE_NAMES, Update
@@ -108,7 +109,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         guards.claim(self, named)
         self.layout: Layout = build_layout(specs, self.dp.size, self.config.bucket_numel,
                                            *build.alignment(self.config))
-        self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_dtype)
+        self.buffers = FlatBuffers(named, self.layout, self.device, self.config.grad_dtype,
+                                   self.config.param_grads)
         self.fqn_of = {p: fqn for fqn, p in named}
         self._fqns = tuple(fqn for fqn, _ in named)
         self.shards: tuple[ParamShard, ...] = self.layout.shards(self.dp.rank)
@@ -146,14 +148,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.step_kernel = build.choose_kernel(self.config, self.device)
         self._update = Update(self)
         self._watch = ParamWatch(self._fqns, [p for _, p in named],
-                                 [(p.dtype, p.device) for _, p in named], self.dp.rank,
+                                 [(p.dtype, p.device, tuple(p.shape)) for _, p in named], self.dp.rank,
                                  [(f, p) for f, p in model.named_parameters()
                                   if not p.requires_grad])
 
     def _init_sync(self, model: torch.nn.Module, named: Named) -> None:
         """Phases 1 and 3 of the schedule (module docstring) and the norm between them."""
-        self.grad_sync = GradSync(self.dp, self.buffers, self.layout, self.config, named,
-                                  self.fqn_of)
+        grads = ParamGrads if self.config.param_grads else GradSync
+        self.grad_sync = grads(self.dp, self.buffers, self.layout, self.config, named,
+                               self.fqn_of)
         self._hooks = build.grad_hooks(self, named)
         self._norm = GradNorm(self.dp, self.buffers, self.layout, self.config, self._fqns,
                               self.grad_sync.written)
@@ -182,11 +185,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.grad_sync.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._kept_grads.zero_grad(set_to_none)
-        self.grad_sync.wait()
-        self.grad_sync.clear()  # the next gradient overwrites: the buffer needs no memset
-        for p in self.fqn_of:  # a grad set by hand is dropped too
-            p.grad = None
+        """As torch's: ``p.grad = None`` (or zeroed in place with ``set_to_none=False``) for
+        every param. With ``grad_mode="buffer"``, drops every gradient since the last step
+        (``set_to_none=False``: params that had one are stepped with a zero gradient)."""
+        if not self.config.param_grads:
+            self._kept_grads.zero_grad(set_to_none)
+        self.grad_sync.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -201,8 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         guards.check_group_options(self)
         self.finish_param_sync()  # the update writes into the param buffers
         self.reseed_written()  # before any collective: a moved param raises
-        self.grad_sync.take_assigned()
-        self.finish_grad_sync()
+        self.grad_sync.before_step()
         # Clipping needs the norm before the update; otherwise the Triton update computes
         # it from the grads it reads anyway.
         fused_norm = self.step_kernel == "triton" and not self.config.max_grad_norm
@@ -227,7 +230,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_sync.publish(own_written=self.step_kernel == "triton",
                                 wait=not self.config.overlap_param_gather)
         self._watch.record()  # the update's own writes are not the user's
-        self.grad_sync.clear()  # step() consumes the gradients
+        self.grad_sync.after_step()
         self._host.after_step()
         return loss
 

@@ -56,7 +56,8 @@ class ParamWatch:
     """Recorded storage address and version counter of each param, in ``fqns`` order."""
 
     def __init__(self, fqns: Sequence[str], params: Sequence[torch.nn.Parameter],
-                 expected: Sequence[tuple[torch.dtype, torch.device]], dp_rank: int,
+                 expected: Sequence[tuple[torch.dtype, torch.device, tuple[int, ...]]],
+                 dp_rank: int,
                  frozen: Sequence[tuple[str, torch.nn.Parameter]] = ()) -> None:
         self.fqns = tuple(fqns)
         self.params = list(params)
@@ -136,13 +137,28 @@ class ParamWatch:
             "trainable; freezing one later with requires_grad_(False) leaves it alone.")
 
     def _raise_moved(self) -> None:
-        for fqn, p, ptr, (dtype, device) in zip(self.fqns, self.params, self._ptrs,
-                                                self._expected):
+        for fqn, p, ptr, expected in zip(self.fqns, self.params, self._ptrs, self._expected):
             if p.data_ptr() != ptr:
-                raise ParamMovedError(
-                    f"[dp rank {self._dp_rank}] param {fqn!r} no longer lives in the optimizer's "
-                    f"buffer: it is {p.dtype} on {p.device}, the optimizer holds it as {dtype} on "
-                    f"{device}. The model was cast or moved (model.float(), .half(), .to(...), "
-                    ".cuda(), or param.data = ...) after DistributedOptimizer(model) was built, "
-                    "so training would no longer reach it. Cast and move the model first, then "
-                    "build the optimizer.")
+                raise ParamMovedError(moved_message(self._dp_rank, fqn, p, *expected))
+
+
+def moved_message(dp_rank: int, fqn: str, p: torch.Tensor, dtype: torch.dtype,
+                  device: torch.device, shape: tuple[int, ...]) -> str:
+    """Why param ``fqn`` no longer lives in the optimizer's buffer, naming what differs: its
+    dtype, device or shape when those changed, else its storage (``param.data = ...``, or
+    a library that re-binds it, as ``resize_token_embeddings`` does)."""
+    differs = []
+    if p.dtype != dtype:
+        differs.append(f"it is {p.dtype} (the optimizer holds it as {dtype})")
+    if p.device != device:
+        differs.append(f"it is on {p.device} (the optimizer holds it on {device})")
+    if tuple(p.shape) != tuple(shape):
+        differs.append(f"its shape is {tuple(p.shape)} (the optimizer holds {tuple(shape)})")
+    what = "; ".join(differs) if differs else (
+        f"its storage was replaced (same dtype {p.dtype}, device {p.device} and shape "
+        f"{tuple(p.shape)}: param.data = ... or a library re-binding it)")
+    return (f"[dp rank {dp_rank}] param {fqn!r} no longer lives in the optimizer's buffer: "
+            f"{what}. The model was changed (model.float(), .half(), .to(...), .cuda(), "
+            "param.data = ..., resize_token_embeddings) after DistributedOptimizer(model) was "
+            "built, so training would no longer reach it. Change the model first, then build "
+            "the optimizer.")

@@ -2,7 +2,9 @@
 
 :class:`GradSync`: gradients into the grad buffers and their reduce-scatters, bucket by
 bucket in a launch order every rank shares, so ranks whose hooks fire in different orders
-(unused params, MoE experts without tokens) still issue identical collectives.
+(unused params, MoE experts without tokens) still issue identical collectives. This is
+``grad_mode="buffer"``; ``"torch"`` (``p.grad`` after backward) is its subclass
+:class:`~shardopt.param_grads.ParamGrads`.
 :class:`ParamSync`: each rank's updated shard into the model-dtype param buffers and the
 all-gathers that give every rank the full params, in flight after ``step()`` with
 ``overlap_param_gather`` (:meth:`ParamSync.register_hooks`).
@@ -19,7 +21,9 @@ import torch
 from . import build, comm
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
+from .guards import UsageError
 from .layout import Bucket, Layout
+from .param_watch import ParamMovedError, moved_message
 
 
 _grad = attrgetter("grad")
@@ -37,6 +41,7 @@ class GradSync:
                  config: OptimizerConfig, named: build.Named,
                  fqn_of: Mapping[torch.nn.Parameter, str]) -> None:
         self.dp, self.buffers, self.config, self.fqn_of = dp, buffers, config, fqn_of
+        self.layout = layout
         self._params = list(fqn_of)
         self.launch_order = build.launch_order(layout, named)
         position = {(b.buffer_index, b.index): i for i, b in enumerate(self.launch_order)}
@@ -68,13 +73,27 @@ class GradSync:
     def on_grad_ready(self, param: torch.nn.Parameter) -> None:
         """The post-accumulate-grad hook of every param (through :func:`.build.grad_hooks`)."""
         fqn = self.fqn_of[param]
+        self.check_placed(param, fqn)
         pos = self._launch_pos[fqn]
         if pos < self._next_launch:
             raise GradientOrderError(
                 f"[dp rank {self.dp.rank}] gradient for {fqn!r} arrived after its bucket's "
-                "reduction started; run accumulation micro-batches under optimizer.no_sync() "
-                "and call step() or zero_grad() between iterations"
-            )
+                f"reduction started: a second backward before step() at DP size {self.dp.size} "
+                "with grad_mode='buffer', whose reduce-scatter kept only this rank's shard of "
+                "the first. Run the micro-batches before the last under optimizer.no_sync(), "
+                "or build the optimizer with OptimizerConfig(grad_mode='torch') (the default), "
+                "where a second backward accumulates as in torch (what a framework's "
+                "gradient_accumulation_steps or accumulate_grad_batches needs); call step() "
+                "or zero_grad() between iterations")
+        hooks = param._post_accumulate_grad_hooks
+        if hooks is not None and len(hooks) > 1 and not isinstance(
+                next(reversed(hooks.values())), build.WeakGradHook):
+            raise UsageError(
+                f"[dp rank {self.dp.rank}] param {fqn!r} has a post-accumulate-grad hook "
+                "registered after the optimizer was built: with grad_mode='buffer' the "
+                "gradient has left p.grad when it runs, so it would see p.grad None. Build "
+                "the optimizer with grad_mode='torch' (the default), or register the hook "
+                "with p.register_hook (it sees the gradient before it reaches the buffer)")
         with torch.no_grad():
             view = self.buffers.grad_views[fqn]
             if fqn in self.written:
@@ -83,7 +102,8 @@ class GradSync:
                 view.copy_(param.grad)
                 self.written.add(fqn)
         param.grad = None
-        if not (self._enabled and self.config.overlap_grad_reduce):
+        # One rank launches nothing: a second backward just accumulates.
+        if not (self._enabled and self.config.overlap_grad_reduce and self.dp.size > 1):
             return
         self._bucket_pending[pos] -= 1
         while (
@@ -91,6 +111,17 @@ class GradSync:
             and self._bucket_pending[self._next_launch] <= 0
         ):
             self._launch_next()
+
+    def check_placed(self, param: torch.nn.Parameter, fqn: str) -> None:
+        """Raise :class:`~shardopt.param_watch.ParamMovedError` if ``param`` no longer lives
+        in its place in the param buffer (``param.data`` re-bound, as
+        ``resize_token_embeddings`` does), before its gradient of another shape or dtype
+        reaches the grad buffer."""
+        if param.data_ptr() != self.buffers.param_views[fqn].data_ptr():
+            slot = self.layout.slots[fqn]
+            raise ParamMovedError(moved_message(
+                self.dp.rank, fqn, param, self.layout.buffers[slot.buffer_index].dtype,
+                self.buffers.device, slot.shape))
 
     def take_assigned(self) -> None:
         """Grads set by hand (``p.grad = g``: ``torch.autograd.grad``, ``torch.func``,
@@ -115,6 +146,22 @@ class GradSync:
         for p in assigned:
             self.written.discard(self.fqn_of[p])  # replaced, not added to
             self.on_grad_ready(p)
+
+    def before_step(self) -> None:
+        """Collective. Take grads set by hand, reduce what is left and wait (``step()``)."""
+        self.take_assigned()
+        self.finish()
+
+    def after_step(self) -> None:
+        """``step()`` consumed the gradients: the next one overwrites (no memset)."""
+        self.clear()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Drop every gradient since the last step (the next one overwrites its region)."""
+        self.wait()
+        self.clear()
+        for p in self._params:  # a grad set by hand is dropped too
+            p.grad = None
 
     def _launch_next(self) -> None:
         bucket = self.launch_order[self._next_launch]

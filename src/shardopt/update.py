@@ -78,7 +78,7 @@ class Update:
             main = opt.main_params[bi]
             params = opt.buffers.param_buffers[bi]
             kernels.adamw_(
-                table, params if main is None else main, opt.buffers.grad_buffers[bi],
+                table, params if main is None else main, opt.buffers.step_grads[bi],
                 moments.exp_avg[bi], moments.exp_avg_sq[bi], None if main is None else params,
                 main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
                 beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],

@@ -1,0 +1,317 @@
+"""``grad_mode="torch"``: every param's ``.grad`` is its gradient after backward, as with DDP.
+
+Schedule of one backward (``dp_size`` ranks, buckets in the launch order of :mod:`.sync`):
+
+* Per param, when autograd has accumulated its gradient (post-accumulate-grad hook): the
+  gradient reaches the grad buffer and ``p.grad`` becomes the param's view of it, in the
+  param's dtype (:mod:`.buffers`). Where ``p.grad`` already was that view (a second backward
+  before ``step()``, ``zero_grad(set_to_none=False)``), autograd has added into it in place
+  and nothing is copied. Outside ``no_sync()``, with ``overlap_grad_reduce``, when every
+  param of the next bucket has reported, that bucket's all-reduce (average) starts.
+* When backward ends (the autograd engine's final callback, as DDP's): the buckets not
+  launched yet are, a param without a gradient here counting as zero, with one all-reduce of
+  "got a gradient" flags beside them; once they are done ``p.grad`` of every param that got
+  a gradient on some rank is its averaged gradient on every rank, and one that got none
+  anywhere is left as it was (``None``), as DDP leaves it. Under ``no_sync()``, and at
+  ``dp_size == 1``, nothing is communicated: ``p.grad`` holds this rank's sum.
+* ``step()`` (:meth:`ParamGrads.before_step`) takes what ``p.grad`` holds: edited in place
+  (``clip_grad_norm_``, ``GradScaler.unscale_``) it is the buffer the step reads; replaced
+  by another tensor it is copied in; ``None`` it is no gradient. Gradients that no backward
+  averaged since the previous ``step()`` or ``zero_grad()`` (set by hand before any
+  backward, or micro-batches all under ``no_sync()``) are averaged first. The gradients
+  stay in ``p.grad`` after ``step()``, as in torch, until ``zero_grad()``.
+
+A second backward before ``step()`` adds to ``p.grad``; at ``dp_size > 1`` outside
+``no_sync()`` its all-reduce averages ``p.grad`` again, which holds the first backward's
+average (the same on every rank) plus this rank's new gradient, so the result is the
+average of the sum, as DDP computes it.
+
+bf16/fp16 params with an fp32 grad buffer (``grad_dtype=torch.float32``) keep two copies:
+the grad buffer, where micro-batches and ranks are summed in fp32, and a buffer of the
+param's dtype that ``p.grad`` views, rounded once from it after each backward, which the
+step reads. So that a second backward still sums in fp32, a pre-hook on the param's
+gradient accumulator takes ``p.grad`` away (``None``) just before autograd would add to
+the rounded copy: autograd then hands over the new gradient alone, which the hook adds to
+the exact fp32 sum. Where the rounded copy was written by someone else since (a user's
+edit), the fp32 sum is first taken from it: ``p.grad`` is what counts.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import build, comm
+from .buffers import FlatBuffers
+from .config import OptimizerConfig
+from .layout import Layout
+from .sync import GradSync, _grad
+
+
+class ParamGrads(GradSync):
+    """:class:`~shardopt.sync.GradSync` for ``grad_mode="torch"`` (module docstring)."""
+
+    def __init__(self, dp: comm.DPGroup, buffers: FlatBuffers, layout: Layout,
+                 config: OptimizerConfig, named: build.Named,
+                 fqn_of: Mapping[torch.nn.Parameter, str]) -> None:
+        super().__init__(dp, buffers, layout, config, named, fqn_of)
+        self._fqns = [fqn for fqn, _ in named]
+        self._param_of = dict(named)
+        self._views = [buffers.param_grad_views[fqn] for fqn in self._fqns]
+        # fqn -> buffer index, for params whose p.grad is a rounded copy of the fp32 sum.
+        self._mirrored = {fqn: slot.buffer_index for fqn, slot in layout.slots.items()
+                          if buffers.mirrored(slot.buffer_index)}
+        # Per buffer with a rounded copy: its version counter after our last write to it (a
+        # different one means somebody else wrote p.grad there).
+        self._seen = {i: buffers.param_grad_buffers[i]._version
+                      for i in range(len(layout.buffers)) if buffers.mirrored(i)}
+        self._reported: set[str] = set()  # reported in this backward (dp_size > 1)
+        self._continuing: set[str] = set()  # mirrored: p.grad taken away to add in fp32
+        self.reduced = False  # the grad buffers hold averaged gradients
+        self._task: int | None = None  # the backward whose final callback is queued
+        self._flags_all: torch.Tensor | None = None
+        self._accumulators: list[Any] = []  # kept alive: their pre-hooks live on them
+        self._prehooks = self._register_prehooks(named)
+
+    # ------------------------------------------------------------------ backward
+    def _register_prehooks(self, named: build.Named) -> list[Any]:
+        """On the gradient accumulator of each mirrored param (not a tensor hook: those run
+        for ``torch.autograd.grad`` too, which accumulates nothing)."""
+        handles = []
+        me = weakref.ref(self)
+        with torch.enable_grad():
+            for fqn, p in named:
+                if fqn not in self._mirrored:
+                    continue
+                acc = p.view_as(p).grad_fn.next_functions[0][0]
+                self._accumulators.append(acc)
+                handles.append(acc.register_prehook(_WeakPrehook(me, fqn)))
+        weakref.finalize(self, _remove, list(handles))
+        return handles
+
+    def before_accumulate(self, fqn: str) -> None:
+        """Mirrored params: autograd is about to add a gradient to ``p.grad``; if that is the
+        rounded copy, take it away so the new gradient is added to the fp32 sum instead."""
+        p = self._param_of[fqn]
+        if p.grad is self.buffers.param_grad_views[fqn]:
+            self._take_edits(self._mirrored[fqn])
+            p.grad = None
+            self._continuing.add(fqn)
+
+    def on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        fqn = self.fqn_of[param]
+        self.check_placed(param, fqn)
+        self._queue_end()
+        g = param.grad
+        view = self.buffers.param_grad_views[fqn]
+        if g is not view:
+            accum = self.buffers.grad_views[fqn]
+            with torch.no_grad():
+                if fqn in self._continuing:  # mirrored: the exact fp32 sum is in accum
+                    self._continuing.discard(fqn)
+                    accum.add_(g)
+                    view.copy_(accum)
+                else:  # p.grad was None (or a tensor set by hand, which autograd added to)
+                    accum.copy_(g)
+                    if fqn in self._mirrored:
+                        view.copy_(g)
+            if fqn in self._mirrored:
+                self._wrote(self._mirrored[fqn])
+            if not g.requires_grad:  # create_graph: leave the grad that carries a graph
+                param.grad = view
+        elif fqn in self._mirrored:  # added to the rounded copy in place: p.grad counts
+            self.buffers.grad_views[fqn].copy_(view)
+        if self.dp.size == 1 or not self._enabled:
+            return
+        self._reported.add(fqn)
+        if not self.config.overlap_grad_reduce:
+            return
+        pos = self._launch_pos[fqn]
+        self._bucket_pending[pos] -= 1
+        while (self._next_launch < len(self.launch_order)
+               and self._bucket_pending[self._next_launch] <= 0):
+            self._launch_next()
+
+    def _queue_end(self) -> None:
+        """Queue :meth:`_end_of_backward` once per backward, on its first hook."""
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        if self._task is not None:  # that backward raised before its end: start over
+            self._recover()
+        self._task = task
+        me = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: (lambda s: s is not None and s._end_of_backward())(me()))
+
+    def _recover(self) -> None:
+        self.wait()
+        self.reset()
+        self._reported.clear()
+        self._continuing.clear()
+
+    def _end_of_backward(self) -> None:
+        self._task = None
+        if self.dp.size > 1:
+            if self._enabled:
+                self._reduce_all()
+            else:  # this rank's gradients were added to whatever was averaged
+                self.reduced = False
+        self.reset()
+
+    # -------------------------------------------------------------- reductions
+    def _launch_next(self) -> None:
+        bucket = self.launch_order[self._next_launch]
+        for fqn in bucket.param_fqns:
+            if fqn not in self._reported:
+                self._take_param_grad(fqn)
+        self._handles.append(
+            comm.all_reduce_avg_(self.buffers.bucket_grads(bucket), self.dp, async_op=True))
+        self._next_launch += 1
+
+    def _take_param_grad(self, fqn: str) -> None:
+        """Make the grad buffer hold what ``p.grad`` of ``fqn`` holds (a param this backward
+        did not reach): zero for None, the tensor set by hand, an edit of the rounded copy."""
+        g = self._param_of[fqn].grad
+        accum = self.buffers.grad_views[fqn]
+        if g is None:
+            accum.zero_()
+        elif g is self.buffers.param_grad_views[fqn]:
+            if fqn in self._mirrored:
+                self._take_edits(self._mirrored[fqn])
+        else:
+            accum.copy_(g)
+
+    def _reduce_all(self) -> None:
+        """Collective. Launch every bucket not launched, with the flags of which params have
+        a gradient here; wait; give every param with a gradient on some rank its average."""
+        while self._next_launch < len(self.launch_order):
+            self._launch_next()
+        grads = list(map(_grad, self._params))
+        missing = grads.count(None)
+        if missing:
+            flags = torch.tensor([g is not None for g in grads], dtype=torch.float32)
+            flags = flags.to(self.buffers.device)
+        else:  # a rank with every gradient knows the answer: it sends and never reads
+            if self._flags_all is None:
+                self._flags_all = torch.ones(len(grads), device=self.buffers.device)
+            flags = self._flags_all
+        handle = comm.all_reduce_sum_async_(flags, self.dp)
+        self.wait()
+        handle.wait()
+        for i in self._seen:
+            self.buffers.param_grad_buffers[i].copy_(self.buffers.grad_buffers[i])
+            self._wrote(i)
+        counts = flags.tolist() if missing else None
+        for i, (p, g, view) in enumerate(zip(self._params, grads, self._views)):
+            if g is view:
+                continue
+            if g is None:
+                if counts is not None and counts[i] > 0:  # a gradient elsewhere: its average
+                    p.grad = view
+            elif not g.requires_grad:
+                p.grad = view
+        self._reported.clear()
+        self.reduced = True
+
+    # -------------------------------------------------------------------- step
+    def before_step(self) -> None:
+        """Collective where gradients need averaging. Make the step buffer hold what every
+        ``p.grad`` holds and ``written`` name the params that have one."""
+        self.finish()
+        grads = list(map(_grad, self._params))
+        if all(map(operator.is_, grads, self._views)):
+            if len(self.written) != len(grads):
+                self.written.update(self._fqns)
+            return
+        self.written.clear()
+        with torch.no_grad():
+            for fqn, g, view in zip(self._fqns, grads, self._views):
+                if g is None:  # no gradient: zero where the norm reads it
+                    view.zero_()
+                else:
+                    self.written.add(fqn)
+                    if g is not view:
+                        view.copy_(g)
+                if g is not view and fqn in self._mirrored:
+                    self._wrote(self._mirrored[fqn])
+
+    def finish(self) -> None:
+        """Collective. Average whatever no backward averaged since the last ``step()`` or
+        ``zero_grad()`` (gradients set by hand, ``no_sync()`` micro-batches) and wait."""
+        self.wait()
+        if self.dp.size > 1 and not self.reduced:
+            self.reset()
+            self._reduce_all()
+
+    def after_step(self) -> None:
+        """The gradients stay in ``p.grad`` (as in torch); a next step re-averages nothing
+        that a backward averaged, but anything set by hand before it."""
+        self.reduced = False
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``: ``p.grad = None``, or zero where it is."""
+        self.wait()
+        if set_to_none:
+            for p in self._params:
+                p.grad = None
+        else:
+            with torch.no_grad():
+                for p, view in zip(self._params, self._views):
+                    if p.grad is not None and p.grad is not view:
+                        p.grad.zero_()
+                for t in self.buffers.grad_tensors():
+                    t.zero_()
+                for i in self._seen:
+                    self._wrote(i)
+        self.written.clear()
+        self.reduced = False
+        self.reset()
+        self._reported.clear()
+        self._continuing.clear()
+
+    def wait(self) -> bool:
+        """Wait for the reductions in flight; whether any param has a gradient."""
+        super().wait()
+        return any(g is not None for g in map(_grad, self._params))
+
+    def mark_written(self, fqns: Any) -> None:
+        """As after a backward that reached ``fqns``: their ``p.grad`` is their view of the
+        grad buffers as they are (benchmarks fill ``buffers.step_grads`` directly)."""
+        for fqn in fqns:
+            self._param_of[fqn].grad = self.buffers.param_grad_views[fqn]
+        self.reduced = True
+
+    # ------------------------------------------------------ the rounded copies
+    def _wrote(self, buffer_index: int) -> None:
+        self._seen[buffer_index] = self.buffers.param_grad_buffers[buffer_index]._version
+
+    def _take_edits(self, buffer_index: int) -> None:
+        """If somebody wrote the rounded copy since we did, the fp32 sum takes its values."""
+        if self.buffers.param_grad_buffers[buffer_index]._version != self._seen[buffer_index]:
+            with torch.no_grad():
+                self.buffers.grad_buffers[buffer_index].copy_(
+                    self.buffers.param_grad_buffers[buffer_index])
+            self._wrote(buffer_index)
+
+
+class _WeakPrehook:
+    """:meth:`ParamGrads.before_accumulate` through a weak reference (see
+    :func:`.build.grad_hooks` for why)."""
+
+    def __init__(self, owner: weakref.ref, fqn: str) -> None:
+        self.owner, self.fqn = owner, fqn
+
+    def __call__(self, grad_outputs: Any) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner.before_accumulate(self.fqn)
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
