@@ -69,12 +69,12 @@ def _data(world_size: int) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, 6, generator=g)
     y = torch.sin(x.sum(-1)) * 3
-    # Each process sees every world_size-th sample (Lightning's own sampler would shuffle),
-    # so every world size trains on the same global batches.
+    # Each process sees every world_size-th sample, in order (the sampler Lightning puts in
+    # for a distributed strategy would shuffle), so every run trains on the same batches.
     data = torch.utils.data.TensorDataset(x, y)
-    sampler = torch.utils.data.DistributedSampler(data, shuffle=False) if world_size > 1 else None
     return torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH // world_size,
-                                       sampler=sampler)
+                                       sampler=torch.utils.data.DistributedSampler(data,
+                                                                                   shuffle=False))
 
 
 def _fit(world_size: int, shardopt: bool, ckpt_dir: Path | None = None,
