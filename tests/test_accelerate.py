@@ -97,6 +97,12 @@ def _job(rank: int, world_size: int, tmp: str, other: str | None) -> dict[str, A
         _run(True, epochs=range(0), load=tmp_path / f"plain_{world_size}")
     except checkpoint.CheckpointError as e:
         out["plain_refused"] = str(e)
+    acc = accelerate.Accelerator(cpu=True)
+    model = Net()
+    try:  # the framework would clip and log p.grad, which this mode leaves None
+        prepare(acc, model, DistributedOptimizer(model, OptimizerConfig(grad_mode="buffer")))
+    except ValueError as e:
+        out["buffer_refused"] = str(e)
     if world_size > 1:  # accelerator.prepare copies the model (.to("cpu:0")), wraps it in DDP
         for name in ("moved", "wrapped"):
             try:
@@ -139,6 +145,7 @@ def test_load_state_at_another_world_size(runs):
 def test_wrong_setups_are_refused(runs):
     for world_size in (1, 2):
         assert "holds no shardopt optimizer state" in runs[world_size][0]["plain_refused"]
+        assert "grad_mode='torch'" in runs[world_size][0]["buffer_refused"]
     for out in runs[2]:
         assert out["moved_refused"][0] == "ParamMovedError"
         assert out["wrapped_refused"][0] == "WrappedModelError"

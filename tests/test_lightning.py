@@ -80,7 +80,12 @@ def _data(world_size: int) -> torch.utils.data.DataLoader:
 def _fit(world_size: int, shardopt: bool, ckpt_dir: Path | None = None,
          resume: str | None = None, strategy: Any = None) -> Net:
     model = Net(shardopt)
-    callbacks = [pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1)
+    # Every epoch's checkpoint kept in ckpt_dir; in ckpt_dir/latest only the newest (the one
+    # before is removed) and last.ckpt (saved again over itself).
+    callbacks = [pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1),
+                 pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir / "latest", save_top_k=1,
+                                              every_n_train_steps=STEPS_PER_EPOCH,
+                                              save_last=True)
                  ] if ckpt_dir is not None else []
     if strategy is None:
         strategy = ShardoptStrategy() if shardopt else ("ddp" if world_size > 1 else "auto")
@@ -108,6 +113,9 @@ def _job(rank: int, world_size: int, tmp: str, other: str | None) -> dict[str, A
     ckpts = tmp_path / f"ckpt_{world_size}"
     ours = _fit(world_size, shardopt=True, ckpt_dir=ckpts)
     out["ours"] = {"params": params(ours), "norms": ours.norms}
+    latest = ckpts / "latest"
+    out["latest"] = {p.name: sorted(q.name for q in (p / "optimizer").iterdir())
+                     for p in latest.iterdir()}
     out["saved_state"] = ours.state_at["epoch 0"]
     out["resumed"] = params(_fit(world_size, True, resume=_ckpt(ckpts, STEPS_PER_EPOCH)))
     if other is not None:
@@ -149,6 +157,15 @@ def test_trains_as_lightning_with_adamw(runs, world_size):
     for out in runs[world_size]:  # norms: Lightning's grad_norm utility, from p.grad
         assert_trains_as_reference(out["ours"], out["ref"], runs[world_size][0]["ours"],
                                    STEPS_PER_EPOCH * EPOCHS, CLIP, TOL)
+
+
+def test_modelcheckpoint_replaces_and_removes_directories(runs):
+    # What save_top_k dropped is gone; last.ckpt, saved at both epochs, holds the last only.
+    final = f"step_{STEPS_PER_EPOCH * EPOCHS:08d}"
+    for world_size in (1, 2):
+        assert runs[world_size][0]["latest"] == {
+            _ckpt(Path(), STEPS_PER_EPOCH * EPOCHS): [".lock", "latest", final],
+            "last.ckpt": [".lock", "latest", final]}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
