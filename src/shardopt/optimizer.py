@@ -41,6 +41,7 @@ from .config import OptimizerConfig
 from .grad_norm import GradNorm
 from .host_state import KINDS, HostState
 from .layout import Layout, ParamShard, ParamSpec, build_layout
+from .model_state import StateDictCopies
 from .moments import Moments
 from .param_grads import ParamGrads
 from .param_watch import ParamWatch
@@ -163,6 +164,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_sync = ParamSync(self.dp, self.buffers, self.layout, self.main_params,
                                     self.grad_sync.launch_order)
         self._hooks += self.param_sync.register_hooks(model, self.config, self.fqn_of)
+        self._state_copies = StateDictCopies(self, model)  # model.state_dict(): own storages
+        self._hooks += self._state_copies.register()
         self._wrap_guard = WrapGuard(self, model)  # wrapped in DDP or copied after this
 
     # ------------------------------------------------------------------- sync
@@ -233,6 +236,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.grad_sync.after_step()
         self._host.after_step()
         return loss
+
+    @property
+    def param_writes(self) -> int:
+        """How many times the optimizer has written the params (steps, loads, onloads)."""
+        return self._watch.writes
 
     @property
     def last_grad_norm(self) -> float | None:

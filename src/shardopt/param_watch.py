@@ -74,11 +74,13 @@ class ParamWatch:
         # picks up writes no counter sees made before the first step: rank 0's weights
         # broadcast with torch.distributed, writes through ``p.data``.
         self._fresh = True
+        self.writes = 0  # how many times the optimizer wrote the params
 
     def record(self) -> None:
         """Call after every write of the optimizer to the params: they are in sync now."""
         self._versions = list(map(_version, self.params))
         self._fresh = False
+        self.writes += 1
 
     def rebase(self, views: Sequence[torch.Tensor]) -> None:
         """Call after the optimizer itself gave the params' storage back and re-allocated it

@@ -1,0 +1,94 @@
+"""``model.state_dict()`` of a model the optimizer holds: each weight its own tensor.
+
+The optimizer lays the trainable params out as views of one flat buffer per dtype, so the
+tensors torch's ``state_dict()`` returns (``param.detach()``) would all share that storage.
+The ecosystem's savers treat shared storage as tied weights: ``safetensors.torch.save_model``
+refuses them, Accelerate's ``save_model`` keeps one of them, and ``torch.save`` of a
+submodule's state dict writes the whole buffer. So a post-hook on every module that owns
+such params replaces their entries with copies: each weight then has a storage of its own
+size, as in a model the optimizer does not hold. A param reached under two names (tied
+weights) gets one copy for both within one ``state_dict()`` call, which shares storage as
+torch's entries for tied weights do.
+
+``state_dict(keep_vars=True)`` returns the live Parameters, as asked, uncopied (shardopt's
+checkpoint code reads them so). The copies are what ``model.state_dict()`` costs here:
+one read of the trainable params. Loading goes through ``model.load_state_dict``, which
+writes into the params in place, as always.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .optimizer import DistributedOptimizer
+
+
+class StateDictCopies:
+    """The post-hooks of one optimizer, and the copies made in the ``state_dict()`` call in
+    progress (weakly: the state dict owns them)."""
+
+    def __init__(self, opt: DistributedOptimizer, model: torch.nn.Module) -> None:
+        self._opt = weakref.ref(opt)
+        owned: Mapping[torch.nn.Parameter, str] = opt.fqn_of
+        self._own = {}  # module -> names of its params the optimizer holds
+        for module in model.modules():
+            mine = tuple(n for n, p in module._parameters.items() if p is not None and p in owned)
+            if mine:
+                self._own[module] = mine
+        self._dest: weakref.ref | None = None
+        # id(param) -> (copy, optimizer writes, param version) made for that state dict.
+        self._made: dict[int, tuple[weakref.ref, int, int]] = {}
+
+    def register(self) -> list[Any]:
+        return [m.register_state_dict_post_hook(CopyOwnParams(names, self))
+                for m, names in self._own.items()]
+
+    def copy(self, p: torch.nn.Parameter, value: torch.Tensor, state_dict: dict) -> torch.Tensor:
+        """A copy of ``value`` (``p.detach()``), the one made already in this call for a
+        name of the same param if there is one."""
+        opt = self._opt()
+        if opt is None:
+            return value.clone()
+        opt.check_onloaded("model.state_dict() (it copies the params)", ("params",))
+        if self._dest is None or self._dest() is not state_dict:
+            self._dest, self._made = weakref.ref(state_dict), {}
+        stamp = (opt.param_writes, p._version)
+        made = self._made.get(id(p))
+        if made is not None and made[1:] == stamp:
+            copy = made[0]()
+            if copy is not None:  # the same param under another name: one copy for both
+                return copy
+        copy = value.clone()
+        self._made[id(p)] = (weakref.ref(copy), *stamp)
+        return copy
+
+
+class CopyOwnParams:
+    """A module's state-dict post-hook: its entries of ``names`` that view a larger storage
+    (the flat buffer) become copies. Pickled with the module (``torch.save(model)``,
+    ``copy.deepcopy``), it keeps working without the optimizer: a copied model's params
+    still share one storage."""
+
+    def __init__(self, names: tuple[str, ...], copies: StateDictCopies | None = None) -> None:
+        self.names, self.copies = names, copies
+
+    def __call__(self, module: torch.nn.Module, state_dict: dict, prefix: str,
+                 local_metadata: Any) -> None:
+        for name in self.names:
+            key = prefix + name
+            value = state_dict.get(key)
+            p = module._parameters.get(name)
+            if value is None or value is p or p is None:  # keep_vars=True: as asked
+                continue
+            if value.untyped_storage().nbytes() <= value.numel() * value.element_size():
+                continue  # its own storage already (a param moved out, a copied model's)
+            state_dict[key] = (value.clone() if self.copies is None
+                               else self.copies.copy(p, value, state_dict))
+
+    def __reduce__(self) -> Any:
+        return CopyOwnParams, (self.names,)
