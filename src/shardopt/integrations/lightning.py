@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import checkpoint
 from ..optimizer import DistributedOptimizer
@@ -103,6 +104,20 @@ class ShardoptStrategy(DDPStrategy):
                 if isinstance(opt, DistributedOptimizer):
                     stack.enter_context(opt.no_sync())
             yield
+
+    def teardown(self) -> None:
+        """Lightning's teardown without moving the module and the optimizer state to the
+        CPU: the params live in the optimizer's flat buffers, which hold their memory as long
+        as the optimizer exists, and moved they would leave them (a save or test after
+        ``fit`` would then be refused)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if self._layer_sync is not None and trainer is not None and \
+                trainer.state.fn == TrainerFn.FITTING:
+            self.model = self._layer_sync.revert(self.model)  # sync_batchnorm=True
+        for part in (self.cluster_environment, self.precision_plugin, self.accelerator,
+                     self.checkpoint_io):
+            if part is not None:
+                part.teardown()
 
     # ------------------------------------------------------------ checkpoints
     @property
