@@ -44,7 +44,7 @@ from .layout import Layout, ParamShard, ParamSpec, build_layout
 from .model_state import StateDictCopies
 from .moments import Moments
 from .param_grads import ParamGrads
-from .param_watch import ParamWatch
+from .param_watch import ParamWatch, Replacements
 from .sync import GradientOrderError, GradSync, ParamSync
 from .update import STATE_NAMES, Update
 from .wrap_guard import WrapGuard
@@ -152,12 +152,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  [(p.dtype, p.device, tuple(p.shape)) for _, p in named], self.dp.rank,
                                  [(f, p) for f, p in model.named_parameters()
                                   if not p.requires_grad])
+        self._watch.replaced = Replacements(model, self.fqn_of, self.dp.rank)
 
     def _init_sync(self, model: torch.nn.Module, named: Named) -> None:
         """Phases 1 and 3 of the schedule (module docstring) and the norm between them."""
         grads = ParamGrads if self.config.param_grads else GradSync
         self.grad_sync = grads(self.dp, self.buffers, self.layout, self.config, named,
                                self.fqn_of)
+        self.grad_sync.replaced = self._watch.replaced
         self._hooks = build.grad_hooks(self, named)
         self._norm = GradNorm(self.dp, self.buffers, self.layout, self.config, self._fqns,
                               self.grad_sync.written)

@@ -31,8 +31,10 @@ step on a 2-core VM, 0.04 more to record the versions after the step
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
+from typing import Any
 
 import torch
 
@@ -107,6 +109,8 @@ class ParamWatch:
                     self._versions[i] = a
         return out
 
+    replaced: Replacements | None = None  # set by the optimizer
+
     def written(self, record: bool = True) -> list[str]:
         """FQNs of the params written in place since :meth:`record` (with ``record``, before
         the first :meth:`record`: every param); raises
@@ -116,6 +120,8 @@ class ParamWatch:
         re-seeds from the params it gets)."""
         if list(map(_data_ptr, self.params)) != self._ptrs:
             self._raise_moved()
+        if self.replaced is not None:
+            self.replaced.check()
         if any(map(_requires_grad, self._frozen_params)):
             self._check_unfrozen()
         now = list(map(_version, self.params))
@@ -166,3 +172,88 @@ def moved_message(dp_rank: int, fqn: str, p: torch.Tensor, dtype: torch.dtype,
             "built, so training would no longer reach it. Change the model first, then build "
             "the optimizer. Frameworks move or copy the model as they prepare it (Accelerate "
             f"copies it with .to('cpu:0') on CPU) unless told not to: {ADAPTERS}.")
+
+
+class Replacements:
+    """Params of the model replaced by other objects after construction: ``module.weight =
+    nn.Parameter(...)``, a submodule swapped for a new one (``model.head = nn.Linear(...)``).
+    The optimizer holds the old params; the new ones would never be trained (as
+    ``torch.optim.AdamW`` would not train them either, silently). torch's global
+    registration hooks report every such assignment; this keeps the first that replaces a
+    param (or a module holding params) of this model by one the optimizer does not hold, and
+    :meth:`check` raises :class:`ParamMovedError` naming it. Setting the old one back undoes
+    it. Holds modules by id and the owner weakly; the hooks go with the optimizer."""
+
+    def __init__(self, model: Any, owned: Mapping[Any, str], dp_rank: int) -> None:
+        self._dp_rank = dp_rank
+        self._owned = owned
+        self._params: dict[int, dict[str, Any]] = {}  # id(module) -> name -> owned param
+        self._children: dict[int, dict[str, Any]] = {}  # id(module) -> name -> child
+        self._fqn_of_module: dict[int, str] = {}
+        for name, module in model.named_modules():
+            self._fqn_of_module[id(module)] = name
+            mine = {n: q for n, q in module._parameters.items() if q is not None and q in owned}
+            if mine:
+                self._params[id(module)] = mine
+        for module in model.modules():
+            kids = {n: c for n, c in module._modules.items()
+                    if c is not None and any(q in owned for q in c.parameters())}
+            if kids:
+                self._children[id(module)] = kids
+        self.problems: dict[tuple[int, str], str] = {}
+        import torch.nn.modules.module as nn_module
+
+        me = weakref.ref(self)
+        self._handles = [
+            nn_module.register_module_parameter_registration_hook(
+                lambda m, n, q: (lambda r: r is not None and r._on_param(m, n, q))(me())),
+            nn_module.register_module_module_registration_hook(
+                lambda m, n, c: (lambda r: r is not None and r._on_module(m, n, c))(me()))]
+        weakref.finalize(self, _remove_all, list(self._handles))
+
+    def _where(self, module: Any, name: str) -> str:
+        base = self._fqn_of_module.get(id(module), "?")
+        return f"{base}.{name}" if base else name
+
+    def _on_param(self, module: Any, name: str, param: Any) -> None:
+        old = self._params.get(id(module), {}).get(name)
+        if old is None:
+            return
+        key = (id(module), name)
+        if param is old or param in self._owned or param is None or not param.requires_grad:
+            self.problems.pop(key, None)  # back, another param this optimizer trains, frozen
+        else:
+            self.problems[key] = (
+                f"param {self._where(module, name)!r} was replaced by a new Parameter after "
+                "DistributedOptimizer(model) was built (module.weight = nn.Parameter(...), or "
+                "a library swapping it): the optimizer holds the old one and would never "
+                "train the new one")
+        return None
+
+    def _on_module(self, module: Any, name: str, child: Any) -> None:
+        old = self._children.get(id(module), {}).get(name)
+        if old is None:
+            return
+        key = (id(module), name)
+        new = [] if child is None else [q for q in child.parameters()
+                                       if q.requires_grad and q not in self._owned]
+        if child is old or not new:
+            self.problems.pop(key, None)
+        else:
+            self.problems[key] = (
+                f"module {self._where(module, name)!r} was replaced after "
+                "DistributedOptimizer(model) was built: the optimizer holds the old "
+                "module's params and would never train the new one's")
+        return None
+
+    def check(self) -> None:
+        """Raise :class:`ParamMovedError` naming the first replacement, if any."""
+        if self.problems:
+            what = next(iter(self.problems.values()))
+            raise ParamMovedError(f"[dp rank {self._dp_rank}] {what}. Change the model "
+                                  "first, then build the optimizer.")
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()

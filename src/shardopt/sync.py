@@ -23,7 +23,7 @@ from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .guards import UsageError
 from .layout import Bucket, Layout
-from .param_watch import ParamMovedError, moved_message
+from .param_watch import ParamMovedError, Replacements, moved_message
 
 
 _grad = attrgetter("grad")
@@ -53,6 +53,7 @@ class GradSync:
         self.written: set[str] = set()
         self._handles: list[object] = []
         self._enabled = True
+        self.replaced: Replacements | None = None  # the optimizer's (param_watch)
         self.reset()
 
     def reset(self) -> None:
@@ -117,6 +118,8 @@ class GradSync:
         in its place in the param buffer (``param.data`` re-bound, as
         ``resize_token_embeddings`` does), before its gradient of another shape or dtype
         reaches the grad buffer."""
+        if self.replaced is not None:
+            self.replaced.check()
         if param.data_ptr() != self.buffers.param_views[fqn].data_ptr():
             slot = self.layout.slots[fqn]
             raise ParamMovedError(moved_message(
