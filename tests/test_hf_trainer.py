@@ -99,6 +99,12 @@ def _job(rank: int, world_size: int, tmp: str, other: str | None) -> dict[str, A
                resume=str(tmp_path / f"ref_{world_size}" / f"checkpoint-{STEPS // 2}"))
     except checkpoint.CheckpointError as e:
         out["plain_refused"] = str(e)
+    try:  # another optimizer asked for
+        sgd = transformers.TrainingArguments(output_dir=str(tmp_path / "sgd"), use_cpu=True,
+                                             optim="sgd", report_to=[])
+        ShardoptTrainer(model=_model(), args=sgd, train_dataset=_Tokens())
+    except ValueError as e:
+        out["sgd_refused"] = str(e)
     if world_size > 1:  # the plain Trainer with a DistributedOptimizer: DDP
         try:
             model = _model()
@@ -147,5 +153,6 @@ def test_resume_at_another_world_size(runs):
 def test_wrong_setups_are_refused(runs):
     for world_size in (1, 2):
         assert "plain Trainer's optimizer.pt" in runs[world_size][0]["plain_refused"]
+        assert "optim='sgd'" in runs[world_size][0]["sgd_refused"]
     for out in runs[2]:
         assert "ShardoptTrainer" in out["ddp_refused"]
