@@ -229,15 +229,18 @@ class System:
 
 
 def setup_shardopt(model, hp: Hyper, device: torch.device,
-                   overlap_param_gather: bool = False, **state_dtypes: str) -> System:
+                   overlap_param_gather: bool = False, grad_mode: str = "torch",
+                   **state_dtypes: str) -> System:
     """``state_dtypes``: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` / ``grad_dtype`` of
-    :class:`shardopt.OptimizerConfig` (default fp32)."""
+    :class:`shardopt.OptimizerConfig` (default fp32); ``grad_mode`` its field of that name
+    (``"torch"``: p.grad after backward; ``"buffer"``: grads only in the grad buffer)."""
     import shardopt
     from shardopt.recipes.model import no_decay
 
     config = shardopt.OptimizerConfig(lr=hp.lr, betas=hp.betas, eps=hp.eps,
                                       weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm,
-                                      overlap_param_gather=overlap_param_gather, **state_dtypes)
+                                      overlap_param_gather=overlap_param_gather,
+                                      grad_mode=grad_mode, **state_dtypes)
     opt = shardopt.DistributedOptimizer(model, config, param_group_fn=no_decay)
 
     def step(x, y):
@@ -247,9 +250,10 @@ def setup_shardopt(model, hp: Hyper, device: torch.device,
         opt.zero_grad()
         return loss.detach()
 
-    return System("shardopt_overlap" if overlap_param_gather else "shardopt", step, model, opt,
+    name = "shardopt_overlap" if overlap_param_gather else "shardopt"
+    return System(name if grad_mode == "torch" else f"{name}_{grad_mode}", step, model, opt,
                   notes={"bucket_numel": config.bucket_numel, "state_dtypes": state_dtypes,
-                         "step_kernel": opt.step_kernel,
+                         "step_kernel": opt.step_kernel, "grad_mode": grad_mode,
                          "overlap_param_gather": overlap_param_gather})
 
 
@@ -477,7 +481,8 @@ def megatron_inner(opt) -> list:
 
 SETUP: dict[str, Callable[..., System]] = {
     "shardopt": setup_shardopt,
-    "shardopt_overlap": lambda model, hp, device: setup_shardopt(model, hp, device, True),
+    "shardopt_overlap": lambda model, hp, device, **kw: setup_shardopt(model, hp, device, True,
+                                                                     **kw),
     "ddp": setup_ddp,
     "fsdp2": setup_fsdp2,
     "zero": setup_zero,

@@ -26,11 +26,19 @@ run shardopt with low-precision state; its limit then counts the bytes that stat
 per read), and torchao's ``AdamW8bit`` (fp32 params) runs too when torchao is installed.
 Results then go to ``optimizer_step_{exp_avg}_{exp_avg_sq}_{grad}.json``.
 
+``--grad-modes torch,buffer`` (default: both) runs shardopt once per ``OptimizerConfig.grad_mode``
+side by side: ``shardopt_{clip,noclip}`` is the default ``"torch"`` (the step reads what ``p.grad``
+holds: for bf16 params with fp32 grads, the bf16 copy ``p.grad`` views), ``shardopt_buffer_*``
+the grads-only-in-the-buffer mode (the step reads the fp32 grad buffer); ``targets`` gives the
+ratio of their medians.
+
 The parts of shardopt's step (grad norm and clipping, the Adam kernel, the main -> bf16 copy, and the
 time the GPU sits idle: Python, launches, host syncs) come from a torch.profiler trace of a few
 steps; its kernel table is saved as ``optimizer_step_profile.txt``.
 
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results        # GPU
+    PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results --repeats 50 \
+        --grad-modes torch,buffer                                     # GPU, p.grad vs buffer
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --device cpu --numel 2e6 --repeats 3
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results \
         --exp-avg-dtype int8 --exp-avg-sq-dtype int8 --grad-dtype bfloat16                 # GPU
@@ -84,14 +92,15 @@ def count(shapes, dtype: torch.dtype) -> int:
 
 
 def must_bytes(shapes, clip: bool, bf16_copy: bool = True,
-               lowprec: dict | None = None) -> float:
+               lowprec: dict | None = None, grad_mode: str = "buffer") -> float:
     """Bytes a step must move (see the module docstring); ``lowprec``: OptimizerConfig
-    fields ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``grad_dtype`` of the state."""
+    fields ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``grad_dtype`` of the state. With
+    ``grad_mode="torch"`` the step reads bf16 params' grads from ``p.grad``, bf16."""
     n16, n32 = count(shapes, torch.bfloat16), count(shapes, torch.float32)
     cfg = OptimizerConfig(**(lowprec or {}))
     moments = 2 * (quant.bytes_per_element(cfg.exp_avg_dtype)
                    + quant.bytes_per_element(cfg.exp_avg_sq_dtype))
-    g16 = cfg.grad_dtype.itemsize  # fp32 params always keep fp32 grads
+    g16 = 2 if grad_mode == "torch" else cfg.grad_dtype.itemsize  # fp32 params: fp32 grads
     return (n16 * ((2 if clip else 1) * g16 + 8 + moments + (2 if bf16_copy else 0))
             + n32 * ((8 if clip else 4) + 8 + moments))
 
@@ -166,12 +175,13 @@ def _step_with_grads(opt: DistributedOptimizer) -> None:
 
 
 def bench_shardopt(shapes, device, timer: Timer, clip: bool, step_kernel: str = "auto",
-                   lowprec: dict | None = None) -> tuple[dict, DistributedOptimizer, nn.Module]:
+                   lowprec: dict | None = None, grad_mode: str = "torch"
+                   ) -> tuple[dict, DistributedOptimizer, nn.Module]:
     model = FlatModel(shapes, device)
     cfg = OptimizerConfig(**HYPER, max_grad_norm=1.0 if clip else None, step_kernel=step_kernel,
-                          **(lowprec or {}))
+                          grad_mode=grad_mode, **(lowprec or {}))
     opt = DistributedOptimizer(model, cfg)
-    for g in opt.buffers.grad_buffers:
+    for g in opt.buffers.step_grads:  # what the step reads: p.grad's buffer in "torch" mode
         g.normal_(0, 1e-3)
     result = timer(lambda: _step_with_grads(opt))
     return result, opt, model
@@ -304,7 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-bytes", type=float, default=4 * 2**30, help="size of the copy test")
     for name in ("exp-avg-dtype", "exp-avg-sq-dtype", "grad-dtype"):
         ap.add_argument(f"--{name}", default="float32", help="float32, bfloat16 (or int8: moments)")
+    ap.add_argument("--grad-modes", default="torch,buffer",
+                    help="OptimizerConfig.grad_mode values to run shardopt with, side by side")
     args = ap.parse_args(argv)
+    grad_modes = [m for m in args.grad_modes.split(",") if m]
+    for m in grad_modes:
+        OptimizerConfig(grad_mode=m)  # a bad name fails here, before any work
     lowprec = {"exp_avg_dtype": args.exp_avg_dtype, "exp_avg_sq_dtype": args.exp_avg_sq_dtype,
                "grad_dtype": args.grad_dtype}
     OptimizerConfig(**lowprec)  # a bad name fails here, before any work
@@ -322,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(device, args.warmup, args.repeats)
     config = {"state_dtypes": lowprec, "numel": n16 + n32, "numel_bf16": n16, "numel_fp32": n32, "num_tensors": len(shapes),
               "d_model": args.d_model, "warmup": args.warmup, "repeats": args.repeats,
+              "grad_modes": grad_modes,
               "hyperparameters": {**HYPER, "betas": list(HYPER["betas"])}}
     print(f"optimizer_step: {(n16 + n32) / 1e9:.3f}B params ({n16 / 1e9:.3f}B bf16, {n32 / 1e6:.2f}M fp32) "
           f"in {len(shapes)} tensors on {device}", flush=True)
@@ -335,16 +351,20 @@ def main(argv: list[str] | None = None) -> int:
     profile_info: dict = {}
     for clip in (True, False):
         tag = "clip" if clip else "noclip"
-        r, opt, model = bench_shardopt(shapes, device, timer, clip, lowprec=lowprec)
-        r["step_kernel"] = opt.step_kernel
-        r["memory_bytes"] = opt.memory_bytes()
-        results[f"shardopt_{tag}"] = r
-        print(f"  shardopt ({tag}, {opt.step_kernel} step): {r['ms']['median']:.3f} ms", flush=True)
-        if clip:
-            profile_info = profile_step(opt, device, args.profile_steps, out, r["ms"]["median"],
-                                        suffix)
-        del opt, model
-        free(device)
+        for mode in grad_modes:
+            name = f"shardopt_{tag}" if mode == "torch" else f"shardopt_{mode}_{tag}"
+            r, opt, model = bench_shardopt(shapes, device, timer, clip, lowprec=lowprec,
+                                           grad_mode=mode)
+            r["step_kernel"], r["grad_mode"] = opt.step_kernel, mode
+            r["memory_bytes"] = opt.memory_bytes()
+            results[name] = r
+            print(f"  shardopt ({tag}, {opt.step_kernel} step, grad_mode={mode}): "
+                  f"{r['ms']['median']:.3f} ms", flush=True)
+            if clip and mode == grad_modes[0]:
+                profile_info = profile_step(opt, device, args.profile_steps, out,
+                                            r["ms"]["median"], suffix)
+            del opt, model
+            free(device)
         if device.type == "cuda":  # the same optimizer with torch's fused AdamW + copy
             r, opt, model = bench_shardopt(shapes, device, timer, clip, step_kernel="torch",
                                            lowprec=lowprec)
@@ -373,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         bf16_copy = name.startswith(("shardopt", "adamw_fused_master"))
         moved = must_bytes(shapes, clip, bf16_copy, lowprec if name.startswith("shardopt") else
                            {"exp_avg_dtype": "int8", "exp_avg_sq_dtype": "int8"}
-                           if name.startswith("torchao") else None)
+                           if name.startswith("torchao") else None, r.get("grad_mode", "buffer"))
         limit_ms = moved / gbps / 1e6
         med = r["ms"]["median"]
         piped = r.get("pipelined_ms")
@@ -386,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
 
     targets = {}
     for tag in ("clip", "noclip"):
+        if f"shardopt_{tag}" not in results:
+            continue
         s = results[f"shardopt_{tag}"]["ms"]["median"]
         peer = results[f"adamw_fused_fp32_{tag}"]["ms"]["median"]
         master = results[f"adamw_fused_master_{tag}"]["ms"]["median"]
@@ -398,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
             "pass_85pct_of_limit": frac >= 0.85,
             "pass_no_slower_than_fused_adamw": _common.within(s, peer),
         }
+        other = results.get(f"shardopt_buffer_{tag}")
+        if other is not None:  # real p.grad against grads only in the buffer
+            targets[tag]["torch_over_buffer_mode"] = s / other["ms"]["median"]
 
     doc = _common.run_header(device, config)
     doc.update({"copy_bandwidth": bw, "results": results, "figures": figures, "targets": targets,
@@ -419,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if piped is None else f" ({100 * piped:.1f}% back to back)") + "; "
               f"{t['vs_adamw_fused_fp32']:.3f}x fused AdamW fp32 time (target <= 1): "
               f"{'PASS' if t['pass_no_slower_than_fused_adamw'] else 'FAIL'}; "
-              f"{t['vs_adamw_fused_master']:.3f}x bf16+master by hand")
+              f"{t['vs_adamw_fused_master']:.3f}x bf16+master by hand"
+              + ("" if "torch_over_buffer_mode" not in t else
+                 f"; grad_mode torch/buffer {t['torch_over_buffer_mode']:.3f}x"))
     parts = profile_info.get("parts_ms", {})
     if parts:
         print("shardopt step parts (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))

@@ -9,9 +9,16 @@ from the median iteration time. Peak memory allocated/reserved is the allocator'
 timed iterations (steady state) and over the whole run (including the first step, which allocates
 the optimizer state). A peer that fails is recorded with its error and the rest still run.
 
+``--grad-modes torch,buffer`` (default: both) runs each shardopt system once per
+``OptimizerConfig.grad_mode``, side by side: ``shardopt`` is the default ``"torch"`` (``p.grad``
+after backward, all-reduced at DP > 1), ``shardopt_buffer`` grads only in the grad buffer
+(reduce-scatter); the summary gives the ratio of their median iteration times.
+
 GPU::
 
     PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --out $OUT
+    PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --systems shardopt,ddp \
+        --grad-modes torch,buffer --iters 10 --out $OUT --tag _grad_modes
 
 CPU smoke (gloo)::
 
@@ -44,7 +51,7 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
     model = _peers.build_gpt(a["preset"], device, seed=0, **a["overrides"])
     kwargs = {}
     if system.startswith("shardopt"):
-        kwargs.update(a["state_dtypes"])
+        kwargs.update(a["state_dtypes"], grad_mode=a["grad_mode"])
     if system == "megatron":
         kwargs["overlap_param_gather"] = a["megatron_overlap_param_gather"]
     sys_ = _peers.SETUP[system](model, _peers.Hyper(), device, **kwargs)
@@ -80,9 +87,14 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
     }
 
 
-def run_system(system: str, args: argparse.Namespace) -> dict:
+def run_system(system: str, args: argparse.Namespace, grad_mode: str = "torch") -> dict:
     a = {k: getattr(args, k) for k in ("device", "preset", "micro_batch", "warmup", "iters",
                                        "cpu_threads", "megatron_overlap_param_gather")}
+    a["grad_mode"] = grad_mode
+    if system.startswith("shardopt") and grad_mode != "torch":
+        system_name = f"{system}_{grad_mode}"
+    else:
+        system_name = system
     a["overrides"] = {"num_layers": args.num_layers} if args.num_layers else {}
     a["state_dtypes"] = {k: getattr(args, k) for k in ("exp_avg_dtype", "exp_avg_sq_dtype",
                                                          "grad_dtype") if getattr(args, k)}
@@ -92,13 +104,14 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
                              timeout_s=args.timeout)
     except Exception as e:  # noqa: BLE001 - a failing peer is a result, not the end of the run
         msg = str(e) if isinstance(e, _peers.RankFailed) else traceback.format_exc()
-        print(f"[{system}] FAILED after {time.perf_counter() - t0:.0f} s:\n{msg}", flush=True)
-        return {"system": system, "ok": False, "error": msg[-6000:]}
+        print(f"[{system_name}] FAILED after {time.perf_counter() - t0:.0f} s:\n{msg}",
+              flush=True)
+        return {"system": system_name, "ok": False, "error": msg[-6000:]}
     r0 = ranks[0]
     tokens = args.micro_batch * _seq_len(args.preset) * args.nproc
     st = _common.stats(r0["iter_s"])
     out = {
-        "system": system,
+        "system": system_name,
         "ok": True,
         "iter_s": st,
         "iter_s_all": r0["iter_s"],
@@ -113,7 +126,7 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
                 "peak_reserved_all", "allocated_end"):
         out[key] = max(r[key] for r in ranks)
         out[key + "_per_rank"] = [r[key] for r in ranks]
-    print(f"[{system}] {st['median'] * 1e3:.1f} ms/iter, {out['tokens_per_s']:.0f} tok/s, "
+    print(f"[{system_name}] {st['median'] * 1e3:.1f} ms/iter, {out['tokens_per_s']:.0f} tok/s, "
           f"peak alloc {out['peak_allocated_steady'] / _common.GIB:.2f} GiB, "
           f"loss {r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f}", flush=True)
     return out
@@ -149,6 +162,16 @@ def summary(results: list[dict], nproc: int) -> str:
             ratio = ours["iter_s"]["median"] / ddp["iter_s"]["median"]
             lines.append(f"{name}/ddp iteration time: {ratio:.3f} (target <= 1.03): "
                          f"{'MET' if ratio <= 1.03 else 'MISSED'}")
+        buffer = by.get(f"{name}_buffer")
+        if ours and buffer:
+            ratio = ours["iter_s"]["median"] / buffer["iter_s"]["median"]
+            lines.append(f"{name} grad_mode torch/buffer iteration time: {ratio:.3f} "
+                         f"(min {ours['iter_s']['min'] * 1e3:.1f} / "
+                         f"{buffer['iter_s']['min'] * 1e3:.1f} ms, max "
+                         f"{ours['iter_s']['max'] * 1e3:.1f} / "
+                         f"{buffer['iter_s']['max'] * 1e3:.1f} ms); peak allocated "
+                         f"{ours['peak_allocated_steady'] / _common.GIB:.2f} / "
+                         f"{buffer['peak_allocated_steady'] / _common.GIB:.2f} GiB")
         if ours and "megatron" in by:
             ratio = ours["iter_s"]["median"] / by["megatron"]["iter_s"]["median"]
             lines.append(f"{name}/megatron iteration time: {ratio:.3f} (target < 1): "
@@ -175,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("exp-avg-dtype", "exp-avg-sq-dtype", "grad-dtype"):
         p.add_argument(f"--{name}", default=None,
                        help="shardopt's state setting (float32, bfloat16; int8 for moments)")
+    p.add_argument("--grad-modes", default="torch,buffer",
+                   help="OptimizerConfig.grad_mode values each shardopt system runs with")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args(argv)
@@ -185,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("CUDA is not available; use --device cpu for a smoke run")
 
-    results = [run_system(s, args) for s in systems]
+    grad_modes = [m for m in args.grad_modes.split(",") if m]
+    if set(grad_modes) - {"torch", "buffer"} or not grad_modes:
+        p.error(f"--grad-modes takes torch and/or buffer, got {args.grad_modes!r}")
+    results = [run_system(s, args, mode) for s in systems
+               for mode in (grad_modes if s.startswith("shardopt") else ["torch"])]
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     config = {k: v for k, v in vars(args).items() if k not in ("out", "tag")}
     doc = {**_common.run_header(device, config), "benchmark": "train_iter", "results": results}

@@ -71,6 +71,9 @@ class ParamGrads(GradSync):
                       for i in range(len(layout.buffers)) if buffers.mirrored(i)}
         self._reported: set[str] = set()  # reported in this backward (dp_size > 1)
         self._continuing: set[str] = set()  # mirrored: p.grad taken away to add in fp32
+        # Mirrored, dp_size 1: params whose fp32 sum is not written yet (the first gradient
+        # went to the rounded copy alone, which holds it exactly).
+        self._unsummed: set[str] = set()
         self.reduced = False  # the grad buffers hold averaged gradients
         self._task: int | None = None  # the backward whose final callback is queued
         self._flags_all: torch.Tensor | None = None
@@ -89,7 +92,8 @@ class ParamGrads(GradSync):
                     continue
                 acc = p.view_as(p).grad_fn.next_functions[0][0]
                 self._accumulators.append(acc)
-                handles.append(acc.register_prehook(_WeakPrehook(me, fqn)))
+                handles.append(acc.register_prehook(
+                    _WeakPrehook(me, fqn, p, self.buffers.param_grad_views[fqn])))
         weakref.finalize(self, _remove, list(handles))
         return handles
 
@@ -97,8 +101,13 @@ class ParamGrads(GradSync):
         """Mirrored params: autograd is about to add a gradient to ``p.grad``; if that is the
         rounded copy, take it away so the new gradient is added to the fp32 sum instead."""
         p = self._param_of[fqn]
-        if p.grad is self.buffers.param_grad_views[fqn]:
+        view = self.buffers.param_grad_views[fqn]
+        if p.grad is view:
             self._take_edits(self._mirrored[fqn])
+            if fqn in self._unsummed:
+                self._unsummed.discard(fqn)
+                with torch.no_grad():
+                    self.buffers.grad_views[fqn].copy_(view)
             p.grad = None
             self._continuing.add(fqn)
 
@@ -110,18 +119,24 @@ class ParamGrads(GradSync):
         view = self.buffers.param_grad_views[fqn]
         if g is not view:
             accum = self.buffers.grad_views[fqn]
-            with torch.no_grad():
-                if fqn in self._continuing:  # mirrored: the exact fp32 sum is in accum
-                    self._continuing.discard(fqn)
-                    accum.add_(g)
-                    view.copy_(accum)
-                else:  # p.grad was None (or a tensor set by hand, which autograd added to)
+            graph = g.requires_grad  # create_graph: leave the grad that carries a graph
+            if graph:
+                g = g.detach()
+            if fqn in self._continuing:  # mirrored: the exact fp32 sum is in accum
+                self._continuing.discard(fqn)
+                accum.add_(g)
+                view.copy_(accum)
+            elif fqn not in self._mirrored:  # p.grad was None (or a tensor set by hand)
+                accum.copy_(g)
+            else:  # at one rank the fp32 sum waits for a second backward (if any)
+                view.copy_(g)
+                if self.dp.size > 1:
                     accum.copy_(g)
-                    if fqn in self._mirrored:
-                        view.copy_(g)
+                else:
+                    self._unsummed.add(fqn)
             if fqn in self._mirrored:
                 self._wrote(self._mirrored[fqn])
-            if not g.requires_grad:  # create_graph: leave the grad that carries a graph
+            if not graph:
                 param.grad = view
         elif fqn in self._mirrored:  # added to the rounded copy in place: p.grad counts
             self.buffers.grad_views[fqn].copy_(view)
@@ -301,15 +316,18 @@ class ParamGrads(GradSync):
 
 class _WeakPrehook:
     """:meth:`ParamGrads.before_accumulate` through a weak reference (see
-    :func:`.build.grad_hooks` for why)."""
+    :func:`.build.grad_hooks` for why), called only when there is something to do: it runs
+    in every backward, and mostly ``p.grad`` is None then."""
 
-    def __init__(self, owner: weakref.ref, fqn: str) -> None:
-        self.owner, self.fqn = owner, fqn
+    def __init__(self, owner: weakref.ref, fqn: str, param: torch.Tensor,
+                 view: torch.Tensor) -> None:
+        self.owner, self.fqn, self.param, self.view = owner, fqn, param, view
 
     def __call__(self, grad_outputs: Any) -> None:
-        owner = self.owner()
-        if owner is not None:
-            owner.before_accumulate(self.fqn)
+        if self.param.grad is self.view:
+            owner = self.owner()
+            if owner is not None:
+                owner.before_accumulate(self.fqn)
 
 
 def _remove(handles: list[Any]) -> None:

@@ -95,13 +95,15 @@ class GradSync:
                 "gradient has left p.grad when it runs, so it would see p.grad None. Build "
                 "the optimizer with grad_mode='torch' (the default), or register the hook "
                 "with p.register_hook (it sees the gradient before it reaches the buffer)")
-        with torch.no_grad():
-            view = self.buffers.grad_views[fqn]
-            if fqn in self.written:
-                view.add_(param.grad)
-            else:  # first gradient since the last step or zero_grad: no memset, no read
-                view.copy_(param.grad)
-                self.written.add(fqn)
+        g = param.grad
+        if g.requires_grad:  # create_graph: not recorded by autograd
+            g = g.detach()
+        view = self.buffers.grad_views[fqn]
+        if fqn in self.written:
+            view.add_(g)
+        else:  # first gradient since the last step or zero_grad: no memset, no read
+            view.copy_(g)
+            self.written.add(fqn)
         param.grad = None
         # One rank launches nothing: a second backward just accumulates.
         if not (self._enabled and self.config.overlap_grad_reduce and self.dp.size > 1):
@@ -118,7 +120,7 @@ class GradSync:
         in its place in the param buffer (``param.data`` re-bound, as
         ``resize_token_embeddings`` does), before its gradient of another shape or dtype
         reaches the grad buffer."""
-        if self.replaced is not None:
+        if self.replaced is not None and self.replaced.problems:
             self.replaced.check()
         if param.data_ptr() != self.buffers.param_views[fqn].data_ptr():
             slot = self.layout.slots[fqn]

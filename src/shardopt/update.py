@@ -41,6 +41,8 @@ class Update:
         self.chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
         self._subset_tables: dict[tuple[int, ...], kernels.ChunkTable] = {}
         self.views: list[list[list[torch.Tensor]]] | None = None  # reset when moments move
+        self._fp32_grads: dict[int, torch.Tensor] | None = None  # buffer -> fp32 grads read
+        self._fixed: list[torch.Tensor | None] = []
 
     def triton(self, grad_scale: torch.Tensor | None, sum_sq: bool,
                steps: list[int | None], got: frozenset[str] | None) -> torch.Tensor | None:
@@ -213,7 +215,36 @@ class Update:
         return self.views
 
     def _grad_shards(self) -> list[torch.Tensor]:
-        grads = [self.opt.buffers.shard_grads(s) for s in self.opt.shards]
-        if any(g.dtype != torch.float32 for g in grads):
-            grads = [g.float() for g in grads]
-        return grads
+        """This rank's grad of each shard in fp32, for torch's fused AdamW: views of the grad
+        the step reads (:attr:`FlatBuffers.step_grads`) where it is fp32; where it is the
+        bf16/fp16 copy ``p.grad`` views of an fp32 grad buffer, that buffer's part of this
+        rank, overwritten with the copy's values first (what ``p.grad`` holds is what the
+        step takes; one cast per bucket); else one fp32 copy per bucket."""
+        opt = self.opt
+        if self._fp32_grads is None:
+            self._fp32_grads = {}
+            for bi, (step, accum) in enumerate(zip(opt.buffers.step_grads,
+                                                   opt.buffers.grad_buffers)):
+                if step.dtype == torch.float32 or accum.dtype == torch.float32:
+                    self._fp32_grads[bi] = step if step.dtype == torch.float32 else accum
+            self._fixed = [self._fp32_grads[s.buffer_index][s.range_global.as_slice()]
+                           if s.buffer_index in self._fp32_grads else None for s in opt.shards]
+        wide: dict[int, torch.Tensor] = {}
+        for bi, step in enumerate(opt.buffers.step_grads):
+            if step.dtype == torch.float32:
+                continue
+            buf = opt.layout.buffers[bi]
+            target = self._fp32_grads.get(bi)
+            if target is None:
+                wide[bi] = torch.empty(buf.local_numel, dtype=torch.float32, device=opt.device)
+            for b in buf.buckets:
+                own = b.shard_range_global(opt.dp.rank)
+                src = step.narrow(0, own.start, b.shard_numel)
+                if target is not None:
+                    target.narrow(0, own.start, b.shard_numel).copy_(src)
+                else:
+                    wide[bi].narrow(0, buf.local_offset(b.index), b.shard_numel).copy_(src)
+        if not wide:
+            return self._fixed
+        return [wide[s.buffer_index][s.range_local.as_slice()] if v is None else v
+                for s, v in zip(opt.shards, self._fixed)]
