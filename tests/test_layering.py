@@ -8,6 +8,7 @@ an import only runs when called).
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import pkgutil
@@ -22,9 +23,18 @@ PACKAGE = Path(shardopt.__file__).parent
 NOT_LIBRARY = ("shardopt.recipes", "shardopt.cli", "shardopt.__main__")
 
 
+# The framework each adapter imports: an optional extra, absent from a plain install.
+FRAMEWORKS = {"shardopt.integrations.lightning": "lightning",
+              "shardopt.integrations.accelerate": "accelerate",
+              "shardopt.integrations.transformers": "transformers"}
+
+
 def _library_modules() -> list[str]:
     names = ["shardopt"]
     for info in pkgutil.walk_packages([str(PACKAGE)], prefix="shardopt."):
+        framework = FRAMEWORKS.get(info.name)
+        if framework is not None and importlib.util.find_spec(framework) is None:
+            continue
         if not info.name.startswith(NOT_LIBRARY):
             names.append(info.name)
     return names
@@ -95,3 +105,17 @@ def test_the_static_check_sees_relative_and_lazy_imports():
     tree = ast.parse("def f():\n    from ..recipes import train\n    from . import io\n")
     names = _imported_names(tree, "shardopt.checkpoint.export")
     assert "shardopt.recipes.train" in names and "shardopt.checkpoint.io" in names
+
+
+def test_importing_shardopt_imports_no_framework():
+    # The frameworks are optional: shardopt and shardopt.integrations import none of them,
+    # each adapter module only its own.
+    probe = ("import json, sys, shardopt, shardopt.checkpoint, shardopt.integrations; "
+             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & "
+             f"{set(FRAMEWORKS.values())!r})))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(PACKAGE.parent)
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []

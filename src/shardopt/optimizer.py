@@ -52,6 +52,7 @@ from .param_grads import ParamGrads
 from .param_watch import ParamWatch, Replacements
 from .sync import GradientOrderError, GradSync, ParamSync
 from .update import STATE_NAMES, Update
+from .wrap_guard import WrapGuard
 
 if TYPE_CHECKING:
     from .checkpoint.snapshot import SaveFence
@@ -178,6 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks += self.param_sync.register_hooks(model, self.config, self.fqn_of)
         self._state_copies = StateDictCopies(self, model)  # model.state_dict(): own storages
         self._hooks += self._state_copies.register()
+        self._wrap_guard = WrapGuard(self, model)  # wrapped in DDP or copied after this
 
     # ------------------------------------------------------------------- sync
     def finish_param_sync(self) -> None:
@@ -214,6 +216,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._wrap_guard.check_step()
         self._host.check_onloaded("step()")
         guards.check_group_options(self)
         self.finish_param_sync()  # the update writes into the param buffers

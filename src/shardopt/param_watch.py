@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .guards import UsageError, unowned_trainable
+from .wrap_guard import ADAPTERS
 
 _version = attrgetter("_version")
 _requires_grad = attrgetter("requires_grad")
@@ -169,7 +170,8 @@ def moved_message(dp_rank: int, fqn: str, p: torch.Tensor, dtype: torch.dtype,
             f"{what}. The model was changed (model.float(), .half(), .to(...), .cuda(), "
             "param.data = ..., resize_token_embeddings) after DistributedOptimizer(model) was "
             "built, so training would no longer reach it. Change the model first, then build "
-            "the optimizer.")
+            "the optimizer. Frameworks move or copy the model as they prepare it (Accelerate "
+            f"copies it with .to('cpu:0') on CPU) unless told not to: {ADAPTERS}.")
 
 
 class Replacements:

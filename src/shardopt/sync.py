@@ -146,8 +146,8 @@ class GradSync:
                     f"[dp rank {self.dp.rank}] p.grad of {fqn!r} was set by hand after a "
                     "backward had started reducing its bucket: torch would replace the "
                     "gradient with it, which a reduced bucket no longer allows. Set it "
-                    "before that backward, or build the optimizer with "
-                    "overlap_grad_reduce=False (reductions then wait for step())")
+                    "before that backward, or build the optimizer with grad_mode='torch' "
+                    "(the default), where step() takes whatever p.grad holds")
         for p in assigned:
             self.written.discard(self.fqn_of[p])  # replaced, not added to
             self.on_grad_ready(p)
