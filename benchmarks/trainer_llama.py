@@ -63,7 +63,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--out", default="benchmarks/results/trainer_llama.json")
+    p.add_argument("--out", default="benchmarks/results/trainer_llama_1gpu_fp32.json")
     p.add_argument("--child-out", help=argparse.SUPPRESS)  # one system's result (internal)
     a = p.parse_args(argv)
     a.micro_batch = a.micro_batch or (2 if a.tiny else 8)
