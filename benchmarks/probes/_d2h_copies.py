@@ -9,6 +9,9 @@ How the bytes move:
   after each piece, as ``shardopt.checkpoint.snapshot`` queues a save's copies.
 * ``thread``: the same pieces issued by a host thread that keeps ``in_flight`` of them queued
   (it sleeps on a blocking event of the piece ``in_flight`` back before it issues the next).
+  ``paced_<piece>_<in flight>``: small pieces (1-4 MiB), 1 or 2 in flight; with 1 the copy
+  stream's queue runs empty between every two pieces, for as long as the thread takes to wake
+  and issue the next.
 * ``uva``: ``copy_`` into a CUDA tensor that aliases the pinned memory (its UVA address), so
   torch issues a device-to-device ``cudaMemcpyAsync`` whose destination is host memory.
 * ``kernel``: a Triton kernel of ``ctas`` programs, each looping over the blocks of a piece
@@ -71,14 +74,14 @@ class _Clock:
         return (later.t - self.t) * 1e3
 
 
-def _stream(device: torch.device, priority: str):
+def side_stream(device: torch.device, priority: str):
     if device.type != "cuda":
         return None
     # torch maps a priority past the highest to the highest
     return torch.cuda.Stream(device, priority=-(1 << 10) if priority == "high" else 0)
 
 
-def _on(stream):
+def on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
@@ -183,7 +186,7 @@ class Running:
         self.thread: threading.Thread | None = None
         cuda = device.type == "cuda"
         current = torch.cuda.current_stream(device) if cuda else None
-        self.streams = [_stream(device, s.priority) for _ in range(max(1, s.streams))]
+        self.streams = [side_stream(device, s.priority) for _ in range(max(1, s.streams))]
         first = self.streams[0]
         if cuda:  # the source is final once the work queued so far has run
             first.wait_stream(current)
@@ -195,7 +198,7 @@ class Running:
                 raise RuntimeError(f"{s.name}: no spare device memory for the device copy")
             ctas = 4 * (torch.cuda.get_device_properties(device).multi_processor_count
                         if cuda else 1)
-            with _on(first):
+            with on(first):
                 for lo in range(0, buf.src.numel(), s.piece):
                     hi = min(lo + s.piece, buf.src.numel())
                     if s.d2d == "ce":
@@ -205,7 +208,7 @@ class Running:
             self.d2d_end = _mark(first)
             source = buf.spare
         # The drain may run on a stream of another priority than the device copy's.
-        drain = first if not s.d2d else _stream(device, s.priority)
+        drain = first if not s.d2d else side_stream(device, s.priority)
         if s.d2d and cuda:
             drain.wait_event(self.d2d_end)
             self.streams = [drain]
@@ -237,7 +240,7 @@ class Running:
             stream = self.streams[k % len(self.streams)]
             if stream is not first and k < len(self.streams):
                 stream.wait_event(self.t0)
-            with _on(stream):
+            with on(stream):
                 self._copy_piece(lo, hi)
             _mark(stream)  # an event after every piece, as a save's fence has
         for stream in self.streams[1:]:
@@ -253,7 +256,7 @@ class Running:
             for k, (lo, hi) in enumerate(pieces):
                 if k >= self.s.in_flight:
                     marks[k - self.s.in_flight].synchronize()  # asleep: a blocking event
-                with _on(stream):
+                with on(stream):
                     self._copy_piece(lo, hi)
                 marks.append(_mark(stream, blocking=True))
             self.end = marks[-1] if marks else _mark(stream, blocking=True)
@@ -287,7 +290,7 @@ def device_facts(device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {"cuda": False}
     out: dict[str, Any] = {"sms": torch.cuda.get_device_properties(device).multi_processor_count,
-                           "stream_priority": {p: _stream(device, p).priority
+                           "stream_priority": {p: side_stream(device, p).priority
                                                for p in ("default", "high")}}
     try:
         from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
@@ -335,6 +338,10 @@ STRATEGIES = {s.name: s for s in (
     Strategy("d2d+queued_4g", "queued", piece=4 * GIB, d2d="ce"),  # as snapshot="device"
     Strategy("d2dk_only", "none", d2d="kernel"),
     Strategy("d2dk+kernel_16", "kernel", ctas=16, d2d="kernel"),
+    # paced drains: small pieces fed by a thread, from the source or from a device copy first
+    *(Strategy(f"{first}paced_{mib}m_{k}", "thread", piece=mib * MIB, in_flight=k,
+               d2d="ce" if first else "")
+      for first in ("", "d2d+") for mib in (1, 2, 4) for k in (1, 2)),
 )}
 
 

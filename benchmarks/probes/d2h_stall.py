@@ -18,7 +18,8 @@ measures, ``--reps`` times each (5; medians with min and max):
   apart). Read kinds: ``item`` (pageable, as ``.item()``), ``pinned`` (a 1-element copy into
   page-locked memory on the current stream, then a stream synchronize: whether the copy
   engine's queue is what waits), ``sync`` (a small kernel and a stream synchronize, no copy:
-  whether the training stream itself is held up).
+  whether the training stream itself is held up), ``high`` (as ``item``, the read's kernel and
+  copy on a stream of the highest priority: whether a priority reaches the copy engine).
 * ``iter``: Hugging Face's ``LlamaForCausalLM`` of 1.35B params (``_common.build_hf_llama``:
   bf16, SDPA, an all-ones attention mask, whose check reads the GPU on the host early in
   every forward), ``--accumulate`` micro-batches of ``--micro-batch`` x 1024 tokens
@@ -28,20 +29,32 @@ measures, ``--reps`` times each (5; medians with min and max):
   waits; the copy may go on). Each repetition runs one iteration without a copy and one that
   starts the copy first, as a save called at the iteration's start does; the slowdown is the
   iteration with the copy minus the median of those without. Every host read of a GPU value
-  in the iteration is timed (``Tensor.__bool__`` and ``Tensor.item`` wrapped): the first and
-  their sum. ``/no_reads``: no mask and no explicit read, for the slowdown the copy costs
-  by bandwidth alone.
+  in the iteration is timed (``Tensor.__bool__`` and ``Tensor.item`` wrapped): each read's
+  wait (``read_waits_s``), the first, the longest and their sum; and the copy's GB/s and
+  seconds from its start to its last byte (with a device copy first, the drain's apart).
+  ``/no_reads``: no mask and no explicit read, for the slowdown the copy costs by bandwidth
+  alone.
 
 Every repetition fills the source with a new pattern and checks the host copy at 80 places
-(``data_ok``). Steps run in the order of ``PLAN`` (most wanted first); a step whose estimated
-time does not fit in what is left of ``--budget-s`` is skipped and listed in ``skipped``.
-The result (``d2h_stall_1gpu.json`` in ``--out``) records the date, commit, command, GPU,
+(``data_ok``). Steps run in the order of ``_d2h_plan.PLAN`` (most wanted first), or of
+``--ways``: way names (each with its steps in ``PLAN``, or its iteration step where it has none),
+groups (``paced``: the paced drains during the iteration and the high-priority read) or single
+steps as the result names them (``idle:queued_256m:high``, ``iter:paced_1m_1``,
+``iter:kernel_16/no_reads``); a step whose estimated time does not fit in what is left of
+``--budget-s`` is skipped and listed in ``skipped``.
+The result (``d2h_stall_1gpu<--tag>.json`` in ``--out``) records the date, commit, command, GPU,
 driver, copy engines (``asyncEngineCount`` through cuda-bindings or cupy where installed),
 stream priorities and torch version; a table is printed at the end.
 
 GPU (one H200; about 4 minutes, most of it the model iterations)::
 
     PYTHONPATH=src python3 benchmarks/probes/d2h_stall.py --out benchmarks/results
+
+The paced drains during the iteration, from the source and after a device copy, and a read on
+a high-priority stream (one H200, about 2 minutes with setup)::
+
+    PYTHONPATH=src python3 benchmarks/probes/d2h_stall.py --ways paced --budget-s 105 \
+        --tag _drain --out benchmarks/results
 
 CPU (code paths only, the copy kernel in Triton's interpreter; the numbers mean nothing)::
 
@@ -68,35 +81,7 @@ sys.path.insert(0, str(HERE))
 import _common  # noqa: E402
 import _d2h_copies as copies  # noqa: E402
 from _d2h_copies import GIB, MIB, Strategy  # noqa: E402
-
-
-# (part, strategy, read kind or reads in the iteration, GiB at most (0: all)), most wanted
-# first: the budget skips from the end.
-PLAN: list[tuple[str, str, Any, float]] = [
-    ("idle", "queued_256m", "item", 0), ("idle", "queued_4g", "item", 0),
-    ("idle", "thread_16m", "item", 0), ("idle", "uva_256m", "item", 0),
-    ("idle", "kernel_16", "item", 0), ("idle", "d2d+kernel_16", "item", 0),
-    ("idle", "queued_256m", "pinned", 0), ("idle", "queued_256m", "sync", 0),
-    ("iter", "queued_256m", True, 0), ("iter", "queued_4g", True, 0),
-    ("iter", "thread_16m", True, 0), ("iter", "uva_256m", True, 0),
-    ("iter", "kernel_16", True, 0), ("iter", "d2d_only", True, 0),
-    ("iter", "d2d+kernel_16", True, 0), ("iter", "queued_256m_high", True, 0),
-    ("iter", "queued_256m", False, 0), ("idle", "queued_256m_high", "item", 0),
-    ("idle", "thread_4m", "item", 0), ("idle", "thread_64m", "item", 0),
-    ("idle", "thread_256m", "item", 0), ("idle", "queued_1g", "item", 0),
-    ("idle", "queued_16m", "item", 0), ("idle", "queued_256m_4streams", "item", 0),
-    *(("idle", f"kernel_{n}", "item", 4) for n in (4, 8, 32, 64)),
-    ("idle", "d2d_only", "item", 0), ("idle", "d2dk_only", "item", 0),
-    ("idle", "d2d+thread_64m", "item", 0), ("idle", "d2d+queued_4g", "item", 0),
-    ("idle", "d2d+kernel_32", "item", 0), ("idle", "d2dk+kernel_16", "item", 0),
-    ("idle", "thread_16m", "pinned", 0), ("idle", "thread_16m", "sync", 0),
-    ("idle", "kernel_16", "pinned", 0),
-    ("iter", "kernel_32", True, 0), ("iter", "d2d+kernel_32", True, 0),
-    ("iter", "d2d+thread_64m", True, 0), ("iter", "d2d+queued_4g", True, 0),
-    ("iter", "d2dk+kernel_16", True, 0), ("iter", "kernel_16", False, 0),
-    ("iter", "thread_64m", True, 0), ("iter", "queued_1g", True, 0),
-    ("iter", "queued_256m_4streams", True, 0),
-]
+from _d2h_plan import GROUPS, PLAN, plan  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -111,8 +96,13 @@ class _Reader:
         self.device = device
         self.flag = torch.zeros(1 << 10, device=device)
         self.pinned = torch.empty(1, dtype=torch.bool, pin_memory=device.type == "cuda")
+        self.high = copies.side_stream(device, "high")
 
     def read(self, kind: str) -> None:
+        if kind == "high":
+            with copies.on(self.high):
+                bool((self.flag != 0).any())
+            return
         hit = (self.flag != 0).any()
         if kind == "item":
             bool(hit)
@@ -157,7 +147,7 @@ class _ReadTimer:
 
 
 class Probe:
-    def __init__(self, a: argparse.Namespace, device: torch.device) -> None:
+    def __init__(self, a: argparse.Namespace, device: torch.device, kernels: bool) -> None:
         from shardopt.pinned import PinnedBuffer
 
         self.a, self.device, self.seed = a, device, 0
@@ -173,7 +163,7 @@ class Probe:
         self.batches = _common.make_batches("hf-llama", "tiny" if a.tiny else "1b", 0, 1,
                                             a.micro_batch, a.accumulate, device)
         self.reader, self.timer = _Reader(device), _ReadTimer(device)
-        self.kernel_check = self._kernel_warmup()
+        self.kernel_check = self._kernel_warmup() if kernels else "no copy kernel planned"
         copies.STRATEGIES["queued_256m"].start(self.buf, device).wait()  # every page written once
         for _ in range(2):
             self._iteration(True)
@@ -259,8 +249,9 @@ class Probe:
         iter_s = time.perf_counter() - t0
         log, self.timer.log = self.timer.log, None
         row = {"quiet_iter_s": quiet, "iter_s": iter_s, "call_s": call_s,
-               "copy_done_in_iter": run.done(), "reads": len(log),
-               "first_read_s": log[0] if log else None, "reads_s": sum(log)}
+               "copy_done_in_iter": run.done(), "reads": len(log), "read_waits_s": log,
+               "first_read_s": log[0] if log else None,
+               "max_read_s": max(log) if log else None, "reads_s": sum(log)}
         return self._finish(run, buf, row)
 
 
@@ -276,7 +267,8 @@ def _summary(rows: list[dict], keys: tuple[str, ...]) -> dict[str, Any]:
 
 def _estimate(probe: Probe, part: str, name: str, gib: float) -> float:
     nbytes = min(probe.nbytes, gib * GIB) if gib else probe.nbytes
-    copy_s = nbytes / (probe.gbps.get(name, 15.0) * 1e9) + 0.05
+    gbps = probe.gbps.get(name) or probe.gbps.get(name.removeprefix("d2d+"), 15.0)
+    copy_s = nbytes / (gbps * 1e9) + 0.05
     per_rep = copy_s if part == "idle" else 2 * probe.iter_s + max(0.0, copy_s - probe.iter_s)
     return probe.a.reps * (per_rep + 0.1)
 
@@ -294,14 +286,14 @@ def _reps(rep, reps: int, deadline: float) -> list[dict]:
 
 
 def run(a: argparse.Namespace, device: torch.device, started: float) -> dict[str, Any]:
-    probe = Probe(a, device)
+    steps = plan(a.ways)
+    probe = Probe(a, device, any(copies.STRATEGIES[p[1]].how == "kernel" for p in steps))
     out: dict[str, Any] = {"setup_s": time.perf_counter() - started, "alloc_s": probe.alloc_s,
                            "copy_bytes": probe.nbytes, "dst_view": probe.view_how,
                            "kernel_check": probe.kernel_check, "quiet_iter_s": probe.iter_s,
                            "parameters": _common.param_count(probe.model),
                            "idle": {}, "iter": {}, "skipped": []}
-    plan = [p for p in PLAN if not a.only or p[1] in a.only.split(",")]
-    for part, name, mode, gib in plan:
+    for part, name, mode, gib in steps:
         s = copies.STRATEGIES[name]
         if a.tiny:  # the same number of pieces as at 18 GiB
             s = dataclasses.replace(s, piece=max(4096, s.piece * probe.nbytes // (18 * GIB)
@@ -330,8 +322,9 @@ def run(a: argparse.Namespace, device: torch.device, started: float) -> dict[str
                 for r in rows:
                     r["slowdown_s"] = r["iter_s"] - quiet
                 res = _summary(rows, ("slowdown_s", "iter_s", "quiet_iter_s", "first_read_s",
-                                      "reads_s", "copy_s", "d2d_s", "drain_s", "gbps",
-                                      "call_s"))
+                                      "max_read_s", "reads_s", "copy_s", "d2d_s", "drain_s",
+                                      "gbps", "call_s"))
+                probe.gbps.setdefault(name, res["gbps"]["median"])
                 res["slowdown_fraction"] = res["slowdown_s"]["median"] / quiet
                 res["copy_done_in_iter"] = sum(r["copy_done_in_iter"] for r in rows)
                 res["reads_per_iter"] = rows[0]["reads"]
@@ -361,7 +354,9 @@ def _line(part: str, r: dict) -> str:
         return (f"{gbps}, copy {_ms(r.get('copy_s'))} ms, first read {_ms(r.get('first_read_s'))}"
                 f" ms, longest read {_ms(r.get('max_read_s'))} ms")
     return (f"slowdown {_ms(r.get('slowdown_s'))} ms ({100 * r['slowdown_fraction']:.1f}%), "
-            f"first read {_ms(r.get('first_read_s'))} ms, {gbps}, copy {_ms(r.get('copy_s'))} ms")
+            f"reads: first {_ms(r.get('first_read_s'))}, longest {_ms(r.get('max_read_s'))}, "
+            f"summed {_ms(r.get('reads_s'))} ms; {gbps}, copy {_ms(r.get('copy_s'))} ms, "
+            f"drain {_ms(r.get('drain_s'))} ms")
 
 
 def _table(out: dict[str, Any]) -> str:
@@ -373,12 +368,14 @@ def _table(out: dict[str, Any]) -> str:
                      _ms(i.get("first_read_s")), _ms(i.get("max_read_s")),
                      _ms(t.get("slowdown_s")),
                      f"{100 * t['slowdown_fraction']:.1f}%" if "slowdown_fraction" in t else "-",
-                     _ms(t.get("first_read_s")),
+                     _ms(t.get("first_read_s")), _ms(t.get("max_read_s")),
+                     _ms(t.get("reads_s")),
                      f"{t['gbps']['median']:.1f}" if "gbps" in t else "-",
-                     _ms(t.get("d2d_s") or i.get("d2d_s"))])
+                     _ms(t.get("copy_s")), _ms(t.get("d2d_s") or i.get("d2d_s"))])
     return _common.format_table(rows, ["way", "idle GB/s", "idle 1st read ms",
                                        "idle longest ms", "iter slowdown ms", "of iter",
-                                       "iter 1st read ms", "iter GB/s", "d2d ms"])
+                                       "iter 1st read ms", "iter longest ms",
+                                       "iter reads ms", "iter GB/s", "iter copy ms", "d2d ms"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=270.0,
                    help="seconds for the whole run, setup included; steps that would not "
                         "fit are skipped")
-    p.add_argument("--only", default="", help="comma-separated ways to run (default: all)")
+    p.add_argument("--ways", "--only", dest="ways", default="",
+                   help="comma-separated ways, steps (idle:NAME[:KIND], iter:NAME[/no_reads]) "
+                        f"or groups ({', '.join(GROUPS)}) to run, in that order (default: all)")
+    p.add_argument("--tag", default="", help="suffix of the result file's name")
     p.add_argument("--no-d2d", action="store_true", help="no spare device buffer")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--out", default="benchmarks/results")
@@ -402,11 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     a.micro_batch = a.micro_batch or (2 if a.tiny else 8)
     if a.reps < 1:
         p.error("--reps must be at least 1")
-    unknown = [n for n in a.only.split(",") if n and n not in copies.STRATEGIES]
-    if unknown:
-        p.error(f"unknown ways {unknown}; have {', '.join(copies.STRATEGIES)}")
+    try:
+        steps = plan(a.ways)
+    except ValueError as e:
+        p.error(str(e))
     if a.dry_run:
-        for part, name, mode, gib in PLAN:
+        for part, name, mode, gib in steps:
             print(part, name, mode, f"{gib} GiB" if gib else "", copies.STRATEGIES[name])
         return 0
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
            "model": {"name": "hf-llama", "preset": "tiny" if a.tiny else "1b",
                      "micro_batch": a.micro_batch, "accumulate": a.accumulate},
            **out, "wall_s": time.perf_counter() - started}
-    name = f"d2h_stall_{'1gpu' if device.type == 'cuda' else 'cpu'}.json"
+    name = f"d2h_stall_{'1gpu' if device.type == 'cuda' else 'cpu'}{a.tag}.json"
     _common.write_json(Path(a.out) / name, doc)
     print(_table(out))
     print(f"skipped: {[s['step'] for s in out['skipped']]}")
