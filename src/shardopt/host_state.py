@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -45,8 +45,8 @@ from .moments import Moments
 from .quant import Moment
 from .pinned import PinnedBuffer
 
-if TYPE_CHECKING:
-    from .optimizer import DistributedOptimizer
+# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
+# this module, never the reverse.
 
 KINDS = ("moments", "main_params", "grads", "params")
 # Host-to-device copies by a kernel that reads the page-locked host memory (True), by the
@@ -63,7 +63,7 @@ class OffloadError(ValueError):
 class HostState:
     """Where the optimizer's state lives when it is not on the device."""
 
-    def __init__(self, opt: DistributedOptimizer, model: torch.nn.Module,
+    def __init__(self, opt: Any, model: torch.nn.Module,
                  on_realloc: Callable[[], None]) -> None:
         self.opt = opt
         self._on_realloc = on_realloc  # told when onload gave the params new storage

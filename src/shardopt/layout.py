@@ -32,6 +32,9 @@ from functools import cached_property
 
 import torch
 
+# The per-param state of a shard, in the order state_dict() and checkpoints hold it.
+STATE_NAMES = ("master_param", "exp_avg", "exp_avg_sq")
+
 
 @dataclass(frozen=True)
 class Range:

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .state_dict import StateWriteError, names, view
 
-if TYPE_CHECKING:
-    from .optimizer import DistributedOptimizer
+# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
+# this module, never the reverse.
 
 
-def _refuse_write(opt: DistributedOptimizer, fqn: str, what: str) -> StateWriteError:
+def _refuse_write(opt: Any, fqn: str, what: str) -> StateWriteError:
     return StateWriteError(
         f"[dp rank {opt.dp.rank}] {what} optimizer.state[{fqn!r}]: its entries are computed "
         "from the sharded state on each access, so the change would be lost. Write into its "
@@ -40,7 +40,7 @@ class _StepCount(torch.Tensor):
     pickles are plain tensors."""
 
     @staticmethod
-    def __new__(cls, opt: DistributedOptimizer, fqn: str) -> _StepCount:
+    def __new__(cls, opt: Any, fqn: str) -> _StepCount:
         count = torch.Tensor._make_subclass(cls, torch.tensor(float(opt.param_steps[fqn])))
         count._opt, count._fqn = opt, fqn
         return count
@@ -80,7 +80,7 @@ class _Entry(dict):
     Anything else that would replace or remove an entry raises instead of being silently
     dropped. Copies and pickles are plain dicts."""
 
-    def __init__(self, opt: DistributedOptimizer, fqn: str, values: dict[str, Any]) -> None:
+    def __init__(self, opt: Any, fqn: str, values: dict[str, Any]) -> None:
         super().__init__(values)
         self._opt, self._fqn = opt, fqn
 
@@ -124,7 +124,7 @@ class LocalState(defaultdict):
     in-place writes naming the param, and any other replacing or removing of an entry (of a
     param or of the mapping) raises :class:`StateWriteError`: it could not reach the state."""
 
-    def __init__(self, opt: DistributedOptimizer) -> None:
+    def __init__(self, opt: Any) -> None:
         super().__init__(dict)
         self._opt = opt
 

@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .optimizer import DistributedOptimizer
+# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
+# this module, never the reverse.
 
 
 class StateDictCopies:
     """The post-hooks of one optimizer, and the copies made in the ``state_dict()`` call in
     progress (weakly: the state dict owns them)."""
 
-    def __init__(self, opt: DistributedOptimizer, model: torch.nn.Module) -> None:
+    def __init__(self, opt: Any, model: torch.nn.Module) -> None:
         self._opt = weakref.ref(opt)
         owned: Mapping[torch.nn.Parameter, str] = opt.fqn_of
         self._own = {}  # module -> names of its params the optimizer holds

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -20,8 +20,8 @@ from .config import INT8
 from .layout import Range
 from .pinned import PinnedBuffer
 
-if TYPE_CHECKING:
-    from .optimizer import DistributedOptimizer
+# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
+# this module, never the reverse.
 
 NAMES = ("exp_avg", "exp_avg_sq")
 
@@ -63,18 +63,18 @@ def piece(m: quant.Moment, r: Range) -> quant.Moment:
     return quant.Moment.wrap(m.kind, m.values[r.as_slice()], scales, m.sqrt)
 
 
-def kinds(opt: DistributedOptimizer) -> dict[str, torch.dtype | str]:
+def kinds(opt: Any) -> dict[str, torch.dtype | str]:
     """The storage kind of each moment in ``opt``'s configuration."""
     return {"exp_avg": opt.config.exp_avg_dtype, "exp_avg_sq": opt.config.exp_avg_sq_dtype}
 
 
-def zeros(opt: DistributedOptimizer) -> Moments:
+def zeros(opt: Any) -> Moments:
     """Zero moments on the device: what the first step starts from."""
     return Moments(*(tuple(quant.Moment(kind, b.local_numel, opt.device, sqrt=name == NAMES[1])
                            for b in opt.layout.buffers) for name, kind in kinds(opt).items()))
 
 
-def allocate(opt: DistributedOptimizer, on_host: bool) -> Moments:
+def allocate(opt: Any, on_host: bool) -> Moments:
     """New moments in ``opt``'s storage format whose params' parts are for the caller to
     fill (padding and scales start at zero), on the device or (``on_host``) in host memory,
     page-locked at its exact size when the optimizer is on CUDA (:mod:`.pinned`)."""
@@ -105,7 +105,7 @@ def allocate(opt: DistributedOptimizer, on_host: bool) -> Moments:
     return Moments(out[0], out[1], tuple(pinned))
 
 
-def load_target(opt: DistributedOptimizer, on_host: bool) -> tuple[Moments, bool]:
+def load_target(opt: Any, on_host: bool) -> tuple[Moments, bool]:
     """Where loaded moments go (with the page-locked memory behind them), and whether
     they are new.
 
@@ -121,7 +121,7 @@ def load_target(opt: DistributedOptimizer, on_host: bool) -> tuple[Moments, bool
     return opt.moments, False
 
 
-def _zero_padding(opt: DistributedOptimizer, t: torch.Tensor, bi: int) -> None:
+def _zero_padding(opt: Any, t: torch.Tensor, bi: int) -> None:
     """Zero what no param shard of buffer ``bi`` covers in local tensor ``t``."""
     covered = sorted((s.range_local for s in opt.shards if s.buffer_index == bi),
                      key=lambda r: r.start)
@@ -132,7 +132,7 @@ def _zero_padding(opt: DistributedOptimizer, t: torch.Tensor, bi: int) -> None:
         pos = max(pos, r.end)
 
 
-def memory_bytes(opt: DistributedOptimizer) -> dict[str, int]:
+def memory_bytes(opt: Any) -> dict[str, int]:
     """``opt.memory_bytes()``: params, grads and the optimizer state allocated now."""
     out = opt.buffers.num_bytes()
     state = sum(t.numel() * t.element_size() for t in opt.main_params if t is not None)
@@ -142,7 +142,7 @@ def memory_bytes(opt: DistributedOptimizer) -> dict[str, int]:
     return out
 
 
-def no_fp32_view(opt: DistributedOptimizer, name: str) -> str:
+def no_fp32_view(opt: Any, name: str) -> str:
     """Why ``opt.state_view(name, ...)`` has no fp32 view of bf16/int8 moments."""
     kinds = opt.config.to_dict()
     return (f"[dp rank {opt.dp.rank}] state_view({name!r}) is an fp32 view; this optimizer "

@@ -45,13 +45,13 @@ from .local_state import LocalState
 from .config import OptimizerConfig
 from .grad_norm import GradNorm
 from .host_state import KINDS, HostState
-from .layout import Layout, ParamShard, ParamSpec, build_layout
+from .layout import STATE_NAMES, Layout, ParamShard, ParamSpec, build_layout
 from .model_state import StateDictCopies
 from .moments import Moments
 from .param_grads import ParamGrads
 from .param_watch import ParamWatch, Replacements
 from .sync import GradientOrderError, GradSync, ParamSync
-from .update import STATE_NAMES, Update
+from .update import Update
 from .wrap_guard import WrapGuard
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -56,8 +56,8 @@ from .config import GROUP_KEYS, INT8, dtype_name, group_value
 from .flat_shard import FlatShard
 from .layout import ParamShard, Range
 
-if TYPE_CHECKING:
-    from .optimizer import DistributedOptimizer
+# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
+# this module, never the reverse.
 
 MOMENTS = moments_.NAMES
 log = logging.getLogger("shardopt.state_dict")
@@ -72,11 +72,11 @@ class StateWriteError(ValueError):
     entry, replacing one by something else than a tensor like it); names the FQN and rank."""
 
 
-def _numel(opt: DistributedOptimizer, fqn: str) -> int:
+def _numel(opt: Any, fqn: str) -> int:
     return math.prod(opt.layout.slots[fqn].shape)
 
 
-def names(opt: DistributedOptimizer) -> list[str]:
+def names(opt: Any) -> list[str]:
     """The state entries of each param: moments (with ``".scale"`` entries for 8-bit ones),
     then the master param."""
     out = []
@@ -85,7 +85,7 @@ def names(opt: DistributedOptimizer) -> list[str]:
     return out + ["master_param"]
 
 
-def _expected(opt: DistributedOptimizer, name: str, fqn: str, shard: ParamShard | None
+def _expected(opt: Any, name: str, fqn: str, shard: ParamShard | None
               ) -> tuple[torch.dtype, int, int, int]:
     """dtype, global numel, offset and local numel of entry ``name`` of ``fqn`` on this rank."""
     numel = _numel(opt, fqn)
@@ -99,14 +99,14 @@ def _expected(opt: DistributedOptimizer, name: str, fqn: str, shard: ParamShard 
     return quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, r.start, r.size
 
 
-def _kind_names(opt: DistributedOptimizer) -> dict[str, str]:
+def _kind_names(opt: Any) -> dict[str, str]:
     """How ``opt`` keeps each moment, by config name (``"float32"``, ``"bfloat16"``,
     ``"int8"``)."""
     return {name: kind if isinstance(kind, str) else dtype_name(kind)
             for name, kind in moments_.kinds(opt).items()}
 
 
-def _check_kinds(opt: DistributedOptimizer, fqn: str, entry: Mapping, cast: set[str]) -> None:
+def _check_kinds(opt: Any, fqn: str, entry: Mapping, cast: set[str]) -> None:
     """Refuse moments kept in another format where one of them is 8-bit (a load that cast
     codes into values, or values into codes); collect float-to-float casts in ``cast``.
     Entries without the dtypes (state dicts older than them) are taken as they are."""
@@ -129,7 +129,7 @@ def view(m: quant.Moment, name: str) -> torch.Tensor:
     return m.scales if name.endswith(".scale") else m.values  # type: ignore[return-value]
 
 
-def _value(opt: DistributedOptimizer, name: str, fqn: str, shard: ParamShard | None
+def _value(opt: Any, name: str, fqn: str, shard: ParamShard | None
            ) -> FlatShard:
     dtype, numel, offset, size = _expected(opt, name, fqn, shard)
     if shard is None:
@@ -143,7 +143,7 @@ def _value(opt: DistributedOptimizer, name: str, fqn: str, shard: ParamShard | N
                           torch.device("cpu"))
 
 
-def state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
+def state_dict(opt: Any) -> dict[str, Any]:
     """Coordinator-free. This rank's state, keyed by FQN (see the module docstring); runs the
     hooks of ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` as torch."""
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
@@ -154,7 +154,7 @@ def state_dict(opt: DistributedOptimizer) -> dict[str, Any]:
     return sd
 
 
-def _build(opt: DistributedOptimizer) -> dict[str, Any]:
+def _build(opt: Any) -> dict[str, Any]:
     opt.finish_param_sync()
     opt.reseed_written()  # weights written since the last step are what the dict holds
     state: dict[str, dict[str, Any]] = {}
@@ -182,7 +182,7 @@ class _Plan:
     cast: set[str]  # moments a DCP load cast from another float dtype
 
 
-def load_state_dict(opt: DistributedOptimizer, sd: Any) -> None:
+def load_state_dict(opt: Any, sd: Any) -> None:
     """Collective. Validate ``sd`` on every rank, agree, then adopt it (module docstring);
     runs the hooks of ``register_load_state_dict_pre_hook`` / ``..._post_hook`` as torch."""
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
@@ -192,7 +192,7 @@ def load_state_dict(opt: DistributedOptimizer, sd: Any) -> None:
         post_hook(opt)
 
 
-def _load(opt: DistributedOptimizer, sd: Any) -> None:
+def _load(opt: Any, sd: Any) -> None:
     opt.finish_param_sync()
     old_steps = {fqn: opt.param_steps[fqn] for fqn in opt.fqn_of.values()}
     plan, error = None, None
@@ -224,7 +224,7 @@ def _load(opt: DistributedOptimizer, sd: Any) -> None:
         group.update(saved)  # as torch's load_state_dict: lr & co. resume as saved
 
 
-def _check(opt: DistributedOptimizer, sd: Any) -> _Plan:
+def _check(opt: Any, sd: Any) -> _Plan:
     """Coordinator-free. Everything a load needs, or :class:`StateDictError` naming the FQN."""
     if not isinstance(sd, Mapping) or not {"state", "param_groups"} <= set(sd):
         got = sorted(map(str, sd)) if isinstance(sd, Mapping) else type(sd).__name__
@@ -251,7 +251,7 @@ def _check(opt: DistributedOptimizer, sd: Any) -> _Plan:
     return _Plan(_check_state(opt, state, cast), _check_steps(opt, state), hparams, cast)
 
 
-def _check_groups(opt: DistributedOptimizer, groups: list) -> list[dict[str, Any]]:
+def _check_groups(opt: Any, groups: list) -> list[dict[str, Any]]:
     here = opt.group_of
     there: dict[str, int] = {}
     for gi, g in enumerate(groups):
@@ -282,7 +282,7 @@ def _check_groups(opt: DistributedOptimizer, groups: list) -> list[dict[str, Any
     return out
 
 
-def _check_steps(opt: DistributedOptimizer, state: Mapping) -> dict[str, int]:
+def _check_steps(opt: Any, state: Mapping) -> dict[str, int]:
     steps = {}
     for fqn in opt.fqn_of.values():
         step = state[fqn].get("step")
@@ -295,7 +295,7 @@ def _check_steps(opt: DistributedOptimizer, state: Mapping) -> dict[str, int]:
     return steps
 
 
-def _check_state(opt: DistributedOptimizer, state: Mapping, cast: set[str]
+def _check_state(opt: Any, state: Mapping, cast: set[str]
                  ) -> list[tuple[ParamShard, str, torch.Tensor]]:
     for fqn in state:
         if fqn not in opt.layout.slots:

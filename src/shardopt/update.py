@@ -7,18 +7,16 @@ and stores them back after (the reference), the Triton kernel does it in registe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from . import kernels, step_plan
+from .layout import STATE_NAMES
 from .quant import QBLOCK
 
-if TYPE_CHECKING:
-    from .optimizer import DistributedOptimizer
-
-STATE_NAMES = ("master_param", "exp_avg", "exp_avg_sq")
-
+# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
+# this module, never the reverse.
 
 class Launch(NamedTuple):
     """One kernel launch of a step: buffer and param group, the step count, the launch
@@ -36,7 +34,7 @@ class Launch(NamedTuple):
 class Update:
     """The update paths of one optimizer and what they cache between steps."""
 
-    def __init__(self, opt: DistributedOptimizer) -> None:
+    def __init__(self, opt: Any) -> None:
         self.opt = opt
         self.chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
         self._subset_tables: dict[tuple[int, ...], kernels.ChunkTable] = {}

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..layout import Range
-from ..optimizer import STATE_NAMES
+from ..layout import STATE_NAMES
 from . import commit
 from .agree import CheckpointError
 from .format import MANIFEST, FormatError, dtype_name

@@ -74,6 +74,18 @@ class StoredChunk:
 
 
 @dataclass(frozen=True)
+class FileRecord:
+    """A data file: its size, block hashes and (but for ``rng``) the chunks it stores."""
+
+    name: str
+    kind: str
+    size: int
+    block_bytes: int
+    hashes: tuple[str, ...]
+    chunks: tuple[tuple[str, int, int], ...]  # (key, element offset, numel)
+
+
+@dataclass(frozen=True)
 class FileHeader:
     header_bytes: int  # 8 + JSON length: where data begins
     chunks: tuple[StoredChunk, ...]

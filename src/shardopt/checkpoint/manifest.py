@@ -22,12 +22,11 @@ import torch
 
 from .. import quant
 from ..config import GROUP_KEYS, INT8, group_value
-from ..layout import Range
+from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
-from ..optimizer import STATE_NAMES
 from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                      MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES,
-                     FormatError, data_file_name, dtype_name, manifest_checksum,
+                     FileRecord, FormatError, data_file_name, dtype_name, manifest_checksum,
                      parse_json_object)
 from .storage import open_regular
 
@@ -107,18 +106,6 @@ class MomentEncoding:
 
 
 FP32 = MomentEncoding(torch.float32)
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """A data file: its size, block hashes and (but for ``rng``) the chunks it stores."""
-
-    name: str
-    kind: str
-    size: int
-    block_bytes: int
-    hashes: tuple[str, ...]
-    chunks: tuple[tuple[str, int, int], ...]  # (key, element offset, numel)
 
 
 @dataclass(frozen=True)

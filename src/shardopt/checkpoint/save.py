@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from .. import comm
-from ..optimizer import STATE_NAMES, DistributedOptimizer
+from ..layout import STATE_NAMES
+from ..optimizer import DistributedOptimizer
 from . import background, commit, state, writer_process
 from .background import SaveHandle
 from .agree import CheckpointError, agree

@@ -17,15 +17,11 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from .format import FileHeader, FormatError, StoredChunk, build_header, parse_header
+from .format import FileHeader, FileRecord, FormatError, StoredChunk, build_header, parse_header
 from .transfer import Part, Scratch, write_blocks
-
-if TYPE_CHECKING:
-    from .manifest import FileRecord
 
 
 @dataclass(frozen=True)
