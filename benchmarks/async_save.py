@@ -135,21 +135,6 @@ class ShardoptDeviceStagedSaver(ShardoptSaver):
     snapshot = "device_staged"  # a copy in spare GPU memory, written out through pinned staging
 
 
-class ShardoptWholeFenceSaver(ShardoptSaver):
-    """A host snapshot whose next ``step()`` waits for all of its copies before its first
-    write, the baseline for the step's bucket-by-bucket waits: ``SaveFence.wait_for`` waits for
-    every copy while this saver lives."""
-
-    def __init__(self, model, opt, root: Path) -> None:
-        super().__init__(model, opt, root)
-        from shardopt.checkpoint.snapshot import SaveFence
-        self._fence_cls, self._wait_for = SaveFence, SaveFence.wait_for
-        SaveFence.wait_for = lambda fence, regions: fence.wait_all(host=False)
-
-    def close(self) -> None:
-        self._fence_cls.wait_for = self._wait_for
-
-
 class DcpSaver:
     def __init__(self, model, opt, root: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -264,7 +249,7 @@ class MegatronAsyncSaver:
 
 SAVERS = {"shardopt": ShardoptSaver, "shardopt_device": ShardoptDeviceSaver,
           "shardopt_device_staged": ShardoptDeviceStagedSaver,
-          "shardopt_whole_fence": ShardoptWholeFenceSaver, "dcp": DcpSaver,
+          "dcp": DcpSaver,
           "megatron": MegatronAsyncSaver}
 # Run at --nproc 1 only: megatron's trainer here is built as rank 0 of 1, and at DP > 1 the
 # comparison is between shardopt's snapshot kinds.

@@ -534,13 +534,15 @@ def test_save_in_flight_when_the_script_ends_is_committed(tmp_path):
 
 
 def test_copies_of_storages_a_forward_may_write_are_queued_first():
-    """The pieces of ``hot`` storages (module buffers) come before every piece of the state,
-    whatever their place in their own storage; the others keep their order by position."""
+    """The copies of ``hot`` storages (module buffers) come before every copy of the state,
+    whatever their place in their own storage; the others keep their order."""
     snapshot = importlib.import_module("shardopt.checkpoint.snapshot")
     state, buffer = torch.zeros(10), torch.zeros(4)
     pairs = [(torch.empty(5), state[5:]), (torch.empty(5), state[:5]),
              (torch.empty(2), buffer[2:])]
-    pieces = snapshot._pieces(pairs)
-    assert [w[0] for _, _, w in pieces][0] == state.untyped_storage().data_ptr()
-    pieces = snapshot._pieces(pairs, {buffer.untyped_storage().data_ptr()})
-    assert [w[1:] for _, _, w in pieces] == [(8, 16), (0, 20), (20, 40)]
+    assert snapshot._hot_first(pairs) == ([], pairs)
+    hot, cold = snapshot._hot_first(pairs, {buffer.untyped_storage().data_ptr()})
+    assert [src.data_ptr() for _, src in hot + cold] == [
+        buffer[2:].data_ptr(), state[5:].data_ptr(), state.data_ptr()]
+    assert [dst is pair[0] for (dst, _), pair in zip(hot + cold, [pairs[2], *pairs[:2]])] == \
+        [True] * 3

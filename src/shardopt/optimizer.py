@@ -31,10 +31,13 @@ At ``dp_size == 1`` the collectives are skipped. No file I/O here (:mod:`shardop
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import build, comm, guards, quant, step_plan
 from . import moments as moments_
@@ -54,15 +57,23 @@ from .sync import GradientOrderError, GradSync, ParamSync
 from .update import Update
 from .wrap_guard import WrapGuard
 
-if TYPE_CHECKING:
-    from .checkpoint.snapshot import SaveFence
-
 __all__ = ["SUPPORTED_DTYPES", "STATE_NAMES", "DistributedOptimizer", "GradientOrderError",
            "LowPrecisionStateError", "ParamGroupFn"]
 
 
 class LowPrecisionStateError(ValueError):
     """An fp32 view of Adam moments stored in less than fp32 was asked for."""
+
+
+@dataclass(frozen=True)
+class StepGrads:
+    """What phase 1 of ``step()`` hands the update: the params that got a gradient on some
+    rank (None: all), the clipping scale (None: none), and whether the update computes the
+    norm itself (the Triton kernel without clipping)."""
+
+    got: frozenset[str] | None
+    grad_scale: torch.Tensor | None
+    fused_norm: bool
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -154,7 +165,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Updates applied to each param (torch's state[p]["step"]): a param that got no
         # gradient on any rank in a step is not updated and its count stays.
         self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
-        self._save_fence: SaveFence | None = None  # an asynchronous save's copies
+        # register_state_write_hook: what must run before the state is written or freed.
+        self._state_write_hooks: OrderedDict[int, Callable[[bool], None]] = OrderedDict()
         self._grad_norm: torch.Tensor | None = None
         self._kept_grads = step_plan.KeptGrads()
         self.step_kernel = build.choose_kernel(self.config, self.device)
@@ -211,16 +223,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Collective. Reduce grads, clip, update the local shard, all-gather params."""
+        """Collective. Reduce grads, clip, update the local shard, all-gather params: the
+        module docstring's phases 2 and 3, in three steps:
+
+        1. gradients: take or launch what backward left, wait for every reduction, and the
+           global norm for clipping (or, with the Triton kernel and no clipping, the update
+           computes the norm from the grads it reads);
+        2. update: the state-write hooks run, then AdamW on the local shard and the copy into
+           this rank's shard of the model-dtype param buffer;
+        3. params: all-gather every param bucket.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_step()
+        grads = self._reduce_grads()
+        self._update_shard(grads)
+        self._publish_params()
+        return loss
+
+    def _check_step(self) -> None:
         self._wrap_guard.check_step()
         self._host.check_onloaded("step()")
         guards.check_group_options(self)
         self.finish_param_sync()  # the update writes into the param buffers
         self.reseed_written()  # before any collective: a moved param raises
+
+    def _reduce_grads(self) -> StepGrads:
         self.grad_sync.before_step()
         # Clipping needs the norm before the update; otherwise the Triton update computes
         # it from the grads it reads anyway.
@@ -230,25 +260,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
             got = self._norm.agree(None)[1]
         else:
             self._grad_norm, grad_scale, got = self._norm.global_norm()
-        if self._host.staged is not None:  # their pinned memory is released after the step
-            self.wait_for_save_copies()
+        return StepGrads(got, grad_scale, fused_norm)
+
+    def _update_shard(self, grads: StepGrads) -> None:
+        # Staged moments' page-locked memory is released after the step: the host waits.
+        self._before_state_write(host=self._host.staged is not None)
         self._ensure_moments()
-        got = self._kept_grads.step(got, self._fqns)
+        got = self._kept_grads.step(grads.got, self._fqns)
         steps = step_plan.next_steps(self.param_steps, self._group_fqns, got)
         if self.step_kernel == "triton":
-            sq = self._update.triton(grad_scale, fused_norm, steps, got)
+            sq = self._update.triton(grads.grad_scale, grads.fused_norm, steps, got)
             if sq is not None:
                 self._grad_norm = self._norm.finish(sq)
         else:
-            self.wait_for_save_copies(host=False)
-            self._update.torch(grad_scale, steps, got)
+            self._update.torch(grads.grad_scale, steps, got)
         step_plan.advance(self.param_steps, self._group_fqns, got, steps)
+
+    def _publish_params(self) -> None:
         self.param_sync.publish(own_written=self.step_kernel == "triton",
                                 wait=not self.config.overlap_param_gather)
         self._watch.record()  # the update's own writes are not the user's
         self.grad_sync.after_step()
         self._host.after_step()
-        return loss
 
     @property
     def param_writes(self) -> int:
@@ -334,7 +367,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Move ``what`` (of :data:`~shardopt.host_state.KINDS`; default all) to pinned host
         memory and give its device memory back; a forward, ``step()`` and ``checkpoint.load``
         are refused until :meth:`onload`. Not collective. See :mod:`shardopt.host_state`."""
-        self.wait_for_save_copies()  # offload frees (CUDA) or overwrites (CPU) the state
+        self._before_state_write(host=True)  # offload frees (CUDA) or overwrites (CPU) it
         if not self.offloaded:  # the host copies hold the weights written since the last step
             self.reseed_written()
         self._host.offload(what)
@@ -389,7 +422,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         need neither: their main param is the param."""
         self._host.check_onloaded("reload_model_params()", ("params",))  # not the writes
         self.finish_param_sync()  # an all-gather in flight would overwrite the user's weights
-        self.wait_for_save_copies()
+        self._before_state_write(host=True)
         self._watch.written()  # only to raise if a param was moved out of the buffer
         self._reseed(self._fqns)
 
@@ -399,7 +432,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._host.refuses_reseed(self._watch):
             written = self._watch.written()
             if written:
-                self.wait_for_save_copies(host=False)  # before the first write into the state
+                self._before_state_write(host=False)
             self._reseed(written)
 
     def _reseed(self, fqns: Iterable[str]) -> None:
@@ -421,40 +454,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Collective. Adopt a :meth:`state_dict` of this rank's; on any mismatch every rank
         raises :class:`~shardopt.state_dict.StateDictError` and nothing changes."""
         self._host.check_onloaded("load_state_dict()")  # it would write into freed storage
-        self.wait_for_save_copies()
+        self._before_state_write(host=True)
         state_dicts.load_state_dict(self, state_dict)
 
-    def set_save_fence(self, fence: SaveFence | None) -> None:
-        """An asynchronous ``checkpoint.save`` is copying this optimizer's state aside, as
-        ``fence`` tells (None: the copies are done); see :mod:`shardopt.checkpoint.snapshot`."""
-        self._save_fence = fence
+    def register_state_write_hook(self, hook: Callable[[bool], None]) -> RemovableHandle:
+        """Register ``hook(host)``, run before anything writes or frees this rank's state
+        (params, main params, moments): ``step()``, ``load_state_dict()``, ``offload()``,
+        ``reload_model_params()`` and re-seeding written params. It returns once what reads
+        the state may be overwritten: the host has waited for those readers where ``host``
+        is true (memory is freed, or written from the host), else the current CUDA stream
+        waits for them. An asynchronous ``checkpoint.save`` registers one while it copies the
+        state (:mod:`shardopt.checkpoint.snapshot`). ``handle.remove()`` unregisters it."""
+        handle = RemovableHandle(self._state_write_hooks)
+        self._state_write_hooks[handle.id] = hook
+        return handle
 
-    def wait_for_save_copies(self, host: bool = True) -> None:
-        """Before anything writes or frees the state: wait for the copies of an asynchronous
-        save (the host waits, or with ``host=False`` only the current CUDA stream)."""
-        fence, self._save_fence = self._save_fence, None
-        if fence is not None:
-            fence.wait_all(host)
-
-    @property
-    def save_copies_pending(self) -> bool:
-        """Whether copies of an asynchronous save are still running, which ``step()`` must
-        wait for before writing (it then updates bucket by bucket). Copies that have run
-        (or that no step writes over, like frozen tensors', once they have run) are
-        forgotten here."""
-        fence = self._save_fence
-        if fence is not None and fence.finished():
-            self._save_fence = fence = None
-        return fence is not None
-
-    def wait_for_save_copies_of(self, regions: Iterable[torch.Tensor]) -> None:
-        """Before ``step()`` writes ``regions`` (views of the state): the current CUDA stream
-        waits for the copies of an asynchronous save that read them (bucket by bucket)."""
-        fence = self._save_fence
-        if fence is not None:
-            fence.wait_for(regions)
-            if fence.waited:
-                self._save_fence = None
+    def _before_state_write(self, host: bool) -> None:
+        for hook in list(self._state_write_hooks.values()):  # a hook may remove itself
+            hook(host)
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise a ``ValueError`` naming a param unless ``model`` is the one built over."""

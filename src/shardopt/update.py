@@ -13,22 +13,19 @@ import torch
 
 from . import kernels, step_plan
 from .layout import STATE_NAMES
-from .quant import QBLOCK
 
 # ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
 # this module, never the reverse.
 
 class Launch(NamedTuple):
     """One kernel launch of a step: buffer and param group, the step count, the launch
-    table, the shards it covers when not the group's whole (indices into ``opt.shards``),
-    and the bucket it is cut to (:meth:`Update._by_bucket`)."""
+    table, and the shards it covers when not the group's whole (indices into ``opt.shards``)."""
 
     buffer_index: int
     group_index: int
     count: int
     table: kernels.ChunkTable
     shard_ids: tuple[int, ...] | None = None
-    bucket_index: int | None = None
 
 
 class Update:
@@ -46,15 +43,14 @@ class Update:
                steps: list[int | None], got: frozenset[str] | None) -> torch.Tensor | None:
         """Two kernel launches per (buffer, param group), or per (buffer, param group, step
         count) for a group that is not updated whole at one count (``steps``, ``got``: see
-        :mod:`.step_plan`): update and write model-dtype params; cut further per bucket
-        while an asynchronous save's copies run (:meth:`_by_bucket`). With ``sum_sq``,
+        :mod:`.step_plan`): update and write model-dtype params. With ``sum_sq``,
         return the local sum of squared grads (a device scalar)."""
         opt = self.opt
         if self.chunk_tables is None:
             ids: dict[tuple[int, int], list[int]] = {}
             for i, s in enumerate(opt.shards):
                 ids.setdefault((s.buffer_index, opt.group_of[s.fqn]), []).append(i)
-            self.chunk_tables = {k: self._chunk_table(v, by_bucket=True) for k, v in ids.items()}
+            self.chunk_tables = {k: self._chunk_table(v) for k, v in ids.items()}
         launches = [Launch(bi, gi, steps[gi], table)
                     for (bi, gi), table in self.chunk_tables.items() if steps[gi] is not None]
         for gi, n in enumerate(steps):
@@ -62,8 +58,6 @@ class Update:
                 parts = step_plan.split(opt.group_shards[gi], opt.shards, opt.param_steps, got)
                 launches += [Launch(bi, gi, count, self._subset_table(tuple(ids)), tuple(ids))
                              for (bi, count), ids in parts.items()]
-        if opt.save_copies_pending:  # wait for an asynchronous save's copies bucket by bucket
-            launches = self._by_bucket(launches)
         partials = None
         if sum_sq:
             partials = torch.empty(sum(launch.table.num_blocks for launch in launches),
@@ -71,9 +65,7 @@ class Update:
         moments = opt.moments
         assert moments is not None
         first = 0
-        for bi, gi, count, table, _, bucket in launches:
-            if bucket is not None:
-                opt.wait_for_save_copies_of(self._bucket_state(bi, bucket))
+        for bi, gi, count, table, _ in launches:
             group = opt.param_groups[gi]
             main = opt.main_params[bi]
             params = opt.buffers.param_buffers[bi]
@@ -88,50 +80,8 @@ class Update:
             first += table.num_blocks
         return None if partials is None else partials.sum()
 
-    def _by_bucket(self, launches: list[Launch]) -> list[Launch]:
-        """``launches`` cut into one per bucket, in bucket order within each buffer (the order
-        an asynchronous save copies the state in), each naming its bucket. A whole group's
-        table is cut into views of its rows (no new table, no copy to the device); a group
-        updated in subsets (some params got no gradient) takes a table per bucket subset."""
-        opt = self.opt
-        out = []
-        for launch in launches:
-            if launch.shard_ids is None:
-                buckets = range(len(opt.layout.buffers[launch.buffer_index].buckets))
-                out += [launch._replace(table=t, bucket_index=b)
-                        for b, t in ((b, launch.table.piece(b)) for b in buckets)
-                        if t.num_blocks]
-                continue
-            by_bucket: dict[int, list[int]] = {}
-            for i in launch.shard_ids:
-                by_bucket.setdefault(opt.shards[i].bucket_index, []).append(i)
-            out += [launch._replace(table=self._subset_table(tuple(ids)), shard_ids=tuple(ids),
-                                    bucket_index=b) for b, ids in by_bucket.items()]
-        out.sort(key=lambda launch: (launch.buffer_index, launch.bucket_index))
-        return out
-
-    def _bucket_state(self, bi: int, b: int) -> list[torch.Tensor]:
-        """This rank's state of bucket ``b`` of buffer ``bi`` that a step writes: its shard of
-        the param buffer, and its part of the main params and the moments (with scales)."""
-        opt = self.opt
-        buf = opt.layout.buffers[bi]
-        n, lo = buf.buckets[b].shard_numel, buf.local_offset(b)
-        start = buf.buckets[b].shard_range_global(opt.dp.rank).start
-        out = [opt.buffers.param_buffers[bi].narrow(0, start, n)]
-        if opt.main_params[bi] is not None:
-            out.append(opt.main_params[bi].narrow(0, lo, n))
-        moments = opt.moments
-        assert moments is not None
-        for m in (moments.exp_avg[bi], moments.exp_avg_sq[bi]):
-            out.append(m.values.narrow(0, lo, n))
-            if m.scales is not None:
-                out.append(m.scales[lo // QBLOCK:-(-(lo + n) // QBLOCK)])
-        return out
-
-    def _chunk_table(self, shard_ids: tuple[int, ...] | list[int],
-                     by_bucket: bool = False) -> kernels.ChunkTable:
-        """The Triton launch table of ``opt.shards[i]`` for ``i`` in ``shard_ids`` (one buffer);
-        ``by_bucket``: cut at its buckets' ends (:meth:`~kernels.ChunkTable.piece`)."""
+    def _chunk_table(self, shard_ids: tuple[int, ...] | list[int]) -> kernels.ChunkTable:
+        """The Triton launch table of ``opt.shards[i]`` for ``i`` in ``shard_ids`` (one buffer)."""
         opt = self.opt
         parts = []
         for i in shard_ids:
@@ -142,11 +92,7 @@ class Update:
             start = s.range_local.start - local_base
             parts.append(kernels.ChunkPart(local_base, global_base, start,
                                            start + s.range_local.size))
-        cuts = ()
-        if by_bucket and shard_ids:
-            buf = opt.layout.buffers[opt.shards[shard_ids[0]].buffer_index]
-            cuts = [buf.local_offset(b + 1) for b in range(len(buf.buckets))]
-        return kernels.chunk_table(parts, opt.device, cuts)
+        return kernels.chunk_table(parts, opt.device)
 
     def _subset_table(self, shard_ids: tuple[int, ...]) -> kernels.ChunkTable:
         """Cached: once a param skipped a step its group splits in every later step too."""

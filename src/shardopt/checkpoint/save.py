@@ -157,7 +157,8 @@ def save(
                 else:  # split into files later, in the background
                     contents, fence = _take_snapshot(optimizer, frozen,
                                                      cfg.snapshot.startswith("device"))
-                    optimizer.set_save_fence(fence)
+                    if fence is not None:  # the state's next write waits for the copies
+                        fence.attach(optimizer)
                 if dp.rank == 0:
                     base = _manifest_base(optimizer, step, extra_obj, frozen)
                     staged = commit.begin(root, step_dir_name(step), 0 if cfg.rollback else
@@ -195,7 +196,7 @@ def save(
         def work() -> None:
             try:
                 if fence is not None:
-                    fence.done.synchronize()
+                    fence.finish()
                 if staged_out:  # through one small page-locked buffer
                     jobs = contents
                     slot_bytes, slots = writer_process.stream_slots(cfg.staging_bytes,

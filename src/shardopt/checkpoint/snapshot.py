@@ -31,83 +31,69 @@ builds no per-param views at all; anything else (a frozen tensor added, the mome
 allocated) plans anew.
 
 Copies (CUDA): queued on a side stream behind the work already queued on the current
-stream, so the call returns at once, in pieces of at most :data:`FENCE_PIECE_BYTES`, each
-followed by an event, and in the order the next ``step()`` writes the state: by position in
-their tensor, so the first bucket of every state tensor comes first. The :class:`SaveFence`
-they return lets ``step()`` make the current stream wait, bucket by bucket, only for the
-pieces of the bucket it is about to update (the host does not wait); everything else that
-writes or frees the state waits for all of them (the host, or the current stream); the
-background writer waits on the host for the last event before reading the buffers. Off
-CUDA the copies are plain, finished at once.
+stream, so the call returns at once. The :class:`SaveFence` they return is the optimizer's
+state-write hook (:meth:`~shardopt.optimizer.DistributedOptimizer.register_state_write_hook`)
+until the copies are done: the first write after the call (``step()``'s update) makes the
+current stream wait for all of them (the host does not wait), what frees the state or writes
+it from the host waits on the host; the background writer waits on the host for the copies
+before reading the buffers. Off CUDA the copies are plain, finished at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+import threading
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..pinned import PinnedBuffer
 from . import writer_process
 from .storage import WriteEntry
+
+if TYPE_CHECKING:
+    from ..optimizer import DistributedOptimizer
 
 # Host buffers in shared memory, which the writer process maps (where it can run).
 SHARED = writer_process.available()
 
 Job = tuple[str, list[WriteEntry]]  # a file name and the entries it holds
 
-# The largest piece of state a step waits for at once after an asynchronous save.
-FENCE_PIECE_BYTES = 256 << 20
-
 
 class SaveFence:
-    """The copies of one asynchronous save that the state's next writes must wait for: a
-    list of pieces (storage address, first and end byte read, the event after the piece's
-    copy), in the order they were queued on one stream, and the event after all of them."""
+    """The copies of one asynchronous save, queued on one stream, and the event after the
+    last of them. Registered as the optimizer's state-write hook (:meth:`attach`) until the
+    first write waits for the copies or the background writer has seen them done."""
 
-    def __init__(self, pieces: list[tuple[int, int, int, torch.cuda.Event]],
-                 done: torch.cuda.Event, device: torch.device) -> None:
-        self.pieces, self.done, self.device = pieces, done, device
+    def __init__(self, done: torch.cuda.Event, device: torch.device) -> None:
+        self.done, self.device = done, device
+        self._handle: RemovableHandle | None = None
+        self._lock = threading.Lock()  # the training and the background thread detach
 
-    def wait_all(self, host: bool) -> None:
-        """The host (or with ``host=False`` the current stream) waits for every copy."""
+    def attach(self, opt: DistributedOptimizer) -> None:
+        """Make ``opt``'s next write or free of its state wait for the copies."""
+        self._handle = opt.register_state_write_hook(self._before_write)
+
+    def _before_write(self, host: bool) -> None:
+        """The host (``host``) or the current CUDA stream waits for every copy; whatever is
+        queued after that wait is behind the copies, so the hook goes."""
         if host:
             self.done.synchronize()
         else:
             torch.cuda.current_stream(self.device).wait_event(self.done)
-        self.pieces = []
+        self.detach()
 
-    def wait_for(self, regions: Iterable[torch.Tensor]) -> None:
-        """The current stream waits for the copies that read any byte of ``regions``
-        (contiguous views), and with them for every piece queued before them; those are
-        forgotten. The host does not wait."""
-        last = self.last_reading(regions)
-        if last >= 0:
-            torch.cuda.current_stream(self.device).wait_event(self.pieces[last][3])
-            self.pieces = self.pieces[last + 1:]
+    def finish(self) -> None:
+        """The background writer: the host waits for the copies; no write need wait after."""
+        self.done.synchronize()
+        self.detach()
 
-    def last_reading(self, regions: Iterable[torch.Tensor]) -> int:
-        """The index of the last piece that reads a byte of ``regions`` (-1: none)."""
-        last = -1
-        for t in regions:
-            ptr = t.untyped_storage().data_ptr()
-            lo = t.storage_offset() * t.element_size()
-            hi = lo + t.numel() * t.element_size()
-            for i in range(len(self.pieces) - 1, last, -1):
-                p, a, b, _ = self.pieces[i]
-                if p == ptr and a < hi and lo < b:
-                    last = i
-                    break
-        return last
-
-    @property
-    def waited(self) -> bool:
-        """Whether the current stream already waits for every copy."""
-        return not self.pieces
-
-    def finished(self) -> bool:
-        """Whether every copy has run (nothing need wait for them any more)."""
-        return self.done.query()
+    def detach(self) -> None:
+        with self._lock:
+            handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
 
 
 class Snapshot:
@@ -271,15 +257,16 @@ class Snapshot:
         # The sources are final once the work queued so far on the current stream has run.
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
-        pieces, hot_done = [], None
+        hot_pairs, cold_pairs = _hot_first(pairs, hot)
+        hot_done = None
         with torch.cuda.stream(self._stream):
-            for dst, src, where in _pieces(pairs, hot):
-                dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                if where[0] in hot:  # hot pieces come first: the last one's event
-                    hot_done = event
-                pieces.append((*where, event))
+            for dst, src in hot_pairs:  # first: the current stream waits for them alone
+                dst.copy_(src.detach().reshape(-1), non_blocking=True)
+            if hot_pairs:
+                hot_done = torch.cuda.Event()
+                hot_done.record(self._stream)
+            for dst, src in cold_pairs:
+                dst.copy_(src.detach().reshape(-1), non_blocking=True)
         if hot_done is not None:
             # The next forward must not update a buffer before its copy has read it.
             current.wait_event(hot_done)
@@ -287,28 +274,16 @@ class Snapshot:
         # (a spinning wait would take a core from the training loop).
         done = torch.cuda.Event(blocking=True)
         done.record(self._stream)
-        return SaveFence(pieces, done, self.device)
+        return SaveFence(done, self.device)
 
 
-def _pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int] = ()
-            ) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]]:
-    """``pairs`` cut into pieces of at most :data:`FENCE_PIECE_BYTES`, those of ``hot``
-    storages first, then ordered by where they lie in their source's storage (a fraction of
-    it, so that the pieces of every state tensor's first bucket come first, as a step
-    updates them), each with (storage address, first byte, end byte) of what it reads."""
-    out = []
-    for dst, src in pairs:
-        src = src.detach().reshape(-1)
-        size, storage = src.element_size(), src.untyped_storage()
-        step = max(1, FENCE_PIECE_BYTES // size)
-        for lo in range(0, src.numel(), step):
-            n = min(step, src.numel() - lo)
-            first = (src.storage_offset() + lo) * size
-            out.append(((storage.data_ptr() not in hot, first / max(1, storage.nbytes())),
-                        dst[lo:lo + n], src[lo:lo + n],
-                        (storage.data_ptr(), first, first + n * size)))
-    out.sort(key=lambda piece: piece[0])
-    return [piece[1:] for piece in out]
+def _hot_first(pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int] = ()
+               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                          list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``pairs`` (destination, source) split into those whose source lies in a ``hot``
+    storage (by address), copied first, and the others, each in their given order."""
+    hot_pairs = [pair for pair in pairs if pair[1].untyped_storage().data_ptr() in hot]
+    return hot_pairs, [pair for pair in pairs if pair[1].untyped_storage().data_ptr() not in hot]
 
 
 def _release(buffers) -> None:
