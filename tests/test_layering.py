@@ -1,8 +1,13 @@
-"""The library never depends on the reference job (``shardopt.recipes``) or the command.
+"""One direction of dependency: the package's imports form no cycle and none runs upward.
 
-Two checks: importing each library module in a fresh interpreter leaves ``shardopt.recipes`` out of
-``sys.modules``, and no library source file mentions it in an import, also inside a function (where
-an import only runs when called).
+Layers, lowest first: the core (every module not named below), ``shardopt.checkpoint``, the
+framework adapters (``shardopt.integrations``), the package's own ``__init__`` (the names it
+exports), and the reference job and the command (``shardopt.recipes``, ``shardopt.cli``,
+``shardopt.__main__``). A module imports from its own layer or below. The check
+walks every import statement with ``ast``, also inside functions and under ``TYPE_CHECKING``
+(where an import runs only when called, or never, yet still says what depends on what).
+Besides, importing each library module in a fresh interpreter leaves ``shardopt.recipes`` out of
+``sys.modules``.
 """
 
 from __future__ import annotations
@@ -98,6 +103,118 @@ def test_no_library_source_imports_recipes_even_lazily():
             if imported.startswith(NOT_LIBRARY):
                 offenders.append(f"{path.relative_to(PACKAGE.parent)}: {imported}")
     assert not offenders, offenders
+
+
+# Layers by module prefix, lowest first; a module's layer is that of its longest prefix.
+LAYERS = {"shardopt.": 0, "shardopt.checkpoint": 1, "shardopt.integrations": 2, "shardopt": 3,
+          "shardopt.recipes": 4, "shardopt.cli": 4, "shardopt.__main__": 4}
+
+
+def _layer(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p if p.endswith(".")
+                                                                      else p + ".")), key=len)
+    return LAYERS[best]
+
+
+def _all_modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports. ``from X import a, b`` imports ``X.a`` where
+    that is a module, else ``X`` itself; a package's ``__init__`` importing its own
+    submodules (to export their names) is not an edge."""
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _import_targets(ast.parse(path.read_text()), name):
+            if imported in modules and imported != name and not (
+                    path.name == "__init__.py" and imported.startswith(name + ".")):
+                targets.add(imported)
+        edges[name] = targets
+    return edges
+
+
+def _import_targets(tree: ast.AST, module: str) -> list[str]:
+    modules = _all_modules()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names = _imported_names(ast.Module(body=[node], type_ignores=[]), module)
+            base, subs = names[0], [n for n in names[1:] if n in modules]
+            out += subs if subs else [base]
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return out
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (its first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t]
+            if t not in state:
+                found = visit(t)
+                if found:
+                    return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(edges):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def _layering_problems(edges: dict[str, set[str]]) -> list[str]:
+    problems = [f"upward import: {m} -> {t}" for m, ts in sorted(edges.items()) for t in sorted(ts)
+                if _layer(t) > _layer(m)]
+    cycle = _cycle(edges)
+    if cycle:
+        problems.append("import cycle: " + " -> ".join(cycle))
+    return problems
+
+
+def test_imports_form_no_cycle_and_none_runs_upward():
+    edges = _edges(_all_modules())
+    assert "shardopt.layout" in edges["shardopt.optimizer"]  # the walk sees the imports
+    assert _layering_problems(edges) == []
+
+
+def test_the_layering_check_finds_cycles_and_upward_imports():
+    # The check above can fail: an upward import and a cycle, each found and named.
+    edges = {"shardopt.optimizer": {"shardopt.checkpoint.snapshot"},
+             "shardopt.checkpoint.snapshot": {"shardopt.layout"}, "shardopt.layout": set()}
+    assert _layering_problems(edges) == [
+        "upward import: shardopt.optimizer -> shardopt.checkpoint.snapshot"]
+    edges = {"shardopt.update": {"shardopt.layout"}, "shardopt.layout": {"shardopt.moments"},
+             "shardopt.moments": {"shardopt.update"}}
+    assert _layering_problems(edges) == [
+        "import cycle: shardopt.layout -> shardopt.moments -> shardopt.update -> shardopt.layout"]
+    for module, layer in [("shardopt.comm", 0), ("shardopt.checkpoint", 1),
+                          ("shardopt.checkpoint.save", 1), ("shardopt.integrations.lightning", 2),
+                          ("shardopt", 3), ("shardopt.cli", 4), ("shardopt.recipes.train", 4)]:
+        assert _layer(module) == layer, module
+    # Imports inside functions and under TYPE_CHECKING count, and ``from X import a`` means X.a.
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from .optimizer import DistributedOptimizer\n"
+                     "def f():\n    from .checkpoint import snapshot\n    from . import comm\n")
+    assert set(_import_targets(tree, "shardopt.update")) >= {
+        "shardopt.optimizer", "shardopt.checkpoint.snapshot", "shardopt.comm"}
 
 
 def test_the_static_check_sees_relative_and_lazy_imports():
