@@ -133,27 +133,13 @@ def test_copy_from_host_copies_every_element(dtype):
         assert (dst[n:] == 7).all()
 
 
-def test_chunk_table_pieces_partition_its_rows_at_the_cuts():
-    """Rows come in order of local base, and the pieces between cuts (one per bucket, as an
-    update cut by bucket launches them) are views that together hold every row once."""
+def test_chunk_table_rows_come_in_order_of_local_base_and_cover_every_block_once():
     B = kernels.BLOCK
     # Two "buckets" of 5 and 3 blocks; ragged params, one sharing a block with the next.
-    parts = [kernels.ChunkPart(0, 0, 10, 3 * B + 7), kernels.ChunkPart(0, 0, 3 * B + 7, 5 * B),
-             kernels.ChunkPart(5 * B, 9 * B, 0, 2 * B + 1)]
-    cuts = [5 * B, 8 * B]
-    table = kernels.chunk_table(parts, torch.device("cpu"), cuts)
-    whole = kernels.chunk_table(parts, torch.device("cpu"))
+    parts = [kernels.ChunkPart(5 * B, 9 * B, 0, 2 * B + 1), kernels.ChunkPart(0, 0, 10, 3 * B + 7),
+             kernels.ChunkPart(0, 0, 3 * B + 7, 5 * B)]
+    table = kernels.chunk_table(parts, torch.device("cpu"))
     for rows in (table.full, table.partial):
         assert torch.equal(rows[:, 0], rows[:, 0].sort().values)
-    assert torch.equal(table.full, whole.full) and torch.equal(table.partial, whole.partial)
-    pieces = [table.piece(k) for k in range(len(cuts))]
-    for k, piece in enumerate(pieces):
-        lo, hi = (cuts[k - 1] if k else 0), cuts[k]
-        for rows in (piece.full, piece.partial):
-            assert rows.numel() == 0 or (lo <= int(rows[:, 0].min()) and int(rows[:, 0].max()) < hi)
-            assert rows.numel() == 0 or rows.untyped_storage().data_ptr() == \
-                (table.full if rows.shape[1] == 2 else table.partial).untyped_storage().data_ptr()
-    assert sum(p.num_blocks for p in pieces) == table.num_blocks
-    assert [p.num_blocks for p in pieces] == [5, 3]
-    with pytest.raises(ValueError, match="past the last cut"):
-        kernels.chunk_table(parts, torch.device("cpu"), [5 * B])
+    bases = sorted(table.full[:, 0].tolist() + table.partial[:, 0].tolist())
+    assert bases == [k * B for k in range(8)]  # the shared block is one row

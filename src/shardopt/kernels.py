@@ -77,20 +77,10 @@ class ChunkTable:
     full: torch.Tensor
     partial: torch.Tensor
     aligned: bool
-    # Rows are in order of local base; with ``cuts`` given to chunk_table, the rows of each
-    # stretch between two cuts (full rows end, partial rows end), for ``piece``.
-    ends: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_blocks(self) -> int:
         return self.full.shape[0] + self.partial.shape[0]
-
-    def piece(self, k: int) -> ChunkTable:
-        """The blocks whose local base lies in stretch ``k`` (``[cuts[k - 1], cuts[k])`` of
-        :func:`chunk_table`'s ``cuts``, from 0): views of this table's rows, no copy."""
-        f0, p0 = self.ends[k - 1] if k else (0, 0)
-        f1, p1 = self.ends[k]
-        return ChunkTable(self.full[f0:f1], self.partial[p0:p1], self.aligned)
 
 
 @dataclass(frozen=True)
@@ -105,11 +95,8 @@ class ChunkPart:
     end: int
 
 
-def chunk_table(parts: Sequence[ChunkPart], device: torch.device,
-                cuts: Sequence[int] = ()) -> ChunkTable:
-    """The blocks that cover ``parts``, in order of local base. Parts must not overlap.
-    ``cuts`` (increasing local offsets, the last past every block) mark stretches whose
-    blocks :meth:`ChunkTable.piece` returns apart, e.g. one per bucket."""
+def chunk_table(parts: Sequence[ChunkPart], device: torch.device) -> ChunkTable:
+    """The blocks that cover ``parts``, in order of local base. Parts must not overlap."""
     full: list[torch.Tensor] = []
     edges: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for part in parts:
@@ -142,12 +129,7 @@ def chunk_table(parts: Sequence[ChunkPart], device: torch.device,
     partial_t = torch.tensor(partial, dtype=torch.int64).reshape(-1, 4)
     full_t, partial_t = (t[t[:, 0].argsort(stable=True)] for t in (full_t, partial_t))
     aligned = bool((full_t % 16 == 0).all()) and bool((partial_t[:, :2] % 16 == 0).all())
-    at = torch.tensor(list(cuts), dtype=torch.int64)
-    ends = tuple(zip(torch.searchsorted(full_t[:, 0].contiguous(), at).tolist(),
-                     torch.searchsorted(partial_t[:, 0].contiguous(), at).tolist()))
-    if ends and ends[-1] != (full_t.shape[0], partial_t.shape[0]):
-        raise ValueError(f"blocks lie past the last cut ({cuts[-1]})")
-    return ChunkTable(full_t.to(device), partial_t.to(device), aligned, ends)
+    return ChunkTable(full_t.to(device), partial_t.to(device), aligned)
 
 
 if triton is not None:
