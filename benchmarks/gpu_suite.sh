@@ -26,9 +26,8 @@
 #   offload  offload.py, default allocator (torch_memory_saver beside it when carried),
 #            20 cycles; the rollout's memory given back by unmapping, 9 cycles; with
 #            expandable segments, 8 cycles                                                ~3.5 min
-#   async    async_save.py, 3 micro-batches, 8 saves per snapshot mode (and with the step
-#            waiting for all copies at once), /dev/shm then /tmp, and 50 iterations of a
-#            save each (the budget skips what will not fit)                                ~8 min
+#   async    async_save.py, 3 micro-batches, 8 saves per snapshot mode, /dev/shm then
+#            /tmp, and 50 iterations of a save each (the budget skips what will not fit)   ~8 min
 #   gradmodes  grad_mode "torch" (p.grad after backward, the default) against "buffer" side by
 #            side: optimizer_step.py (fp32 and bf16 grads, 50 reps) and train_iter.py
 #            (shardopt in both modes and DDP, 10 timed iterations each)                   ~4 min
