@@ -13,14 +13,16 @@ exit status must be 0; each rank also reports the threads it still runs after
 run's timing makes it happen.
 
 ``SHARDOPT_EXIT_JOBS`` sets how many jobs run (default 12, under a minute on 2 cores; the
-longer check runs 200).
+longer check runs 200). A failed save's kept error must not keep a group running either.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch.distributed as dist
@@ -46,6 +48,29 @@ def job_rank(rank: int, world_size: int, root: str, previous: str | None) -> lis
     checkpoint.save(root, model, opt, step=2, blocking=False).wait()
     dist.destroy_process_group()
     return _threads_but_this_one()
+
+
+def failed_save_rank(rank: int, world_size: int, root: str) -> dict[str, object]:
+    """Rank 1's background write fails; the error is kept (its traceback passes through the
+    save's frames, which held the group), and still no thread runs after
+    destroy_process_group()."""
+    save_module = importlib.import_module("shardopt.checkpoint.save")
+    model, opt = build(0)
+    train(model, opt, range(1), rank, world_size)
+
+    def broken(path, *args, **kwargs):
+        raise OSError(5, "I/O error (simulated)", path)
+
+    error = None
+    with mock.patch.object(save_module, "_write_rank_files",
+                           broken if rank == 1 else save_module._write_rank_files):
+        handle = checkpoint.save(root, model, opt, step=1, blocking=False)
+        try:
+            handle.wait()
+        except checkpoint.CheckpointError as e:
+            error = e
+    dist.destroy_process_group()
+    return {"left": _threads_but_this_one(), "error": str(error)}
 
 
 def _threads_but_this_one() -> list[str]:
@@ -83,3 +108,10 @@ def test_jobs_under_cpu_load_exit_0_with_no_thread_left(tmp_path, busy_cores):
             f"by rank: {left}")
         assert checkpoint.latest(root) == str(root / "step_00000002")
         previous = str(root)
+
+
+def test_the_kept_error_of_a_failed_save_leaves_no_thread(tmp_path):
+    results = run_distributed(failed_save_rank, 2, str(tmp_path / "root"), tmp_path=tmp_path)
+    for rank, r in enumerate(results):
+        assert "I/O error (simulated)" in r["error"], (rank, r["error"])
+        assert r["left"] == [], f"rank {rank}: threads after destroy_process_group(): {r['left']}"
