@@ -19,19 +19,29 @@ rank starts in tens of milliseconds instead of the seconds a fresh interpreter
 needs to import torch (``start_method="spawn"`` is there for comparison or if
 a platform misbehaves). The fork server never touches CUDA, so NCCL ranks may
 initialise their devices after the fork.
+
+Such a rank ends as multiprocessing's do, with ``os._exit``: no exit handler runs and
+the interpreter never finalises. ``interpreter_exit=True`` ends each rank as a launched
+job's process ends instead (exit handlers, module teardown, finalisation, then the exit
+status), still forked from a server that has imported torch (:func:`_serve`, started once
+per test process), for tests of how a job exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import os
+import pickle
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +107,7 @@ def _worker(
         stamp = time.monotonic_ns()
         (run_path / f"error_{rank}.txt").write_text(f"{stamp}\n{traceback.format_exc()}")
         raise SystemExit(1) from None
-    if backend is not None:
+    if backend is not None and dist.is_initialized():  # fn may have ended it itself
         dist.destroy_process_group()
 
 
@@ -109,12 +119,15 @@ def run_distributed(
     tmp_path: str | os.PathLike[str] | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     start_method: str | None = None,
+    interpreter_exit: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result.
 
     ``backend=None`` starts the processes without a process group (e.g. to check
     that world size 1 works with ``torch.distributed`` uninitialised). ``fn`` and
     ``args`` must be picklable; ``fn`` must be a module-level function.
+    ``interpreter_exit``: each rank exits through the interpreter (see the module's
+    docstring); a rank whose exit status is not 0 fails the call as a crash does.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -125,21 +138,20 @@ def run_distributed(
     run_dir = base / f"dist_run_{os.getpid()}_{next(_run_ids)}"
     run_dir.mkdir(parents=True)
 
-    ctx = _context(start_method or _start_method())
+    jobs = [(fn, rank, world_size, args, backend, str(run_dir), timeout)
+             for rank in range(world_size)]
     saved_env = {k: os.environ.get(k) for k in _CHILD_ENV}
     os.environ.update(_CHILD_ENV)  # seen by spawned children and by a fork server started now
     try:
-        procs = [
-            ctx.Process(
-                target=_worker,
-                args=(fn, rank, world_size, args, backend, str(run_dir), timeout),
-                name=f"rank{rank}",
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        for p in procs:
-            p.start()
+        if interpreter_exit:
+            server = _exit_server()
+            procs = [server.start(job) for job in jobs]
+        else:
+            ctx = _context(start_method or _start_method())
+            procs = [ctx.Process(target=_worker, args=job, name=f"rank{job[1]}", daemon=True)
+                     for job in jobs]
+            for p in procs:
+                p.start()
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -169,7 +181,8 @@ def _wait_all(procs: list[Any], timeout: float) -> None:
         remaining = limit - time.monotonic()
         if remaining <= 0:
             break
-        wait([p.sentinel for p in alive], timeout=min(remaining, 1.0))
+        # One sentinel may stand for several ranks (interpreter_exit: the server's replies).
+        wait(list(dict.fromkeys(p.sentinel for p in alive)), timeout=min(remaining, 1.0))
     for p in procs:
         if p.exitcode is None:
             p.terminate()
@@ -204,6 +217,117 @@ def _collect_failures(procs: list[Any], run_dir: Path, timeout: float) -> list[s
         why = "after another rank failed" if errors else f"after the {timeout:.0f} s timeout"
         out.append(f"--- ranks {stragglers} were terminated {why}")
     return out
+
+
+# ------------------------------------------------- ranks that exit through the interpreter
+
+def _serve(requests_fd: int, replies_fd: int) -> None:
+    """The server of ``interpreter_exit`` ranks (its own interpreter): for each job it reads,
+    fork a rank and answer its pid; answer each rank's exit status once it has ended. A rank
+    runs :func:`_worker` and leaves this function by ``SystemExit``, so its interpreter exits
+    as a script's does. Ends when the test process closes its end."""
+    requests, replies = Connection(requests_fd, writable=False), Connection(replies_fd,
+                                                                             readable=False)
+    while True:
+        if requests.poll(0.05):
+            try:
+                job = pickle.loads(requests.recv_bytes())
+            except EOFError:
+                return
+            except Exception:  # noqa: BLE001 - an unpicklable job: said to the test process
+                replies.send(("error", traceback.format_exc()))
+                continue
+            pid = os.fork()
+            if pid == 0:
+                requests.close()
+                replies.close()
+                _worker(*job)
+                sys.exit(0)
+            replies.send(("started", pid))
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            replies.send(("ended", pid, os.waitstatus_to_exitcode(status)))
+
+
+class _ExitServer:
+    """The test process's side of :func:`_serve`."""
+
+    def __init__(self) -> None:
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        code = (f"import sys; sys.path[:] = {sys.path!r}; "
+                f"[__import__(m) for m in {_PRELOAD!r}]; "
+                f"import _dist; _dist._serve({req_r}, {rep_w})")
+        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(req_r, rep_w))
+        os.close(req_r)
+        os.close(rep_w)
+        self._requests = Connection(req_w, readable=False)
+        self.replies = Connection(rep_r, writable=False)
+        self.ended: dict[int, int] = {}
+
+    def start(self, job: tuple) -> _ServedRank:
+        self._requests.send_bytes(pickle.dumps(job))
+        while True:
+            reply = self.replies.recv()
+            if reply[0] == "started":
+                return _ServedRank(self, reply[1])
+            if reply[0] == "error":
+                raise DistributedRunError(f"the rank server could not start a rank:\n{reply[1]}")
+            self.ended[reply[1]] = reply[2]
+
+    def poll(self) -> None:
+        while self.replies.poll():
+            _, pid, code = self.replies.recv()
+            self.ended[pid] = code
+
+    def close(self) -> None:
+        self._requests.close()
+        self._proc.wait()
+
+
+class _ServedRank:
+    """A rank forked by :func:`_serve`, with the parts of ``multiprocessing.Process`` that
+    :func:`_wait_all` and :func:`_collect_failures` use."""
+
+    def __init__(self, server: _ExitServer, pid: int) -> None:
+        self._server, self.pid = server, pid
+        self.sentinel = server.replies  # readable when some rank has ended
+
+    @property
+    def exitcode(self) -> int | None:
+        self._server.poll()
+        return self._server.ended.get(self.pid)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.exitcode is None and (deadline is None or time.monotonic() < deadline):
+            wait([self.sentinel], timeout=0.05)
+
+
+_server: _ExitServer | None = None
+
+
+def _exit_server() -> _ExitServer:
+    global _server
+    if _server is None:
+        _server = _ExitServer()
+        atexit.register(_server.close)
+    return _server
 
 
 def device_for(backend: str | None, rank: int) -> torch.device:

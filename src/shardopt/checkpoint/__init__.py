@@ -3,8 +3,10 @@
 ``save`` and ``load`` are collective over the optimizer's DP group (``save`` may finish
 in the background: ``blocking=False``); ``latest``,
 ``export``, ``inspect`` and ``verify`` run in a single process.
+How the threads, process and process groups of asynchronous saves end: :mod:`.shutdown`.
 """
 
+from . import shutdown  # noqa: F401 - registers the exit handler that ends them in order
 from .agree import CheckpointError
 from .background import SaveHandle
 from .commit import latest

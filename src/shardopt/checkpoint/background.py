@@ -4,6 +4,7 @@ One asynchronous save is in flight per process at a time: a later ``save`` (eith
 kind), ``checkpoint.load`` and interpreter exit wait for it first. Its error is kept
 until someone sees it: :meth:`SaveHandle.wait`, the next ``save`` (which then fails on
 every rank, before it starts anything) or, if neither came, a log record at exit.
+How the thread and the group end, and in which order: :mod:`.shutdown`.
 
 The save's exchanges between ranks (:func:`~.agree.agree`) run from the background
 thread while training issues its own collectives on the DP group from the main
@@ -11,17 +12,19 @@ thread; on one group the two would interleave and deadlock or mix up data. They
 therefore run on a separate gloo group over the same ranks, created collectively at
 the first asynchronous save on that DP group, right after its first exchange, and
 cached (gloo carries the small CPU objects on CPU and CUDA hosts alike; dp_size 1
-needs none). It is made with the DP group's own timeout: a rank that dies before
-joining it makes the others raise after that long, as any collective of the job
-would, not after gloo's default of 30 minutes.
+needs none), held weakly (:mod:`.shutdown`). It is made with the DP group's own timeout: a
+rank that dies before joining it makes the others raise after that long, as any collective of
+the job would, not after gloo's default of 30 minutes.
 """
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import datetime
-import logging
+import os
 import threading
+import traceback
+import weakref
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -29,25 +32,29 @@ import torch.distributed as dist
 from .. import comm
 from .agree import CheckpointError
 
-log = logging.getLogger("shardopt.checkpoint")
-
 
 class SaveHandle:
     """An asynchronous save in flight. Not collective: each rank has its own handle."""
 
-    def __init__(self, path: str, work: Callable[[], None]) -> None:
+    def __init__(self, path: str, work: Callable[[comm.DPGroup], None],
+                 group: comm.DPGroup) -> None:
         self.path = path
         self._error: BaseException | None = None
         self._reported = False
-        self._thread = threading.Thread(target=self._run, args=(work,),
+        self._thread = threading.Thread(target=self._run, args=(work, group),
                                         name=f"shardopt-save {path}")
         self._thread.start()
 
-    def _run(self, work: Callable[[], None]) -> None:
+    def _run(self, work: Callable[[comm.DPGroup], None], group: comm.DPGroup) -> None:
+        # The group is an argument, not a closure cell of ``work``, so that a kept error whose
+        # frames are cleared holds no process group (a group alive at exit: see .shutdown).
         try:
-            work()
+            work(group)
         except BaseException as e:  # noqa: BLE001 - kept for wait(), the next save, or exit
+            _drop_locals(e)
             self._error = e
+        finally:
+            del work, group
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -74,13 +81,23 @@ class SaveHandle:
         return self._error
 
 
+def _drop_locals(error: BaseException) -> None:
+    """Clear the locals of the finished frames ``error`` and the errors it chains passed
+    through: their messages and traceback lines stay, the objects they held go."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
 _pending: SaveHandle | None = None  # set and read by the training thread only
 
 
-def start(path: str, work: Callable[[], None]) -> SaveHandle:
-    """Run ``work`` in the background as this process's asynchronous save of ``path``."""
+def start(path: str, work: Callable[[comm.DPGroup], None], group: comm.DPGroup) -> SaveHandle:
+    """Run ``work(group)`` in the background as this process's asynchronous save of ``path``."""
     global _pending
-    _pending = SaveHandle(path, work)
+    _pending = SaveHandle(path, work, group)
     return _pending
 
 
@@ -105,17 +122,12 @@ def wait_pending() -> None:
         handle._thread.join()
 
 
-@atexit.register
-def _report_at_exit() -> None:
-    error = settle()
-    if error is not None:
-        log.error("an asynchronous checkpoint save failed and nobody waited for it: %s", error)
-
-
 # ------------------------------------------------------------ coordination group
-# ranks -> (the default group it was made under, the group); a new default group (a
+# ranks -> weak references to (the default group it was made under, the group), and the process
+# that made it. Weak: torch's registry keeps the group while the job's groups exist, and
+# destroy_process_group() then frees it with them (.shutdown); a new default group (a
 # re-initialised process group) makes the cached one stale.
-_groups: dict[tuple[int, ...], tuple[object, comm.DPGroup]] = {}
+_groups: dict[tuple[int, ...], tuple[weakref.ref, weakref.ref, int]] = {}
 
 
 def coordination_group(dp: comm.DPGroup) -> comm.DPGroup:
@@ -126,12 +138,13 @@ def coordination_group(dp: comm.DPGroup) -> comm.DPGroup:
     ranks = tuple(dist.get_process_group_ranks(dp.group) if dp.group is not None
                   else range(dist.get_world_size()))
     world = dist.group.WORLD
-    cached = _groups.get(ranks)
-    if cached is None or cached[0] is not world:
+    made_under, pg, _ = _groups.get(ranks, (None, None, 0))
+    pg = pg() if pg is not None else None
+    if pg is None or made_under() is not world:
         pg = dist.new_group(list(ranks), backend="gloo", timeout=_timeout(dp.group),
                             use_local_synchronization=True)
-        cached = _groups[ranks] = (world, comm.DPGroup(pg, dp.rank, dp.size))
-    return cached[1]
+        _groups[ranks] = (weakref.ref(world), weakref.ref(pg), os.getpid())
+    return comm.DPGroup(pg, dp.rank, dp.size)
 
 
 def _timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
@@ -144,3 +157,15 @@ def _timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
         except (AttributeError, RuntimeError, ValueError):  # private API: torch may change it
             continue
     return None
+
+
+def destroy_groups() -> None:
+    """Coordinator-free. Destroy the coordination groups this process made that torch still
+    has (the job did not call ``destroy_process_group``), so that their threads end now."""
+    for _, pg, pid in _groups.values():
+        pg = pg()
+        # A forked child has the parent's groups without their threads: they are not its own.
+        if pg is not None and pid == os.getpid() and dist.is_initialized():
+            with contextlib.suppress(ValueError):  # torch no longer has it: nothing to end
+                dist.destroy_process_group(pg)
+    _groups.clear()

@@ -193,7 +193,7 @@ def save(
         stream = torch.cuda.Stream(device) if staged_out else None
         snap = _snapshot(optimizer)
 
-        def work() -> None:
+        def work(group: comm.DPGroup) -> None:
             try:
                 if fence is not None:
                     fence.finish()
@@ -214,7 +214,7 @@ def save(
             finally:
                 if owned is not None:
                     commit.abort(owned)
-        return background.start(path, work)
+        return background.start(path, work, group)
     finally:
         if staged is not None:
             commit.abort(staged)

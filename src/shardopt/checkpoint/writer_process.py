@@ -13,16 +13,15 @@ headers and where each piece of them lies in the buffers) and sleeps until the a
 
 The process starts at the first asynchronous save that uses it and is reused. It checks
 every 50 ms that its parent lives and exits when it does not, even mid-write (a killed
-run's save is never committed anyway), and exits when the parent closes its end. A piece
-the buffers do not hold (the RNG state, a few bytes) travels in the request. Anything
-else the process cannot write (a source outside the snapshot, a dtype conversion) makes
-:func:`write_files` return None, and the save's threads write it as a synchronous save
-does.
+run's save is never committed anyway), and exits when the parent closes its end (at exit,
+:mod:`.shutdown`). A piece the buffers do not hold (the RNG state, a few bytes) travels in
+the request. Anything else the process cannot write (a source outside the snapshot, a dtype
+conversion) makes :func:`write_files` return None, and the save's threads write it as a
+synchronous save does.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import os
@@ -274,11 +273,16 @@ def _fill(dst: torch.Tensor, parts: list[Part], starts: list[int], lo: int
 
 
 _PROCESS = WriterProcess()
-atexit.register(_PROCESS.close)
 
 
 def forget(buf: PinnedBuffer) -> None:
     _PROCESS.forget(buf)
+
+
+def close() -> None:
+    """End this process's writer process, if any (at exit, after the save in flight:
+    :mod:`.shutdown`); the next asynchronous save starts a new one."""
+    _PROCESS.close()
 
 
 def write_files(tmp: Path, jobs: Sequence[tuple[str, Sequence[WriteEntry]]], block_bytes: int,
