@@ -101,7 +101,7 @@ def test_the_patterns_catch_what_they_are_for():
               "GPU c" + "all 3 ran it", "results/c" + "all2.log", "device c" + "alls",
               "Sess" + "ions of work"]
     passed = ["a function call returns", "call_s", "recall 0.9", "tissue 3",
-              "start_new_session=True", "the first call to step()", "issues a collective"]
+              "start_new_session=True", "the first " + "call to step()", "issues a collective"]
     assert all(HISTORY.search(s) for s in caught), [s for s in caught if not HISTORY.search(s)]
     assert not any(HISTORY.search(s) for s in passed), [s for s in passed if HISTORY.search(s)]
 
