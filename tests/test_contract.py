@@ -210,3 +210,29 @@ def test_adamw_group_options_this_optimizer_lacks_are_refused_not_ignored(key, v
     opt.param_groups[-1][key] = not value  # torch's default: accepted
     opt.step()
     assert opt.param_steps["0.weight"] == 1
+
+
+def test_every_error_is_in_one_module_exported_and_a_value_or_runtime_error():
+    import inspect as pyinspect
+
+    import shardopt
+    from shardopt import errors
+    classes = [c for _, c in pyinspect.getmembers(errors, pyinspect.isclass)
+               if issubclass(c, Exception) and c.__module__ == errors.__name__]
+    assert len(classes) >= 12
+    for c in classes:
+        assert issubclass(c, (ValueError, RuntimeError)), c
+        assert getattr(shardopt, c.__name__) is c and c.__name__ in shardopt.__all__
+    import importlib
+    import pkgutil
+    defined_elsewhere = []
+    for info in pkgutil.walk_packages(shardopt.__path__, "shardopt."):
+        if info.name.startswith(("shardopt.recipes", "shardopt.cli", "shardopt.integrations",
+                                 "shardopt.checkpoint._writer_main", "shardopt.__main__")):
+            continue
+        m = importlib.import_module(info.name)
+        defined_elsewhere += [f"{info.name}.{n}" for n, c in vars(m).items()
+                              if pyinspect.isclass(c) and issubclass(c, Exception)
+                              and c.__module__ == info.name != errors.__name__
+                              and not n.startswith("_")]  # private: caught where raised
+    assert defined_elsewhere == []

@@ -2,9 +2,14 @@
 
 from . import checkpoint
 from .config import OptimizerConfig
+from .errors import (CheckpointError, FormatError, GradientOrderError, LockTimeout,
+                     LowPrecisionStateError, OffloadError, ParamMovedError, ProcessGroupError,
+                     StateDictError, StateWriteError, UsageError, WrappedModelError)
 from .flat_shard import FlatShard
 from .optimizer import DistributedOptimizer
-from .param_watch import ParamMovedError
 
-__all__ = ["DistributedOptimizer", "FlatShard", "OptimizerConfig", "ParamMovedError", "checkpoint"]
+__all__ = ["CheckpointError", "DistributedOptimizer", "FlatShard", "FormatError",
+           "GradientOrderError", "LockTimeout", "LowPrecisionStateError", "OffloadError",
+           "OptimizerConfig", "ParamMovedError", "ProcessGroupError", "StateDictError",
+           "StateWriteError", "UsageError", "WrappedModelError", "checkpoint"]
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
 
 
-class UsageError(Exception):
+class CommandLineError(Exception):
     """A mistake in the command line; printed as one line, exit status 2."""
 
 
@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line on stderr (no usage dump)."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
+        raise CommandLineError(f"{message} (see `{self.prog} --help`)")
 
 
 def _positive_int(text: str) -> int:
@@ -140,7 +140,7 @@ def _version() -> str:
 
 def _existing(path: str) -> str:
     if not os.path.exists(path):
-        raise UsageError(f"no such file or directory: {path}")
+        raise CommandLineError(f"no such file or directory: {path}")
     return path
 
 
@@ -152,7 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardopt.recipes.train import TrainConfig, run
 
     if args.low_memory_resume and not args.resume:
-        raise UsageError("--low-memory-resume needs --resume")
+        raise CommandLineError("--low-memory-resume needs --resume")
     # Mistakes found here cost one line; found in the ranks, they cost a launch.
     try:
         settings, notes = _hyperparameters(args)
@@ -167,14 +167,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     except checkpoint.FormatError:
         raise  # a damaged checkpoint to resume from: exit 1, as `verify` of it
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise CommandLineError(str(exc)) from None
     nproc = args.nproc or _default_nproc(args.device)
     if not under_torchrun() and cfg.batch_size % nproc:
-        raise UsageError(f"--batch-size {cfg.batch_size} does not split evenly over --nproc {nproc}")
+        raise CommandLineError(f"--batch-size {cfg.batch_size} does not split evenly over --nproc {nproc}")
     try:
         check_paths(cfg)  # last: it creates the log file and checkpoint root
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise CommandLineError(str(exc)) from None
     if os.environ.get("RANK", "0") == "0":
         for note in notes:
             print(f"[shardopt] note: {note}", file=sys.stderr)
@@ -201,7 +201,7 @@ def _hyperparameters(args: argparse.Namespace) -> tuple[dict[str, Any], list[str
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in _HYPERPARAMETER_FLAGS}
     resume, saved, notes = args.resume, {}, []
     if not resume and args.ckpt_dir is not None and checkpoint.latest(args.ckpt_dir):
-        raise UsageError(f"--ckpt-dir {args.ckpt_dir} holds checkpoints (the latest: "
+        raise CommandLineError(f"--ckpt-dir {args.ckpt_dir} holds checkpoints (the latest: "
                          f"{checkpoint.latest(args.ckpt_dir)}): pass --resume to continue from "
                          "it, or give another --ckpt-dir; a fresh run's saves would replace "
                          "them")
@@ -215,10 +215,10 @@ def _hyperparameters(args: argparse.Namespace) -> tuple[dict[str, Any], list[str
         except checkpoint.FormatError:
             raise  # a damaged checkpoint: exit 1 as for `verify`, not a command-line mistake
         except ValueError as exc:  # nothing committed there, or not this job's checkpoint
-            raise UsageError(f"--resume {resume}: {exc}") from None
+            raise CommandLineError(f"--resume {resume}: {exc}") from None
         resume = info["path"]  # the ranks load the checkpoint read here, even if a newer one lands
     if "preset" in given and saved.get("preset", given["preset"]) != given["preset"]:
-        raise UsageError(f"--preset {given['preset']} does not fit the checkpoint {resume}, "
+        raise CommandLineError(f"--preset {given['preset']} does not fit the checkpoint {resume}, "
                          f"saved from the {saved['preset']} preset")
     for field, value in given.items():
         if field in saved and saved[field] != value:
@@ -232,7 +232,7 @@ def _default_nproc(device: str) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            raise UsageError("--device cuda was given but CUDA is not available")
+            raise CommandLineError("--device cuda was given but CUDA is not available")
         return torch.cuda.device_count()
     return 2
 
@@ -332,10 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command is None:
-            raise UsageError("a command is required: train, inspect, verify, export or demo "
+            raise CommandLineError("a command is required: train, inspect, verify, export or demo "
                              "(see `shardopt --help`)")
         return COMMANDS[args.command](args)
-    except UsageError as exc:
+    except CommandLineError as exc:
         _error(str(exc))
         return EXIT_USAGE
     except WorkerFailed as exc:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from .errors import ProcessGroupError
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,6 @@ class DPGroup:
                     "has set up its process group, e.g. in configure_optimizers).")
             return DPGroup(None, 0, 1)
         return DPGroup(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
-
-
-class ProcessGroupError(RuntimeError):
-    """The environment names a job of several ranks but torch.distributed is not initialised."""
 
 
 def _launched_world_size() -> int:

@@ -19,13 +19,7 @@ from . import comm
 from .build import alignment
 from .config import OptimizerConfig
 from .layout import ParamSpec
-
-
-class UsageError(ValueError, TypeError):
-    """The optimizer was called the way torch.optim optimizers are, or with a wrong argument.
-
-    A ``ValueError`` as every user-input error here, and a ``TypeError`` as Python raises
-    for a call with the wrong arguments."""
+from .errors import UsageError
 
 
 HOW = ("pass the model and an OptimizerConfig: DistributedOptimizer(model, "

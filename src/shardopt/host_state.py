@@ -44,6 +44,7 @@ from . import kernels
 from .moments import Moments
 from .quant import Moment
 from .pinned import PinnedBuffer
+from .errors import OffloadError
 
 # ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
 # this module, never the reverse.
@@ -53,11 +54,6 @@ KINDS = ("moments", "main_params", "grads", "params")
 # copy engine (False), or chosen by the allocator's settings (None): see h2d_by_kernel.
 H2D_BY_KERNEL: bool | None = None
 H2D_WAYS = ("kernel", "copy_engine")  # onload(copy=...)
-
-
-class OffloadError(ValueError):
-    """A call that needs the optimizer's state on the device while it is offloaded (or
-    the reverse), or an unknown kind to offload."""
 
 
 class HostState:

@@ -56,13 +56,10 @@ from .param_watch import ParamWatch, Replacements
 from .sync import GradientOrderError, GradSync, ParamSync
 from .update import Update
 from .wrap_guard import WrapGuard
+from .errors import LowPrecisionStateError
 
 __all__ = ["SUPPORTED_DTYPES", "STATE_NAMES", "DistributedOptimizer", "GradientOrderError",
            "LowPrecisionStateError", "ParamGroupFn"]
-
-
-class LowPrecisionStateError(ValueError):
-    """An fp32 view of Adam moments stored in less than fp32 was asked for."""
 
 
 @dataclass(frozen=True)

@@ -40,19 +40,11 @@ import torch
 
 from .guards import UsageError, unowned_trainable
 from .wrap_guard import ADAPTERS
+from .errors import ParamMovedError
 
 _version = attrgetter("_version")
 _requires_grad = attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
-
-
-class ParamMovedError(RuntimeError):
-    """A trainable param no longer lives in the optimizer's flat buffer.
-
-    A RuntimeError rather than a ValueError: no argument of the failing call is
-    wrong; the model was changed after the optimizer took hold of its params,
-    and only rebuilding the optimizer (after moving the model) fixes it.
-    """
 
 
 class ParamWatch:

@@ -55,21 +55,13 @@ from . import moments as moments_
 from .config import GROUP_KEYS, INT8, dtype_name, group_value
 from .flat_shard import FlatShard
 from .layout import ParamShard, Range
+from .errors import StateDictError, StateWriteError
 
 # ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
 # this module, never the reverse.
 
 MOMENTS = moments_.NAMES
 log = logging.getLogger("shardopt.state_dict")
-
-
-class StateDictError(ValueError):
-    """An optimizer state dict does not fit this optimizer; names the FQN and rank."""
-
-
-class StateWriteError(ValueError):
-    """A write to ``optimizer.state`` that could not reach the sharded state (removing an
-    entry, replacing one by something else than a tensor like it); names the FQN and rank."""
 
 
 def _numel(opt: Any, fqn: str) -> int:

@@ -24,13 +24,10 @@ from .config import OptimizerConfig
 from .guards import UsageError
 from .layout import Bucket, Layout
 from .param_watch import ParamMovedError, Replacements, moved_message
+from .errors import GradientOrderError
 
 
 _grad = attrgetter("grad")
-
-
-class GradientOrderError(RuntimeError):
-    """A gradient arrived for a bucket whose reduction had already started."""
 
 
 class GradSync:

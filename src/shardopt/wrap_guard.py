@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from .errors import WrappedModelError
 
 ADAPTERS = (
     "Lightning: Trainer(strategy=shardopt.integrations.lightning.ShardoptStrategy()); "
@@ -31,13 +32,6 @@ ADAPTERS = (
     "in place of accelerator.prepare(model, optimizer, ...); Hugging Face Trainer: "
     "shardopt.integrations.transformers.ShardoptTrainer in place of Trainer; in your own "
     "loop, call the model itself")
-
-
-class WrappedModelError(RuntimeError):
-    """The model was wrapped or copied after the optimizer was built over it.
-
-    A RuntimeError, as :class:`~shardopt.ParamMovedError`: no argument is wrong, the model
-    was changed around the optimizer."""
 
 
 class WrapGuard:

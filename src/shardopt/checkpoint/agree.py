@@ -6,10 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import comm
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be saved or loaded; the message names the file, FQN or rank."""
+from ..errors import CheckpointError
 
 
 def agree(dp: comm.DPGroup, error: BaseException | None, what: str,

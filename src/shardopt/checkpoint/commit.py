@@ -60,6 +60,7 @@ from pathlib import Path
 from .agree import CheckpointError
 from .format import LATEST, MANIFEST, STEP_DIR, FormatError
 from .storage import open_regular
+from ..errors import LockTimeout
 
 LOCK = ".lock"
 TMP_PREFIX = ".tmp-"
@@ -68,10 +69,6 @@ LOCK_TIMEOUT_S = 600.0
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 log = logging.getLogger("shardopt.checkpoint")
-
-
-class LockTimeout(OSError):
-    """Another process held ``root/.lock`` for longer than :data:`LOCK_TIMEOUT_S`."""
 
 
 def fsync_dir(path: str | Path) -> None:

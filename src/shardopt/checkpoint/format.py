@@ -20,6 +20,7 @@ import xxhash
 
 from ..config import dtype_name
 from .agree import CheckpointError
+from ..errors import FormatError
 
 FORMAT_NAME = "shardopt"
 FORMAT_VERSION = 3
@@ -110,10 +111,6 @@ def build_header(entries: list[tuple[str, torch.dtype, int, int]]) -> tuple[byte
     raw += b" " * (-(len(raw) + 8) % 8)  # data 8-byte aligned, as safetensors does
     start = 8 + len(raw)
     return struct.pack("<Q", len(raw)) + raw, [start + s for s in sizes]
-
-
-class FormatError(CheckpointError):
-    """A file is not a well-formed checkpoint file (the message names it)."""
 
 
 def parse_json_object(raw: bytes | str, what: str) -> dict:
