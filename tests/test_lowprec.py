@@ -261,19 +261,18 @@ def test_memory_bytes_per_bf16_param(m, v, g, state, grad, grad_mode):
     assert got == {"params": 2 * numel, "grads": grad * numel, "optimizer_state": state * numel}
 
 
-def test_grad_accum_fp32_is_an_alias_of_grad_dtype():
-    assert OptimizerConfig(grad_accum_fp32=False).grad_dtype == BF16
-    assert OptimizerConfig(grad_accum_fp32=True).grad_dtype == torch.float32
+def test_grad_dtype_is_the_one_setting_of_the_grad_buffers():
     assert OptimizerConfig().grad_dtype == torch.float32
-    # The alias is read once: copies and round trips change grad_dtype freely.
+    with pytest.raises(TypeError, match="grad_accum_fp32"):
+        OptimizerConfig(grad_accum_fp32=False)
     assert dataclasses.replace(OptimizerConfig(), grad_dtype=BF16).grad_dtype == BF16
     assert dataclasses.replace(OptimizerConfig(grad_dtype=BF16),
                                grad_dtype=torch.float32).grad_dtype == torch.float32
-    assert OptimizerConfig.from_dict(OptimizerConfig(grad_accum_fp32=False).to_dict()) == \
+    assert OptimizerConfig.from_dict(OptimizerConfig(grad_dtype=BF16).to_dict()) == \
         OptimizerConfig(grad_dtype=BF16)
-    assert OptimizerConfig(grad_accum_fp32=False) == OptimizerConfig(grad_dtype=BF16)
-    with pytest.raises(ValueError, match="grad_accum_fp32=True contradicts"):
-        OptimizerConfig(grad_dtype=BF16, grad_accum_fp32=True)
+    # A config stored by an earlier version (a checkpoint's manifest) still reads.
+    stored = {**OptimizerConfig(grad_dtype=BF16).to_dict(), "grad_accum_fp32": None}
+    assert OptimizerConfig.from_dict(stored) == OptimizerConfig(grad_dtype=BF16)
 
 
 @pytest.mark.parametrize("kwargs,match", [

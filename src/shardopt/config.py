@@ -51,9 +51,6 @@ class OptimizerConfig:
     live only in the grad buffer and ``p.grad`` is ``None`` after backward (a reduce-scatter
     per bucket: half the gradient traffic at DP > 1); code that reads or edits ``p.grad``
     sees nothing there (docs/optimizer.md, "Gradients")."""
-    grad_accum_fp32: bool | None = None
-    """Deprecated alias of ``grad_dtype`` (``True`` = fp32, ``False`` = low precision), read at
-    construction into ``grad_dtype`` and then ``None`` (an error when the two disagree)."""
     exp_avg_dtype: torch.dtype | str = torch.float32
     """Storage of the first Adam moment: ``torch.float32``, ``torch.bfloat16`` (rounded to
     nearest even) or ``"int8"`` (one fp32 scale per block of 64, :mod:`shardopt.quant`)."""
@@ -91,14 +88,6 @@ class OptimizerConfig:
         self.exp_avg_sq_dtype = _state_dtype("exp_avg_sq_dtype", self.exp_avg_sq_dtype,
                                              MOMENT_DTYPES)
         self.grad_dtype = _state_dtype("grad_dtype", self.grad_dtype, GRAD_DTYPES)
-        alias, self.grad_accum_fp32 = self.grad_accum_fp32, None  # folded into grad_dtype
-        if alias is not None and not isinstance(alias, bool):
-            raise ValueError(f"grad_accum_fp32 must be a bool or None, got {alias!r}")
-        if alias is True and self.grad_dtype != torch.float32:
-            raise ValueError(f"grad_accum_fp32=True contradicts grad_dtype={self.grad_dtype}; "
-                             "set grad_dtype only (grad_accum_fp32 is its deprecated alias)")
-        if alias is False:
-            self.grad_dtype = torch.bfloat16  # the alias's meaning: grads in the model dtype
 
     @property
     def param_grads(self) -> bool:
