@@ -257,11 +257,11 @@ def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tm
     buffers = {d: t.data_ptr() for d, t in snap._buffers.items()}
     # Model shards in their dtypes and three fp32 states per shard; an fp32 param's main
     # param is the param itself, copied once. Frozen tensors and buffers on rank 0.
-    fp32 = sum(s.range_param.size for s in opt.shards
+    fp32 = sum(s.range_param.size for s in opt.shard_state.shards
                if opt.layout.buffers[s.buffer_index].dtype == torch.float32)
-    state = sum(s.range_param.size for s in opt.shards) * 3 * 4
+    state = sum(s.range_param.size for s in opt.shard_state.shards) * 3 * 4
     model_bytes = sum(s.range_param.size * opt.layout.buffers[s.buffer_index].dtype.itemsize
-                      for s in opt.shards) - fp32 * 4
+                      for s in opt.shard_state.shards) - fp32 * 4
     frozen = sum(t.numel() * t.element_size()
                  for t in importlib.import_module("shardopt.checkpoint.state")
                  .frozen_tensors(model, opt).values())

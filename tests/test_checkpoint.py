@@ -144,8 +144,8 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 def live_optimizer_state(opt: DistributedOptimizer) -> list[tuple[str, int, int, dict]]:
     """This rank's shards of every state tensor: ``(fqn, start, end, {name: tensor})``."""
     return [(s.fqn, s.range_param.start, s.range_param.end,
-             {n: opt.state_view(n, s).detach().cpu().clone() for n in STATE_NAMES})
-            for s in opt.shards]
+             {n: opt.shard_state.view(n, s).detach().cpu().clone() for n in STATE_NAMES})
+            for s in opt.shard_state.shards]
 
 
 # ------------------------------------------------------------ comparison helpers

@@ -60,12 +60,13 @@ def test_load_settings_from_the_config(tmp_path: Path) -> None:
         model, opt = trained(5, low_memory_resume=opt_value)
         checkpoint.load(path, model, opt, config=CheckpointConfig(low_memory_resume=cfg_value,
                                                                   io_threads=2))
-        assert (opt._host.staged is not None) == host, (cfg_value, opt_value)
+        staged = opt.shard_state.held["exp_avg.0"].where == "staged"
+        assert staged == host, (cfg_value, opt_value)
         assert differences(snapshot(model, opt, rng=False), expected) == []
     model, opt = trained(5)
     checkpoint.load(path, model, opt, config=CheckpointConfig(low_memory_resume=True),
                     low_memory_resume=False)  # the keyword overrides the config
-    assert opt._host.staged is None
+    assert opt.shard_state.held["exp_avg.0"].where == "device"
     before = snapshot(model, opt)
     with pytest.raises(checkpoint.CheckpointError, match="staging_bytes must be"):
         checkpoint.load(path, model, opt, config=CheckpointConfig(), staging_bytes=-1)

@@ -304,8 +304,8 @@ def test_state_view_refuses_an_fp32_view_of_lowprec_moments(setting):
     opt.step()
     assert issubclass(LowPrecisionStateError, ValueError)
     with pytest.raises(LowPrecisionStateError, match="state_view.*moment_view"):
-        opt.state_view(next(iter(setting)).removesuffix("_dtype"), opt.shards[0])
-    assert opt.state_view("master_param", opt.shards[0]).dtype == torch.float32
+        opt.shard_state.view(next(iter(setting)).removesuffix("_dtype"), opt.shard_state.shards[0])
+    assert opt.shard_state.view("master_param", opt.shard_state.shards[0]).dtype == torch.float32
 
 
 def test_default_layout_is_unchanged_and_int8_aligns_params():

@@ -55,7 +55,7 @@ def train(model, opt, steps, offload_at=(), rank=0, accumulate=False, cycle=None
     makes a round trip (``cycle(model, opt)`` between offload and onload): before the
     forward, or with ``after_backward`` between backward (its reductions maybe still in
     flight) and ``step()``."""
-    device = opt.device
+    device = opt.shard_state.device
     losses = []
     for i in range(steps):
         if i in offload_at and not (accumulate or after_backward):
@@ -83,11 +83,11 @@ def train(model, opt, steps, offload_at=(), rank=0, accumulate=False, cycle=None
 
 
 def state_of(model, opt):
-    opt.finish_param_sync()
+    opt.shard_state.finish_param_sync()
     out = {f"p.{n}": p.detach().clone() for n, p in model.named_parameters()}
-    for s in opt.shards:
+    for s in opt.shard_state.shards:
         for name in ("master_param", "exp_avg", "exp_avg_sq"):
-            out[f"{s.fqn}.{name}"] = opt.state_view(name, s).clone()
+            out[f"{s.fqn}.{name}"] = opt.shard_state.view(name, s).clone()
     return out
 
 
@@ -100,7 +100,7 @@ def assert_same(a: dict, b: dict) -> None:
 def check_refusals(model, opt):
     """While offloaded: forward and step raise, state still readable from host copies."""
     with pytest.raises(OffloadError, match=r"forward of module '<root>'.*onload\(\)"):
-        model(torch.zeros(2, 8, device=opt.device))
+        model(torch.zeros(2, 8, device=opt.shard_state.device))
     with pytest.raises(OffloadError, match=r"step\(\).*offloaded"):
         opt.step()
     with pytest.raises(OffloadError, match="already offloaded"):
@@ -130,9 +130,9 @@ def test_onload_refuses_an_unknown_way_to_copy_and_stays_offloaded():
     opt.offload()
     with pytest.raises(OffloadError, match=r"onload\(copy='dma'\): choose from"):
         opt.onload(copy="dma")
-    assert opt.offloaded  # nothing moved
+    assert opt.shard_state.offloaded  # nothing moved
     opt.onload(copy="copy_engine")
-    assert not opt.offloaded
+    assert not opt.shard_state.offloaded
 
 
 def test_pending_accumulated_grads_survive_a_round_trip():
@@ -149,13 +149,13 @@ def test_state_reads_come_from_host_copies_and_params_are_unusable_meanwhile():
     train(model, opt, 2)
     before = state_of(model, opt)
     opt.offload()
-    assert opt.offloaded == ("moments", "main_params", "grads", "params")
+    assert opt.shard_state.offloaded == ("moments", "main_params", "grads", "params")
     # on CPU the live tensors are poisoned, so nothing can read them by accident
     assert all(torch.isnan(p).all() for p in model.parameters())
     assert_same({k: v for k, v in before.items() if not k.startswith("p.")},
                 {k: v for k, v in state_of(model, opt).items() if not k.startswith("p.")})
     opt.onload()
-    assert opt.offloaded == ()
+    assert opt.shard_state.offloaded == ()
     assert_same(state_of(model, opt), before)
     opt.onload()  # nothing offloaded: a no-op
 
@@ -176,24 +176,24 @@ def test_partial_offload_keeps_forward_and_refuses_step_only():
         opt.offload(())
     with pytest.raises(OffloadError, match=r"offload\(what=None\): give kinds"):
         opt.offload(None)
-    assert opt.offloaded == ()
+    assert opt.shard_state.offloaded == ()
 
 
 def test_a_failed_offload_changes_nothing(monkeypatch):
     model, opt = make()
     train(model, opt, 2)
     before = state_of(model, opt)
-    real = opt._host._host_copies
+    real = opt._host._host_copy
 
-    def fail_on_params(kind, live):
-        if kind == "params":
+    def fail_on_params(name):
+        if name.startswith("params."):
             raise MemoryError("host memory exhausted")
-        return real(kind, live)
+        return real(name)
 
-    monkeypatch.setattr(opt._host, "_host_copies", fail_on_params)
+    monkeypatch.setattr(opt._host, "_host_copy", fail_on_params)
     with pytest.raises(MemoryError):
         opt.offload()
-    assert opt.offloaded == ()
+    assert opt.shard_state.offloaded == ()
     assert_same(state_of(model, opt), before)
     model(torch.zeros(2, 8))  # no guard left behind
     opt.offload(("grads",))
@@ -275,7 +275,7 @@ def test_low_memory_resume_then_offload_continues_bitwise(tmp_path):
     ref_losses = train(model, opt, 3)
     model2, opt2 = make()
     checkpoint.load(tmp_path, model2, opt2, low_memory_resume=True)
-    assert opt2._host.staged is not None
+    assert opt2.shard_state.held["exp_avg.0"].where == "staged"
     opt2.offload()
     # Saved while offloaded with the moments still staged by the load: the same state.
     exports = []
@@ -320,9 +320,9 @@ def test_release_host_memory_reallocates_on_the_next_offload():
     opt.offload()
     opt.onload()
     kept = opt._host.host_bytes()
-    assert kept == sum(t.numel() * t.element_size() for t in
-                       opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]
-                       + opt.moments.tensors())  # grads were not pending
+    assert kept == sum(h.device.numel() * h.device.element_size()
+                       for h in opt.shard_state.held.values()
+                       if h.kind != "grads")  # grads were not pending
     opt.release_host_memory()
     assert opt._host.host_bytes() == 0
     ref_model, ref_opt = make()
@@ -426,8 +426,8 @@ def test_offload_returns_device_memory_and_reuses_pinned_host_buffers(allocator_
     (x @ x.T).sum().item()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved() - sum(
-        t.untyped_storage().nbytes() for t in opt.buffers.param_buffers + opt.buffers.grad_buffers
-        + [m for m in opt.main_params if m is not None])
+        t.untyped_storage().nbytes() for t in opt._buffers.param_buffers + opt._buffers.grad_buffers
+        + [h.device for h in opt.shard_state.held.values() if h.kind == "main_params"])
     for cycle in range(3):
         model(x).float().square().mean().backward()
         opt.step()
@@ -440,10 +440,9 @@ def test_offload_returns_device_memory_and_reuses_pinned_host_buffers(allocator_
         # fresh process with just a CUDA context reserves nothing at all
         assert torch.cuda.memory_reserved() - base <= 16 << 20
         assert held - torch.cuda.memory_reserved() >= 8 * sum(p.numel() for p in ref)
-        addresses = sorted(t.data_ptr() for ts in opt._host._copies.values() for t in ts
-                           if t is not None)
-        assert all(t.is_pinned() for ts in opt._host._copies.values() for t in ts
-                   if t is not None)
+        hosts = [h.host for h in opt.shard_state.held.values() if h.host is not None]
+        addresses = sorted(t.data_ptr() for t in hosts)
+        assert hosts and all(t.is_pinned() for t in hosts)
         if cycle:
             assert addresses == first  # noqa: F821 - the same host buffers every cycle
         first = addresses
@@ -451,7 +450,7 @@ def test_offload_returns_device_memory_and_reuses_pinned_host_buffers(allocator_
         for p, r in zip(model.parameters(), ref):
             assert torch.equal(p.cpu(), r)
         segments = {s["address"]: s for s in torch.cuda.memory_snapshot()}
-        for t in opt.buffers.param_buffers:
+        for t in opt._buffers.param_buffers:
             seg = max((a for a in segments if a <= t.data_ptr()), default=None)
             assert seg is not None and t.data_ptr() < seg + segments[seg]["total_size"]
             assert segments[seg].get("is_expandable", False) == allocator_expandable, \
@@ -489,7 +488,7 @@ def test_weights_written_while_params_are_offloaded_are_an_error_not_lost():
     model.load_state_dict(written)
     with pytest.raises(OffloadError, match=r"'up.weight'.*written.*offloaded"):
         opt.onload()
-    assert opt.offloaded == ()
+    assert opt.shard_state.offloaded == ()
     losses = []
     for i in (2, 3):  # as if nothing had been written
         x, y = batch(i)
@@ -524,8 +523,8 @@ def test_reload_model_params_while_params_are_offloaded_is_refused():
         p.data.fill_(0.5)
     opt.reload_model_params()
     opt.onload()
-    for s in opt.shards:
-        assert bool((opt.state_view("master_param", s) == 0.5).all())
+    for s in opt.shard_state.shards:
+        assert bool((opt.shard_state.view("master_param", s) == 0.5).all())
 
 
 def test_onload_copies_by_kernel_unless_the_allocator_has_expandable_segments(monkeypatch):

@@ -148,7 +148,7 @@ def write_weights(model: Net, how: str, opt: DistributedOptimizer) -> None:
         opt.reload_model_params()
         return
     model.load_state_dict(fresh.state_dict())
-    assert not opt.param_sync.handles  # it waited for gathers still in flight before writing
+    assert not opt._param_sync.handles  # it waited for gathers still in flight before writing
     ema = {f: p.detach() * 0.5 + 0.25 for f, p in model.c.named_parameters()}
     with torch.no_grad():
         model.a.weight.zero_()
@@ -170,14 +170,14 @@ def written_weights_rank(rank: int, world_size: int, kernel: str, how: str) -> d
     for g in opt.param_groups:
         g["lr"], g["weight_decay"] = 0.0, 0.0
     train_step(model, opt, 2, rank, no_skip)
-    opt.finish_param_sync()
+    opt.shard_state.finish_param_sync()
     kept = snapshot(model)
     for g in opt.param_groups:
         g["lr"], g["weight_decay"] = 2e-2, 0.1
     history = []
     for step in range(3, 6):
         train_step(model, opt, step, rank, no_skip)
-        opt.finish_param_sync()
+        opt.shard_state.finish_param_sync()
         history.append(snapshot(model))
     return {"written": written, "kept": kept, "history": history,
             "steps": dict(opt.param_steps)}
@@ -275,7 +275,7 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     model = Net()
     opt = DistributedOptimizer(model, config("torch"))
     train_step(model, opt, 0, 0, [frozenset()])
-    held = [t.clone() for t in opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]]
+    held = [t.clone() for t in opt._buffers.param_buffers + [h.device for h in opt.shard_state.held.values() if h.kind == "main_params"]]
     steps = dict(opt.param_steps)
     {"float": model.float, "double": lambda: model.to(torch.float64), "half": model.half}[move]()
     # d (fp16) is first to get a gradient; "half" leaves it as it was and moves a, b, c.
@@ -293,7 +293,7 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     with pytest.raises(ParamMovedError, match=r"'a\.weight'"):
         opt.reload_model_params()
     assert opt.param_steps == steps  # the failed step changed nothing
-    now = opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]
+    now = opt._buffers.param_buffers + [h.device for h in opt.shard_state.held.values() if h.kind == "main_params"]
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, now))
 
 
@@ -447,13 +447,13 @@ def test_param_frozen_at_construction_then_unfrozen_is_a_clear_error():
     opt = DistributedOptimizer(model, config("torch"))
     train_step(model, opt, 0, 0, [frozenset()])
     model.b.weight.requires_grad_(True)
-    held = [t.clone() for t in opt.buffers.param_buffers]
+    held = [t.clone() for t in opt._buffers.param_buffers]
     steps = dict(opt.param_steps)
     loss_of(model, 1, 0, 0, frozenset()).backward()
     with pytest.raises(ValueError, match=r"param 'b\.weight' was frozen .* built"):
         opt.step()
     assert opt.param_steps == steps
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, opt.buffers.param_buffers))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, opt._buffers.param_buffers))
     model.b.weight.requires_grad_(False)  # frozen again: fine
     model.b.weight.grad = None
     opt.step()
@@ -503,9 +503,9 @@ def no_grad_rank(rank: int, world_size: int, kernel: str, clip: float | None,
             model.norm.requires_grad_(False)  # frozen after construction: never updated again
         train_step(model, opt, step, rank, skips_for(step, world_size, micro_batches)[rank])
         history.append(snapshot(model))
-        moments.append({f"{s.fqn}@{s.range_param.start}": (opt.state_view("exp_avg", s).clone(),
-                                                             opt.state_view("exp_avg_sq", s).clone())
-                        for s in opt.shards})
+        moments.append({f"{s.fqn}@{s.range_param.start}": (opt.shard_state.view("exp_avg", s).clone(),
+                                                             opt.shard_state.view("exp_avg_sq", s).clone())
+                        for s in opt.shard_state.shards})
         steps.append(dict(opt.param_steps))
     return {"history": history, "moments": moments, "steps": steps}
 
@@ -564,7 +564,7 @@ def count_step_all_reduces(rank: int, world_size: int, kernel: str,
     for step in range(3):
         skip = frozenset({"b"}) if step == 1 and rank == 0 else frozenset()
         loss_of(model, step, rank, 0, skip).backward()
-        opt.finish_grad_sync()
+        opt._grad_sync.finish()
         dist.all_reduce = counted
         calls["n"] = 0
         try:

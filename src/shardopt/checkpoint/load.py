@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from .. import moments as moments_
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
 from . import background, choose, commit, convert, state
@@ -87,12 +86,12 @@ def load(
     object; a keyword argument that is not None overrides its field.
     """
     background.wait_pending()  # it may be writing what this reads, and reads what this writes
-    dp = optimizer.dp
-    optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
+    dp = optimizer.shard_state.dp
+    optimizer.shard_state.finish_param_sync()  # no all-gather may still write into params being loaded
     what = f"loading {root_or_path}"
     mine, found, error = None, None, None
     try:
-        optimizer.check_model(model)
+        optimizer.shard_state.check_model(model)
         cfg = resolve_config(config, low_memory_resume=low_memory_resume, verify=verify,
                              staging_bytes=staging_bytes, io_threads=io_threads,
                              hyperparameters=hyperparameters)
@@ -133,7 +132,7 @@ def load(
         plan.files.close()
     agree(dp, error, f"reading {plan.manifest.path}")
 
-    optimizer.adopt_state(plan.moments, plan.steps, on_host=host)
+    optimizer.shard_state.adopt(plan.moments, plan.steps, on_host=host)
     for group, saved in zip(optimizer.param_groups, plan.hparams):
         group.update(saved)  # as torch's load_state_dict does: lr & co. resume as saved
     if "torch_cpu" in plan.rng:
@@ -149,12 +148,13 @@ def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, ver
              host: bool, staging_bytes: int, threads: int, keep_hyper: bool) -> _Plan:
     """Coordinator-free. Every check of a load of ``m``, and everything it reads before
     writing."""
-    opt.check_onloaded("checkpoint.load")
+    opt.shard_state.check_onloaded("checkpoint.load")
     _check_compatible(m, model, opt)
     steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
     hparams = [{} for _ in opt.param_groups] if keep_hyper else _group_hyperparameters(m, opt)
-    moments, fresh = moments_.load_target(opt, host)
-    rng_file = data_file_name("rng", opt.dp.rank) if m.dp_size == opt.dp.size else None
+    moments, fresh = opt.shard_state.load_target(host)
+    dp = opt.shard_state.dp
+    rng_file = data_file_name("rng", dp.rank) if m.dp_size == dp.size else None
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
     try:
         reads: list[Read] = []
@@ -224,7 +224,7 @@ def _group_hyperparameters(m: Manifest, opt: DistributedOptimizer) -> list[dict[
     out: list[dict[str, Any]] = []
     seen: dict[str, tuple[str, Any]] = {}  # saved values but lr -> first FQN, current values
     for group in opt.param_groups:
-        fqns = [opt.fqn_of[p] for p in group["params"]]
+        fqns = [opt.shard_state.fqn_of[p] for p in group["params"]]
         saved = [m.params[fqn].hyper for fqn in fqns]
         odd = next((f for f, s in zip(fqns, saved) if s != saved[0]), None)
         if odd is not None:
@@ -273,16 +273,16 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
             problems.append(f"param {fqn!r} is trainable but the checkpoint holds no "
                             "optimizer state for it (it was frozen when saved)")
     problems += [f"checkpoint param {fqn!r} does not exist in the model"
-                 for fqn in m.params if fqn not in current and fqn not in opt.aliases
+                 for fqn in m.params if fqn not in current and fqn not in opt.shard_state.aliases
                  and fqn not in m.aliases.values()]
     for alias, target in m.aliases.items():  # current names were checked above
-        if alias not in current and opt.aliases.get(alias) != target:
+        if alias not in current and opt.shard_state.aliases.get(alias) != target:
             problems.append(f"checkpoint param {alias!r} (tied to {target!r}) "
-                            + (f"is tied to {opt.aliases[alias]!r} in the model"
-                               if alias in opt.aliases else "does not exist in the model"))
+                            + (f"is tied to {opt.shard_state.aliases[alias]!r} in the model"
+                               if alias in opt.shard_state.aliases else "does not exist in the model"))
     cast = [f"{fqn} ({dtype_name(m.params[fqn].dtype)} -> {dtype_name(t.dtype)})"
             for fqn, t in frozen.items() if fqn in m.params and m.params[fqn].dtype != t.dtype]
-    if cast and not problems and opt.dp.rank == 0:  # model.load_state_dict casts silently
+    if cast and not problems and opt.shard_state.dp.rank == 0:  # model.load_state_dict casts silently
         log.warning("loading %s: %d frozen tensor(s) stored in another dtype are cast into "
                     "the model's: %s", m.path, len(cast), ", ".join(cast[:5]))
     if problems:

@@ -133,8 +133,8 @@ def save(
     ``snapshot`` (GPU only): where the copy goes, ``"host"``, ``"device"`` or
     ``"device_staged"`` (:mod:`.snapshot`).
     """
-    dp = optimizer.dp
-    optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
+    dp = optimizer.shard_state.dp
+    optimizer.shard_state.finish_param_sync()  # frozen and trainable params as the last step left them
     root = Path(root)
     what = f"saving step {step!r} to {root}"
     staged: commit.Staged | None = None
@@ -149,7 +149,7 @@ def save(
             error = background.settle(cfg.if_busy)
             if error is None:
                 frozen = state.frozen_tensors(model, optimizer, check_model=True)
-                optimizer.reseed_written()  # saved main params are the weights written since
+                optimizer.shard_state.reseed_written()  # saved main params are the weights written since
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
                 if cfg.blocking:
@@ -176,7 +176,7 @@ def save(
         rank = dp.rank
         if cfg.blocking:
             _write_and_commit(tmp, staged, _split(contents, rank, threads), base, dp, cfg,
-                              threads, optimizer.device, step, what)
+                              threads, optimizer.shard_state.device, step, what)
             return path
         try:
             group = background.coordination_group(dp)
@@ -188,8 +188,9 @@ def save(
 
         # A staged device snapshot goes out through pinned staging, on a stream of its own:
         # the background thread's current stream would be training's default stream.
-        staged_out = cfg.snapshot == "device_staged" and optimizer.device.type == "cuda"
-        device = optimizer.device if staged_out else torch.device("cpu")
+        staged_out = (cfg.snapshot == "device_staged"
+                      and optimizer.shard_state.device.type == "cuda")
+        device = optimizer.shard_state.device if staged_out else torch.device("cpu")
         stream = torch.cuda.Stream(device) if staged_out else None
         snap = _snapshot(optimizer)
 
@@ -228,7 +229,7 @@ Through = Callable[[Path, list[Job], int], "dict[str, dict] | None"]
 def _snapshot(opt: DistributedOptimizer) -> Snapshot:
     snap = _SNAPSHOTS.get(opt)
     if snap is None:
-        snap = _SNAPSHOTS[opt] = Snapshot(opt.device)
+        snap = _SNAPSHOTS[opt] = Snapshot(opt.shard_state.device)
     return snap
 
 
@@ -269,7 +270,7 @@ def _rank_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -
 
 
 def _rng_job(opt: DistributedOptimizer) -> Job:
-    return (data_file_name("rng", opt.dp.rank), _rng_entries())  # new tensors: no snapshot
+    return (data_file_name("rng", opt.shard_state.dp.rank), _rng_entries())  # new tensors: no snapshot
 
 
 def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
@@ -287,7 +288,7 @@ def _take_snapshot(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor], o
     snap, sources = _snapshot(opt), state.sources(opt, frozen)
     # Buffers (not params) are what a forward may update in place while the copies run.
     hot = {t.untyped_storage().data_ptr() for t in frozen.values()
-           if not isinstance(t, torch.nn.Parameter)} if opt.dp.rank == 0 else set()
+           if not isinstance(t, torch.nn.Parameter)} if opt.shard_state.dp.rank == 0 else set()
     again = snap.retake(sources, on_device, hot)
     jobs, fence = again if again is not None else \
         snap.take(_state_contents(opt, frozen), on_device, sources, hot)
@@ -348,7 +349,7 @@ def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "step": step,
-        "dp_size": opt.dp.size,
+        "dp_size": opt.shard_state.dp.size,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "torch_version": torch.__version__,
         "optimizer": {"kind": OPTIMIZER_KIND, "state": list(STATE_NAMES),
@@ -356,7 +357,7 @@ def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
         "config": opt.config.to_dict(),
     }
     facts = state.ParamFacts.capture(opt, frozen)
-    tail = {"aliases": dict(opt.aliases), "extra": extra}
+    tail = {"aliases": dict(opt.shard_state.aliases), "extra": extra}
     return lambda: {**head, "params": state.describe(opt, facts), **tail}
 
 

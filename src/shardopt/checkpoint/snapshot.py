@@ -176,7 +176,7 @@ class Snapshot:
                hot: Collection[int] = ()) -> tuple[list[Job], SaveFence | None] | None:
         """Coordinator-free. The jobs of the last :meth:`take` again, with its copies queued
         anew from ``sources`` (the flat tensors the state lives in now, by name; see
-        :meth:`~shardopt.optimizer.DistributedOptimizer.state_sources`), when they have
+        ``shard_state.sources()``), when they have
         the names, sizes and dtypes they had then; else None. The entries' pieces of the
         sources depend on the layout alone, so they are where they were: this builds no
         per-param views, which keeps the call of a repeated save to a few copies. ``hot``:
