@@ -297,13 +297,13 @@ def test_config_round_trips_through_json_names():
 
 
 @pytest.mark.parametrize("setting", [dict(exp_avg_dtype=BF16), dict(exp_avg_sq_dtype="int8")])
-def test_state_view_refuses_an_fp32_view_of_lowprec_moments(setting):
+def test_shard_state_view_refuses_an_fp32_view_of_lowprec_moments(setting):
     model = nn.Linear(8, 4)
     opt = DistributedOptimizer(model, OptimizerConfig(**setting))
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     assert issubclass(LowPrecisionStateError, ValueError)
-    with pytest.raises(LowPrecisionStateError, match="state_view.*moment_view"):
+    with pytest.raises(LowPrecisionStateError, match=r"shard_state\.view.*shard_state\.moment\(\)"):
         opt.shard_state.view(next(iter(setting)).removesuffix("_dtype"), opt.shard_state.shards[0])
     assert opt.shard_state.view("master_param", opt.shard_state.shards[0]).dtype == torch.float32
 

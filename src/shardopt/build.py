@@ -110,11 +110,9 @@ def launch_order(layout: Layout, named: Named) -> list[Bucket]:
 
 
 def grad_hooks(owner: Any, grad_sync: Any, host: Any, named: Named) -> list[Any]:
-    """Register ``grad_sync.on_grad_ready`` on every param, refused while ``host`` holds the
-    params or grads offloaded. The hook holds all three weakly (a tensor's hooks live where
-    Python's garbage collector cannot see them, so a strong one would keep the optimizer and
-    its model alive for good) and says which optimizer owns the param (:func:`owner_of`).
-    Removed when ``owner`` is gone."""
+    """Register ``grad_sync.on_grad_ready`` on every param, refused while ``host`` has params
+    or grads offloaded; removed when ``owner`` (the optimizer, :func:`owner_of`) is gone. The
+    hook holds all three weakly: a tensor's hooks are invisible to the garbage collector."""
     on_grad = WeakGradHook(owner, grad_sync, host)
     handles = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
     weakref.finalize(owner, remove_hooks, list(handles))
@@ -137,11 +135,9 @@ class WeakGradHook:
 
 
 def post_accumulate_grad_hooks(p: torch.Tensor) -> Any:
-    """The post-accumulate-grad hooks on ``p``, in registration order. torch has no public
-    way to list a tensor's hooks (``register_post_accumulate_grad_hook`` returns only a handle
-    that removes one), so this reads the dict behind them, ``p._post_accumulate_grad_hooks``;
-    it is how the optimizer finds which optimizer owns a param and whether a hook came after
-    its own."""
+    """The post-accumulate-grad hooks on ``p``, in registration order: which optimizer owns a
+    param, and whether a hook came after its own. torch has no public way to list a tensor's
+    hooks (registering returns only a handle), so this reads ``p._post_accumulate_grad_hooks``."""
     hooks = getattr(p, "_post_accumulate_grad_hooks", None)
     return hooks.values() if hooks else ()
 

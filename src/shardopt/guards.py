@@ -1,9 +1,6 @@
 """Misuse checks for :class:`~shardopt.DistributedOptimizer`: clear errors up front instead of
-a ``TypeError`` from deep inside, a silently detached param or a collective that hangs.
-
-Only :func:`check_same_layout` communicates: one all-gather of a digest over the DP
-group (and, only when the digests differ, one of the param lists to name what differs);
-none with one rank.
+a ``TypeError`` from deep inside, a silently detached param or a collective that hangs. Only
+:func:`check_same_layout` communicates (a digest, and the param lists when digests differ).
 """
 
 from __future__ import annotations
@@ -57,10 +54,8 @@ def unowned_trainable(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | 
 
 def check_same_layout(dp: comm.DPGroup, specs: list[ParamSpec], config: OptimizerConfig,
                       local_problem: str | None) -> None:
-    """Collective (:func:`~shardopt.comm.agree`). Raise :class:`UsageError` on every rank if
-    any rank has ``local_problem`` (naming the ranks) or built a different model (naming
-    the first differing FQN and what differs), rather than letting mismatched collectives
-    abort later."""
+    """Collective. Raise :class:`UsageError` on every rank if any rank has ``local_problem``
+    (naming the ranks) or built a different model (naming the first differing FQN)."""
     described = [(s.fqn, tuple(s.shape), str(s.dtype)) for s in specs]
     # Everything else the layout and the collectives depend on: bucket size, alignment (8-bit
     # moments align params), and the grad dtype that the reduce-scatters carry.

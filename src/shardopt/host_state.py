@@ -1,25 +1,15 @@
 """Host copies of the shard state: ``offload()`` / ``onload()``, and moving the moments a
-``low_memory_resume`` load staged to the device in the first ``step()``.
+``low_memory_resume`` load staged to the device in the first ``step()``. Both change the
+records of :mod:`.shard_state` and copy on one side CUDA stream between exact-size
+page-locked host tensors (:mod:`.pinned`) and the device (docs/offload.md).
 
-Both change the records of :mod:`.shard_state` and copy on one side CUDA stream between
-exact-size page-locked host tensors (:mod:`.pinned`) and the device.
-
-Offload (kinds ``moments``, ``main_params``, ``grads``, ``params``): the D2H copies queue on
-the side stream behind the current stream's work; every device storage is then resized to
-zero (views, params included, stay valid objects over empty storage, as FSDP does) and
-``torch.cuda.empty_cache()`` hands the memory back: all at once after the copies, or, where
-the allocator makes expandable segments, each storage as soon as its own copy is done
-(:meth:`HostState._copy_out_and_free`). Grads are copied only when a backward left some
-pending (``no_sync`` accumulation); otherwise they are freed and zeroed at onload.
-
-Onload: each storage is re-allocated for the current stream and its H2D copy queued in turn
-(:func:`queue_h2d`), dropped grads are zeroed beside the copies, the current stream waits for
-them; the host does not. The host copies are kept for the next cycle until
-:meth:`HostState.release`.
-
-Off CUDA nothing can be freed safely (a CPU kernel reading an empty storage crashes), so
-offload copies the state aside and fills the live tensors with NaN, which makes any use while
-offloaded visible. Semantics are the same as on CUDA (docs/offload.md).
+Offload: the D2H copies queue behind the current stream's work; every device storage is then
+resized to zero (views, params included, stay valid objects, as FSDP does) and the memory
+handed back. Grads are copied only when a backward left some pending (``no_sync``); else
+they are freed and zeroed at onload. Onload re-allocates each storage and queues its H2D copy
+(:func:`queue_h2d`); the current stream waits for them, the host does not. The host copies
+are kept for the next cycle until :meth:`HostState.release`. Off CUDA nothing can be freed
+safely, so offload copies the state aside and fills the live tensors with NaN.
 """
 
 from __future__ import annotations
@@ -37,8 +27,8 @@ from .errors import OffloadError
 from .pinned import PinnedBuffer
 from .shard_state import DEVICE, FREED, HOST, KINDS, STAGED, ShardState
 
-# Host-to-device copies by a kernel that reads the page-locked host memory (True), by the
-# copy engine (False), or chosen by the allocator's settings (None): see h2d_by_kernel.
+# Host-to-device copies by a kernel (True), by the copy engine (False), or by the allocator's
+# settings (None): see h2d_by_kernel.
 H2D_BY_KERNEL: bool | None = None
 H2D_WAYS = ("kernel", "copy_engine")  # onload(copy=...)
 
@@ -114,13 +104,9 @@ class HostState:
     def _copy_out_and_free(self, moved: list[tuple[torch.Tensor, torch.Tensor]],
                            dropped: list[torch.Tensor]) -> None:
         """Copy each device tensor of ``moved`` to its host copy on the side stream, then free
-        every device storage and give the memory back to the device.
-
-        Where the allocator makes expandable segments, giving memory back unmaps its pages,
-        which waits only for the current stream but is slow enough that each storage is freed
-        as soon as its own copy is done, while the later copies run (docs/offload.md).
-        Otherwise ``cudaFree`` waits for the whole device: the host waits for all the copies
-        once and frees everything after them."""
+        every device storage. With expandable segments (unmapping is slow but waits only for
+        the current stream) each storage goes as soon as its own copy is done; otherwise
+        ``cudaFree`` waits for the whole device, so everything goes after all the copies."""
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(self.state.device))
         overlap = allocator_expandable()
@@ -213,11 +199,9 @@ class HostState:
     def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                    zero: Iterable[torch.Tensor] = (), nbytes: list[int] | None = None,
                    by_kernel: bool | None = None) -> torch.cuda.Event:
-        """Queue ``dev.copy_(host)`` for each pair (:func:`queue_h2d`) after the current
-        stream's work and zero ``zero`` on the current stream beside them; the current stream
-        then waits for the copies, the host does not. ``nbytes``: each device storage (pairs',
-        then ``zero``'s) is first re-allocated to that many bytes. Returns the event after
-        which the host tensors may be reused or unlocked."""
+        """Queue the copies of ``pairs`` (:func:`queue_h2d`), zero ``zero`` beside them, and make
+        the current stream wait for them; ``nbytes``: re-allocate each device storage (pairs',
+        then ``zero``'s) first. Returns the event after which the host tensors are free."""
         current = torch.cuda.current_stream(self.state.device)
         zero = list(zero)
         if nbytes is not None and len(nbytes) != len(pairs) + len(zero):
@@ -307,15 +291,11 @@ class _ForwardGuard:
 def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream,
               sizes: list[int] | None = None, by_kernel: bool | None = None
               ) -> torch.cuda.Event:
-    """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair on ``stream``, after
-    the current stream's work; returns an event after all of them.
-
-    By a kernel reading the page-locked host memory (``kernels.copy_from_host_``) or by the
-    copy engine: ``by_kernel``, by default :func:`h2d_by_kernel`. Into memory ``cudaMalloc``
-    returned soon after ``cudaFree`` gave memory back, copy-engine transfers run slower for
-    their whole length while kernels run at full rate (docs/offload.md). With ``sizes``, each
-    device storage is re-allocated to that many bytes just before its copy is queued, so an
-    allocation overlaps the copies before it."""
+    """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair on ``stream`` after
+    the current stream's work, by kernel (``kernels.copy_from_host_``) or copy engine
+    (``by_kernel``, default :func:`h2d_by_kernel`); returns an event after all of them. With
+    ``sizes``, each device storage is re-allocated just before its copy, so an allocation
+    overlaps the copies before it (docs/offload.md)."""
     device = pairs[0][0].device if pairs else torch.device("cuda")
     # Memory allocated for the current stream may have been freed by its earlier work, still
     # queued: the copies wait for it (nothing new is queued there meanwhile).

@@ -3,12 +3,11 @@
 Communication schedule of one iteration (``dp_size`` ranks, buckets in a launch order every
 rank shares; at ``dp_size == 1`` the collectives are skipped):
 
-* Phase 1, during backward and at the start of ``step()``: when every param of the next
-  bucket has its gradient in the grad buffer, that bucket's reduction (average) starts
-  asynchronously, strictly in launch order, so every rank issues identical collectives.
-  ``grad_mode="torch"`` (:mod:`.param_grads`): all-reduces, the rest launched when backward
-  ends, and ``p.grad`` views the averaged gradient; ``"buffer"`` (:mod:`.sync`):
-  reduce-scatters, the rest launched by ``step()``. ``step()`` re-seeds the main params of
+* Phase 1, in backward and at the start of ``step()``: when every param of the next bucket
+  has its gradient, that bucket's reduction (average) starts asynchronously, strictly in
+  launch order, so every rank issues identical collectives: all-reduces with
+  ``grad_mode="torch"`` (:mod:`.param_grads`; ``p.grad`` then views the average),
+  reduce-scatters with ``"buffer"`` (:mod:`.sync`). ``step()`` re-seeds the main params of
   weights the user wrote (:mod:`.param_watch`), waits, and all-reduces the squared norm of
   the local grad shard with one "got a gradient" flag per param (:mod:`.grad_norm`).
 * Phase 2, ``step()``: fused AdamW on the local shard (:mod:`.update`); a param with no
@@ -114,8 +113,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._group_fqns = [[self._fqn_of[p] for p in g["params"]] for g in self.param_groups]
         group_shards = [[i for i, s in enumerate(self._state.shards) if self._group_of[s.fqn] == gi]
                         for gi in range(len(self.param_groups))]
-        # Updates applied to each param (torch's state[p]["step"]): a param that got no
-        # gradient on any rank in a step is not updated and its count stays.
+        # Updates applied to each param (torch's state[p]["step"]; :mod:`.step_plan`).
         self.param_steps: dict[str, int] = {fqn: 0 for fqn in self._fqns}
         kernel = build.choose_kernel(self.config, self._state.device)
         self._update = Update(self._state, kernel, self.param_groups, group_shards,
@@ -130,8 +128,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grads = ParamGrads if self.config.param_grads else GradSync
         self._grad_sync = grads(dp, self._buffers, self.layout, self.config, named,
                                 self._fqn_of, replaced)
-        # The root too: its forward may use a child's weight before that child runs.
-        self._host = HostState(self._state, [
+        self._host = HostState(self._state, [  # the root too: it may use a child's weight
             (name, m) for name, m in model.named_modules() if m is model
             or any(p in self._fqn_of for p in m.parameters(recurse=False))])
         self._offload_versions: list[int] | None = None  # the params' versions at offload()
@@ -140,15 +137,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               self._grad_sync.written)
         self._param_sync = ParamSync(self._state, self._grad_sync.launch_order)
         self._hooks += self._param_sync.register_hooks(model, self.config, self._fqn_of)
-        self._state_copies = StateDictCopies(self, model)  # model.state_dict(): own storages
-        self._hooks += self._state_copies.register()
+        self._hooks += StateDictCopies(self, model).register()  # model.state_dict(): copies
         self._wrap_guard = WrapGuard(self._grad_sync, model)  # wrapped in DDP or copied after
-        # register_state_write_hook: what must run before the state is written or freed.
         self._state_write_hooks: OrderedDict[int, Callable[[bool], None]] = OrderedDict()
         self._grad_norm: torch.Tensor | None = None
         self._kept_grads = step_plan.KeptGrads()
 
-    # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Collective. The schedule's three phases; returns the loss of ``closure`` if given.
@@ -200,15 +194,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._grad_sync.after_step()
         self._host.after_step()
 
-    # ------------------------------------------------------------- gradients
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for micro-batches inside the block."""
         return self._grad_sync.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's: ``p.grad = None`` (or zeroed in place with ``set_to_none=False``) for
-        every param. With ``grad_mode="buffer"``, drops every gradient since the last step
-        (``set_to_none=False``: params that had one are stepped with a zero gradient)."""
+        """As torch's (``grad_mode="buffer"``: drops every gradient since the last step;
+        ``set_to_none=False``: params that had one are stepped with a zero gradient)."""
         if not self.config.param_grads:
             self._kept_grads.zero_grad(set_to_none)
         self._grad_sync.zero_grad(set_to_none)
@@ -218,7 +210,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Global gradient norm before clipping of the last ``step()`` (syncs when read)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
-    # ---------------------------------------------------------------- offload
     def offload(self, what: tuple[str, ...] | list[str] = KINDS) -> None:
         """Move ``what`` (of :data:`~shardopt.shard_state.KINDS`; default all) to pinned host
         memory and free its device memory; forward, ``step()`` and loads are refused until
@@ -251,7 +242,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Free the host copies :meth:`offload` keeps between cycles (refused while offloaded)."""
         self._host.release()
 
-    # ---------------------------------------------------------------- params
     def iter_param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
         """``(fqns, flat)`` per bucket: ``flat`` (model dtype) holds its params back to back in
         ``fqns`` order. Waits for all-gathers in flight; refused while params are offloaded."""
@@ -288,11 +278,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._before_state_write(host=False)
         self._state.reseed(written)
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state keyed by FQN, values viewing the live state
-        (:mod:`shardopt.state_dict`). Resumes bitwise at the same DP size; through
-        ``torch.distributed.checkpoint`` at any DP size."""
+        """This rank's state keyed by FQN, viewing the live state (:mod:`.state_dict`): resumes
+        bitwise at the same DP size, through ``torch.distributed.checkpoint`` at any."""
         return state_dicts.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,19 +1,13 @@
 """Notice what happened to the model's params between two optimizer steps.
 
-Every trainable param is a view of the optimizer's flat param buffer, and bf16/fp16 params
-have an fp32 main copy the update reads. Behind the optimizer's back a user may:
-
-* write a param in place (``model.load_state_dict``, ``p.zero_()``, ``nn.init.*``,
-  ``p.copy_(ema)``): the main copy is stale. Each of those bumps the param's own version
-  counter (the optimizer's writes through the buffer never do), so comparing ``p._version``
-  with the value recorded after the optimizer's last write finds them. Writes through
-  ``p.data`` and by collectives bump no counter: before the optimizer's first write every
-  param counts as written (the first step re-seeds them all), after it they need
-  ``reload_model_params()``.
-* replace its storage (``model.float()``, ``.to(...)``, ``param.data = ...``): training would
-  no longer reach it. Its ``data_ptr()`` differs from the recorded one.
-* replace the param or its module by another object (:class:`Replacements`), or unfreeze a
-  param frozen at construction, which the optimizer holds no place for: ``step()`` raises.
+* Written in place (``load_state_dict``, ``p.zero_()``, ``nn.init.*``): the fp32 main copy is
+  stale. Such writes bump the param's own version counter (the optimizer's writes through the
+  buffer do not). Writes through ``p.data`` or collectives bump none: before the optimizer's
+  first write every param counts as written, after it they need ``reload_model_params()``.
+* Storage replaced (``model.float()``, ``.to(...)``, ``param.data = ...``): ``data_ptr()``
+  differs, and training would no longer reach the param.
+* The param or its module replaced by another object (:class:`Replacements`), or a param
+  frozen at construction unfrozen: the optimizer holds no place for it.
 
 Each check is a C-level ``map`` over the params (docs/optimizer.md).
 """
@@ -83,8 +77,8 @@ class ParamWatch:
         return list(map(_version, self.params))
 
     def undone(self, before: list[int]) -> list[str]:
-        """FQNs of the params written in place since ``before`` (:meth:`versions`), whose
-        writes ``onload()`` has undone. Those in sync at ``before`` are in sync again."""
+        """FQNs of the params written since ``before`` (:meth:`versions`), which ``onload()``
+        undid; those in sync at ``before`` are in sync again."""
         now = self.versions()
         out = []
         for i, (fqn, a, b) in enumerate(zip(self.fqns, now, before)):

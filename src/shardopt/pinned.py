@@ -1,21 +1,10 @@
 """Page-locked host memory of exactly the size asked for.
 
-``torch.empty(..., pin_memory=True)`` goes through torch's caching host
-allocator, which rounds every block up to a power of two: a 4.9 GiB moment
-tensor locks 8 GiB of host memory, and the cache keeps the blocks after the
-tensor is gone. For the few large, long-lived host tensors of a
-``low_memory_resume`` load, of ``offload()`` (:mod:`.host_state`) and of an asynchronous
-save's snapshot (:mod:`.checkpoint.snapshot`) this module
-allocates ordinary host memory and page-locks exactly its pages with
-``cudaHostRegister`` instead.
-
-Rules that keep this safe (all enforced here or by the callers):
-
-* :meth:`PinnedBuffer.release` unregisters before the last reference to the
-  memory can go away (``__del__`` calls it too), so memory is never freed while
-  registered; views that outlive it just become ordinary pageable memory.
-* Whoever issues asynchronous copies from or to the buffer waits for them (an
-  event) before releasing it.
+torch's ``pin_memory=True`` rounds every block up to a power of two and caches it (a 4.9 GiB
+tensor locks 8 GiB); for the few large, long-lived host tensors of loads, offload and
+background saves this allocates ordinary host memory and ``cudaHostRegister``s its pages.
+:meth:`PinnedBuffer.release` unregisters before the memory can go away (``__del__`` calls it
+too); whoever issues asynchronous copies from or to a buffer waits for them before releasing.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """This rank's shard state: every flat state tensor, and where its values are.
 
 One record (:class:`Held`) per flat tensor, named ``{name}.{i}`` for layout buffer ``i``:
-
-* ``params`` (the model-dtype param buffer) and ``grads`` (the grad buffer; ``param_grads``
-  the param-dtype copy ``p.grad`` views, where it is another tensor);
-* ``master_param``: the fp32 main params of a bf16/fp16 buffer (an fp32 buffer's params are
-  its main params: ``view("master_param", ...)`` reads ``params``);
-* ``exp_avg``, ``exp_avg_sq`` and, for int8 moments, ``exp_avg.scale`` / ``exp_avg_sq.scale``,
-  once the moments exist (the first step or a load).
-
-A record says where the values are: on the device, in its host copy (``offload()``), staged
-on the host until the first step (a ``low_memory_resume`` load), or nowhere (gradients no
-backward left pending, offloaded: zeros at onload). Offload, onload, loads and the first step
-replace records; the update, ``state_dict`` and checkpoints read the table.
+``params`` and ``grads`` (``param_grads``: the param-dtype copy ``p.grad`` views, where it
+is another tensor); ``master_param``, the fp32 main params of a bf16/fp16 buffer (an fp32
+buffer's are its params); ``exp_avg``, ``exp_avg_sq`` and for int8 ``{moment}.scale``, once
+the moments exist. A record says where the values are: on the device, in its host copy
+(offloaded), staged on the host until the first step (``low_memory_resume``), or nowhere
+(freed gradients, zeros at onload). Offload, onload, loads and the first step replace
+records; the update, ``state_dict`` and checkpoints read them.
 """
 
 from __future__ import annotations
@@ -38,8 +33,8 @@ KINDS = ("moments", "main_params", "grads", "params")  # what offload() moves
 @dataclass(frozen=True)
 class Held:
     """One flat state tensor: its kind (of :data:`KINDS`), where its values are, the device
-    tensor (its storage freed while offloaded on CUDA; None while staged) and the host copy
-    with the page-locked memory behind it (kept between offloads until released)."""
+    tensor (storage freed while offloaded on CUDA; None while staged) and the host copy with
+    its page-locked memory (kept between offloads)."""
 
     kind: str
     where: str
@@ -179,9 +174,8 @@ class ShardState:
         self.held[name] = dataclasses.replace(self.held[name], **changes)
 
     def allocate_moments(self, on_host: bool) -> Moments:
-        """New moments in this optimizer's storage format whose params' parts are for the
-        caller to fill (padding and scales zero), on the device or (``on_host``) in host
-        memory, page-locked at its exact size when the optimizer is on CUDA."""
+        """New moments whose params' parts are for the caller to fill (padding and scales
+        zero), on the device or (``on_host``) in host memory, page-locked on CUDA."""
         cuda = self.device.type == "cuda"
         pinned: list[PinnedBuffer] = []
 
@@ -219,19 +213,18 @@ class ShardState:
             pos = max(pos, r.end)
 
     def load_target(self, on_host: bool) -> tuple[Moments, bool]:
-        """Where loaded moments go, and whether they are new: new tensors on the host
-        (``on_host``) or before the moments are on the device, so a load can read into them
-        before the ranks agree (a failed load drops them); else the moments in place, as a
-        second copy of the optimizer state is what a resume must never hold."""
+        """Where loaded moments go, and whether they are new: new on the host (``on_host``) or
+        before the moments are on the device (a load reads into them before the ranks agree);
+        else the moments in place: a resume must never hold a second copy of the state."""
         moments = None if on_host else self.device_moments()
         if moments is None:
             return self.allocate_moments(on_host), True
         return moments, False
 
     def set_moments(self, moments: Moments, where: str) -> None:
-        """Take ``moments`` (a load's, or the first step's zeros) as the moments, on the
-        device or ``STAGED`` on the host, with the page-locked memory they carry. A host copy
-        kept for offloading is kept where it still fits; staged memory replaced is unlocked."""
+        """Take ``moments`` (a load's, or zeros) on the device or ``STAGED`` on the host, with
+        their page-locked memory; an offload copy that still fits is kept, replaced staged
+        memory unlocked."""
         pin_of = {p.tensor.data_ptr(): p for p in moments.pinned}
         for name, t in moments.named().items():
             old = self.held.get(name)

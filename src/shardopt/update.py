@@ -1,9 +1,6 @@
-"""The AdamW update of a rank's local shard, by torch's fused AdamW or the Triton kernel
-(:mod:`.kernels`), each param group at its step count (:mod:`.step_plan`).
-
-Both paths do the same arithmetic: torch's widens low-precision moments to fp32 copies
-and stores them back after (the reference), the Triton kernel does it in registers.
-"""
+"""The AdamW update of a rank's local shard, by torch's fused AdamW (the reference: it widens
+low-precision moments to fp32 copies and stores them back) or the Triton kernel
+(:mod:`.kernels`: in registers), each param group at its step count (:mod:`.step_plan`)."""
 
 from __future__ import annotations
 
@@ -127,10 +124,8 @@ class Update:
 
     def _torch(self, grad_scale: torch.Tensor | None, steps: list[int | None],
               got: frozenset[str] | None) -> None:
-        """torch's fused AdamW on the fp32 main params of each param group (only the params
-        this step updates, each at its own step count: ``steps``, ``got``, :mod:`.step_plan`).
-        Low-precision moments are widened to fp32 copies first and stored back after (the
-        reference for the Triton path, which does it in registers)."""
+        """torch's fused AdamW on the fp32 main params of each param group (the params this
+        step updates, each at its own count); low-precision moments through fp32 copies."""
         state = self.state
         shards = state.shards
         grads = self._grad_shards()
@@ -184,11 +179,9 @@ class Update:
         return self._views
 
     def _grad_shards(self) -> list[torch.Tensor]:
-        """This rank's grad of each shard in fp32, for torch's fused AdamW: views of the grad
-        the step reads (:attr:`FlatBuffers.step_grads`) where it is fp32; where it is the
-        bf16/fp16 copy ``p.grad`` views of an fp32 grad buffer, that buffer's part of this
-        rank, overwritten with the copy's values first (what ``p.grad`` holds is what the
-        step takes; one cast per bucket); else one fp32 copy per bucket."""
+        """This rank's grad of each shard in fp32: views of the step's grads where they are
+        fp32; where they are the bf16/fp16 copy of an fp32 grad buffer, that buffer's part of
+        this rank, overwritten with the copy's values (``p.grad`` counts); else fp32 copies."""
         state, buffers = self.state, self.state.buffers
         if self._fp32_grads is None:
             self._fp32_grads = {}
