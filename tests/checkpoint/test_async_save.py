@@ -5,7 +5,6 @@ lost, one save in flight at a time, crash safety, and ``load`` waiting for the s
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import signal
 import subprocess
@@ -19,26 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-from _dist import device_for, require_world_size, run_distributed
+from helpers.checks import checkpoint_bytes, model_state
+from helpers.dist import device_for, require_world_size, run_distributed
+from helpers.models import build, train
 from shardopt import checkpoint
 from shardopt.checkpoint import CheckpointError, SaveHandle
-from test_checkpoint import build, snapshot, train
 
 SAVE_MODULE = "shardopt.checkpoint.save"
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-def _checkpoint_bytes(path: Path) -> dict[str, Any]:
-    """Every file of a committed checkpoint, the manifest without its creation time."""
-    out: dict[str, Any] = {}
-    for f in sorted(path.iterdir()):
-        if f.name == "manifest.json":
-            m = json.loads(f.read_text())
-            m.pop("created"), m.pop("checksum")
-            out[f.name] = m
-        else:
-            out[f.name] = f.read_bytes()
-    return out
+TESTS = Path(__file__).resolve().parents[1]
+SRC = str(TESTS.parent / "src")
 
 
 def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
@@ -47,7 +35,7 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
     model, opt = build(0, device, dropout=0.1)
     torch.manual_seed(1000 + rank)
     train(model, opt, range(3), rank, world_size)
-    at_call = snapshot(model)
+    at_call = model_state(model)
     sync_path = checkpoint.save(f"{root}/sync", model, opt, step=3, extra={"k": 1})
     handle = checkpoint.save(f"{root}/async", model, opt, step=3, extra={"k": 1},
                              blocking=False, snapshot=where)
@@ -58,10 +46,10 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
     async_path = handle.wait()
     assert handle.done() and handle.wait() == async_path  # wait() again: the same answer
     assert checkpoint.latest(f"{root}/async") == async_path
-    after = snapshot(model)
+    after = model_state(model)
     info = checkpoint.load(async_path, model, opt)
     return {"sync": sync_path, "async": async_path, "at_call": at_call, "after": after,
-            "loaded": snapshot(model), "step": info.step}
+            "loaded": model_state(model), "step": info.step}
 
 
 @pytest.mark.parametrize("world_size,where", [(1, "host"), (2, "host"), (3, "host"),
@@ -79,7 +67,7 @@ def test_async_save_equals_sync_save_at_the_call(backend, world_size, where, tmp
     results = run_distributed(async_vs_sync_rank, world_size, backend, str(tmp_path), where,
                               backend=backend, tmp_path=tmp_path)
     r = results[0]
-    sync, asyn = _checkpoint_bytes(Path(r["sync"])), _checkpoint_bytes(Path(r["async"]))
+    sync, asyn = checkpoint_bytes(Path(r["sync"])), checkpoint_bytes(Path(r["async"]))
     assert sorted(sync) == sorted(asyn)
     for name in sync:
         assert sync[name] == asyn[name], f"{name} differs"
@@ -125,12 +113,6 @@ def test_a_failed_background_write_on_one_rank_fails_every_rank(tmp_path):
 
 
 # ------------------------------------------------------------- single process
-@pytest.fixture
-def trained_model():
-    model, opt = build(0)
-    train(model, opt, range(2), 0, 1)
-    return model, opt
-
 
 def _gate_writes(monkeypatch, gate: threading.Event, fail: bool = False) -> None:
     """Block the writes of a rank's files (by the writer process or by threads) until
@@ -223,7 +205,7 @@ def test_load_waits_for_the_save_in_flight(trained_model, tmp_path, monkeypatch)
     model, opt = trained_model
     gate = threading.Event()
     _gate_writes(monkeypatch, gate)
-    saved = snapshot(model)
+    saved = model_state(model)
     handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
     train(model, opt, range(2, 4), 0, 1)
     threading.Timer(0.2, gate.set).start()
@@ -245,7 +227,7 @@ def test_snapshot_is_a_copy_that_offload_cannot_touch(trained_model, tmp_path, m
     opt.onload()
     train(model, opt, range(2, 3), 0, 1)
     gate.set()
-    got, want = _checkpoint_bytes(Path(handle.wait())), _checkpoint_bytes(Path(reference))
+    got, want = checkpoint_bytes(Path(handle.wait())), checkpoint_bytes(Path(reference))
     assert got == want
 
 
@@ -282,7 +264,7 @@ def test_a_device_snapshot_drains_into_one_reused_host_copy_of_its_size(tmp_path
     host = checkpoint.save(tmp_path / "host", model, opt, step=2, blocking=False).wait()
     device = checkpoint.save(tmp_path / "device", model, opt, step=2, blocking=False,
                              snapshot="device").wait()
-    assert _checkpoint_bytes(Path(host)) == _checkpoint_bytes(Path(device))
+    assert checkpoint_bytes(Path(host)) == checkpoint_bytes(Path(device))
     assert snap.on_device and snap.host_nbytes() == snap.nbytes()
     drained = {d: b.tensor.data_ptr() for d, b in snap._drained.items()}
     assert all(b.pinned for b in snap._drained.values())
@@ -292,7 +274,7 @@ def test_a_device_snapshot_drains_into_one_reused_host_copy_of_its_size(tmp_path
     assert {d: b.tensor.data_ptr() for d, b in snap._drained.items()} == drained
     staged = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
                              snapshot="device_staged").wait()
-    assert _checkpoint_bytes(Path(staged)) == _checkpoint_bytes(tmp_path / "device" /
+    assert checkpoint_bytes(Path(staged)) == checkpoint_bytes(tmp_path / "device" /
                                                                 "step_00000003")
 
 
@@ -366,7 +348,7 @@ def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path
     monkeypatch.undo()
     assert Path(staged).is_dir()
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=3)
-    assert _checkpoint_bytes(Path(again)) == _checkpoint_bytes(Path(reference))
+    assert checkpoint_bytes(Path(again)) == checkpoint_bytes(Path(reference))
 
 
 def test_repeated_saves_reuse_the_snapshot_plan_and_follow_the_state(trained_model, tmp_path,
@@ -385,7 +367,7 @@ def test_repeated_saves_reuse_the_snapshot_plan_and_follow_the_state(trained_mod
     def both(step):
         sync = checkpoint.save(tmp_path / "sync", model, opt, step=step)
         handle = checkpoint.save(tmp_path / "async", model, opt, step=step, blocking=False)
-        assert _checkpoint_bytes(Path(handle.wait())) == _checkpoint_bytes(Path(sync))
+        assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
 
     both(2)
     train(model, opt, range(2, 3), 0, 1)
@@ -413,7 +395,7 @@ def test_a_buffer_that_stops_sharing_storage_gets_a_new_plan(trained_model, tmp_
     def both(step):
         sync = checkpoint.save(tmp_path / "sync", model, opt, step=step)
         handle = checkpoint.save(tmp_path / "async", model, opt, step=step, blocking=False)
-        assert _checkpoint_bytes(Path(handle.wait())) == _checkpoint_bytes(Path(sync))
+        assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
 
     both(2)
     model.mirror_b = torch.full((2, 3), 7.0)  # its own storage now, the same size
@@ -450,7 +432,7 @@ _CHILD = textwrap.dedent("""
     from shardopt import checkpoint
     import importlib
     save_module = importlib.import_module("shardopt.checkpoint.save")
-    from test_checkpoint import build, train
+    from helpers.models import build, train
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
     checkpoint.save({root!r}, model, opt, step=1)
@@ -471,7 +453,7 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(root: Path, after_write: str) -> subprocess.Popen:
-    code = _CHILD.format(tests=str(Path(__file__).parent), src=SRC, root=str(root),
+    code = _CHILD.format(tests=str(TESTS), src=SRC, root=str(root),
                          after_write=after_write)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -1,12 +1,10 @@
 """Checkpoints: bitwise resume, the on-disk format, export, errors, ``latest``.
 
-Multi-rank scenarios run through ``_dist.run_distributed``; each spawn checks as
+Multi-rank scenarios run through ``helpers.dist.run_distributed``; each spawn checks as
 much as it can (save, continue, load, save again) and returns tensors, and the
-parent compares them. The training model mixes bf16 and fp32 params (fp32 norm
-and router registered between bf16 matmuls), has a frozen param and a 0-d
+parent compares them. The training model (``helpers.models.MixedLM``) mixes bf16 and fp32
+params (fp32 norm and router registered between bf16 matmuls), has a frozen param and a 0-d
 buffer, and uses tiny buckets so params are split across ranks.
-
-``test_reshard.py`` reuses the model and helpers defined here.
 """
 
 from __future__ import annotations
@@ -17,160 +15,24 @@ import re
 import shutil
 import struct
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file
-from torch import nn
 
-from _dist import device_for, require_world_size, run_distributed
-from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
+from helpers.checks import assert_tensors_equal, exported, model_state
+from helpers.dist import device_for, require_world_size, run_distributed
+from helpers.models import LM_DIM, LM_HIDDEN, STATE_NAMES, build, train
+from shardopt import checkpoint
 from shardopt.checkpoint import CheckpointError, FormatError
 
-VOCAB, DIM, HIDDEN, SEQ, EXPERTS = 29, 10, 14, 6, 3
-GLOBAL_BATCH = 12  # every DP size tested (1..4) divides it
 NUM_STEPS = 6
-STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
-DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
-
-
-# ---------------------------------------------------------------- model, data
-
-def _apply(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module(x.to(module.weight.dtype))
-
-
-class MixedLM(nn.Module):
-    """A tiny LM: bf16 matmuls with fp32 params (norm, router) registered between them.
-
-    ``fp32`` names the modules kept in fp32 (the rest are bf16), so a test can
-    change a param's dtype between save and load. The frozen ``pos`` and the
-    0-d ``temperature`` buffer depend on the seed, so a load must restore them.
-    """
-
-    def __init__(self, *, tied: bool = False, dropout: float = 0.0,
-                 fp32: tuple[str, ...] = ("norm", "router"), experts: int = EXPERTS,
-                 down_bias: bool = True, extra_layer: bool = False) -> None:
-        super().__init__()
-
-        def dt(name: str) -> torch.dtype:
-            return torch.float32 if name in fp32 else torch.bfloat16
-
-        self.emb = nn.Embedding(VOCAB, DIM).to(dt("emb"))
-        self.pos = nn.Parameter(0.1 * torch.randn(SEQ, DIM).to(dt("emb")), requires_grad=False)
-        self.up = nn.Linear(DIM, HIDDEN).to(dt("up"))
-        self.norm = nn.LayerNorm(HIDDEN).to(dt("norm"))
-        self.router = nn.Linear(HIDDEN, experts).to(dt("router"))
-        self.down = nn.Linear(HIDDEN, DIM, bias=down_bias).to(dt("down"))
-        self.extra = nn.Linear(DIM, DIM).to(dt("extra")) if extra_layer else None
-        self.head = nn.Linear(DIM, VOCAB, bias=False).to(dt("head"))
-        if tied:
-            self.head.weight = self.emb.weight
-        self.drop = nn.Dropout(dropout)
-        self.register_buffer("temperature", 1.0 + torch.rand(()))
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens) + self.pos[: tokens.shape[1]]
-        x = F.gelu(_apply(self.up, h))
-        n = self.norm(x.to(self.norm.weight.dtype)).float()
-        gate = torch.softmax(_apply(self.router, n).float() / self.temperature, dim=-1)
-        x = _apply(self.down, self.drop(n)) * gate[..., :1].to(self.down.weight.dtype)
-        if self.extra is not None:
-            x = x + _apply(self.extra, x)
-        logits = _apply(self.head, h + x.to(h.dtype))
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def param_groups(fqn: str, param: nn.Parameter) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if fqn.endswith(".bias") or fqn.startswith("norm."):
-        out["weight_decay"] = 0.0
-    if fqn.startswith("router."):
-        out["lr"] = 5e-3
-    return out
-
-
-def make_config(**overrides: Any) -> OptimizerConfig:
-    # Tiny buckets: the big params get buckets of their own and split across ranks.
-    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0,
-              bucket_numel=97, align_numel=4)
-    kw.update(overrides)
-    return OptimizerConfig(**kw)
-
-
-def build(seed: int, device: torch.device | str = "cpu",
-          **model_kwargs: Any) -> tuple[MixedLM, DistributedOptimizer]:
-    torch.manual_seed(seed)
-    model = MixedLM(**model_kwargs).to(device)
-    return model, DistributedOptimizer(model, make_config(), param_group_fn=param_groups)
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10_000 + step)
-    return (torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=g),
-            torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=g))
-
-
-def train(model: nn.Module, opt: DistributedOptimizer, steps: range, rank: int,
-          world_size: int, scheduler: Any = None) -> list[float]:
-    """Each rank takes its slice of the deterministic global batch of every step."""
-    per = GLOBAL_BATCH // world_size
-    device = next(model.parameters()).device
-    losses = []
-    for step in steps:
-        tokens, targets = global_batch(step)
-        mine = slice(rank * per, (rank + 1) * per)
-        loss = model(tokens[mine].to(device), targets[mine].to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-        losses.append(loss.item())
-    return losses
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-
-
-def live_optimizer_state(opt: DistributedOptimizer) -> list[tuple[str, int, int, dict]]:
-    """This rank's shards of every state tensor: ``(fqn, start, end, {name: tensor})``."""
-    return [(s.fqn, s.range_param.start, s.range_param.end,
-             {n: opt.state_view(n, s).detach().cpu().clone() for n in STATE_NAMES})
-            for s in opt.shards]
-
-
-# ------------------------------------------------------------ comparison helpers
-
-def read_export(out_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(out_dir).glob("*.safetensors")):
-        tensors = load_file(str(f))
-        assert not set(tensors) & set(out), f"{f.name} repeats keys"
-        out.update(tensors)
-    return out
-
-
-def exported(path: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    checkpoint.export(path, out_dir)
-    return read_export(out_dir)
-
-
-def assert_tensors_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                         what: str = "") -> None:
-    assert sorted(actual) == sorted(expected), what
-    for k in expected:
-        a, e = actual[k], expected[k]
-        assert a.dtype == e.dtype and a.shape == e.shape, f"{what} {k}: {a.dtype}{list(a.shape)}"
-        assert torch.equal(a, e), f"{what} {k}: max diff {(a.double() - e.double()).abs().max()}"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "format.md"
 
 
 def flip_byte(file: Path, position: int) -> None:
@@ -188,7 +50,7 @@ def resume_reference_rank(rank: int, world_size: int, backend: str, root: str,
     torch.manual_seed(1000 + rank)  # dropout masks differ per rank
     train(model, opt, range(NUM_STEPS), rank, world_size)
     checkpoint.save(f"{root}/uninterrupted", model, opt, step=NUM_STEPS)
-    reference = snapshot(model)
+    reference = model_state(model)
 
     # The same run, saved at step 3; saving must not disturb it.
     model, opt = build(0, device, tied=tied, dropout=0.1)
@@ -196,7 +58,7 @@ def resume_reference_rank(rank: int, world_size: int, backend: str, root: str,
     train(model, opt, range(3), rank, world_size)
     checkpoint.save(f"{root}/interrupted", model, opt, step=3, extra={"data_step": 3, "tag": "x"})
     train(model, opt, range(3, NUM_STEPS), rank, world_size)
-    return {"reference": reference, "saved_and_continued": snapshot(model)}
+    return {"reference": reference, "saved_and_continued": model_state(model)}
 
 
 def resume_rank(rank: int, world_size: int, backend: str, root: str, tied: bool,
@@ -209,7 +71,7 @@ def resume_rank(rank: int, world_size: int, backend: str, root: str, tied: bool,
     loaded_bytes = opt.memory_bytes()["optimizer_state"]
     train(model, opt, range(info.step, NUM_STEPS), rank, world_size)
     checkpoint.save(f"{root}/resumed-{low_memory}", model, opt, step=NUM_STEPS)
-    return {"params": snapshot(model), "info": info, "fresh_bytes": fresh_bytes,
+    return {"params": model_state(model), "info": info, "fresh_bytes": fresh_bytes,
             "loaded_bytes": loaded_bytes}
 
 
@@ -263,7 +125,7 @@ def scheduler_resume_rank(rank: int, world_size: int, root: str, resume: bool) -
         train(model, opt, range(2), rank, world_size, sched)
         checkpoint.save(root, model, opt, step=2, extra={"scheduler": sched.state_dict()})
         train(model, opt, range(2, 4), rank, world_size, sched)
-    return {"params": snapshot(model), "lrs": [g["lr"] for g in opt.param_groups]}
+    return {"params": model_state(model), "lrs": [g["lr"] for g in opt.param_groups]}
 
 
 def test_resume_with_lr_scheduler_state_in_extra(tmp_path):
@@ -274,45 +136,6 @@ def test_resume_with_lr_scheduler_state_in_extra(tmp_path):
         assert a["lrs"] == b["lrs"]
         assert_tensors_equal(a["params"], b["params"])
 
-
-# ------------------------------------------- one checkpoint at 3 ranks, many checks
-
-@dataclass(frozen=True)
-class Saved:
-    root: Path
-    path: Path
-    params: dict[str, torch.Tensor]
-    state: dict[str, torch.Tensor]  # "{fqn}.{name}" -> full fp32 tensor, assembled from ranks
-    shapes: dict[str, torch.Size]
-
-
-def save_three_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    model, opt = build(0)
-    train(model, opt, range(2), rank, world_size)
-    # Small hash blocks, so files span several blocks.
-    checkpoint.save(root, model, opt, step=2, extra={"data": [1, 2]}, block_bytes=512)
-    return {"params": snapshot(model), "state": live_optimizer_state(opt),
-            "shapes": {fqn: p.shape for fqn, p in model.named_parameters()}}
-
-
-@pytest.fixture(scope="module")
-def saved3(tmp_path_factory) -> Saved:
-    base = tmp_path_factory.mktemp("saved3")
-    root = base / "ckpt"
-    results = run_distributed(save_three_rank, 3, str(root), tmp_path=base / "runs")
-    shapes = results[0]["shapes"]
-    state: dict[str, torch.Tensor] = {}
-    covered: dict[str, int] = {}
-    for r in results:
-        for fqn, start, end, tensors in r["state"]:
-            numel = shapes[fqn].numel()
-            for name, t in tensors.items():
-                full = state.setdefault(f"{fqn}.{name}", torch.full((numel,), float("nan")))
-                full[start:end] = t
-            covered[fqn] = covered.get(fqn, 0) + end - start
-    assert covered == {fqn: s.numel() for fqn, s in shapes.items() if fqn != "pos"}
-    state = {k: v.view(shapes[k.rsplit(".", 1)[0]]) for k, v in state.items()}
-    return Saved(root, root / "step_00000002", results[0]["params"], state, shapes)
 
 
 def test_every_file_is_safetensors_or_json(saved3):
@@ -414,7 +237,7 @@ def test_inspect_and_verify(saved3, tmp_path):
     assert info["extra"] == {"data": [1, 2]}
     rows = {r["fqn"]: r for r in info["params"]}
     assert set(rows) == set(saved3.params)
-    assert rows["up.weight"]["shape"] == [HIDDEN, DIM] and rows["up.weight"]["dtype"] == "bfloat16"
+    assert rows["up.weight"]["shape"] == [LM_HIDDEN, LM_DIM] and rows["up.weight"]["dtype"] == "bfloat16"
     assert rows["pos"]["trainable"] is False and rows["router.bias"]["dtype"] == "float32"
     assert info["num_files"] == 15
     assert checkpoint.verify(saved3.path)["step"] == 2
@@ -506,7 +329,7 @@ def failed_load_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
             train(model, opt, range(5, 6), rank, world_size)
         source = f"{root}/{case}" if case.startswith(("corrupt", "no_file")) else f"{root}/good"
         source = source.removesuffix("_fresh")
-        before = snapshot(model), opt.memory_bytes(), dict(opt.param_steps)
+        before = model_state(model), opt.memory_bytes(), dict(opt.param_steps)
         checkpoint.save(f"{root}/before-{case}", model, opt, step=0)
         try:
             checkpoint.load(source, model, opt)
@@ -514,7 +337,7 @@ def failed_load_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
         except CheckpointError as e:
             error = str(e)
         checkpoint.save(f"{root}/after-{case}", model, opt, step=0)
-        after = snapshot(model), opt.memory_bytes(), dict(opt.param_steps)
+        after = model_state(model), opt.memory_bytes(), dict(opt.param_steps)
         out[case] = {"error": error, "before": before, "after": after}
     return out
 
@@ -567,7 +390,7 @@ def test_latest_and_retention(tmp_path):
 
     fresh, fresh_opt = build(3)
     assert checkpoint.load(root, fresh, fresh_opt).step == 5
-    assert_tensors_equal(snapshot(fresh), snapshot(model))
+    assert_tensors_equal(model_state(fresh), model_state(model))
 
     # Saving over an incomplete step directory, or with non-JSON extra, fails and writes
     # nothing.

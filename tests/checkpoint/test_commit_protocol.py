@@ -13,22 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
-from _dist import run_distributed
+from helpers.dist import run_distributed, spawn_process
 from faults import ranks
 from faults.common import check_root, check_state, trained
 from shardopt import checkpoint
 from shardopt.checkpoint import commit
-
-def _spawn(target, *args) -> mp.Process:
-    ctx = mp.get_context("forkserver")
-    # Only takes effect if no fork server runs yet (tests/_dist.py preloads the same).
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn", "torch.optim",
-                                "torch._dynamo", "shardopt.checkpoint", "faults.ranks"])
-    p = ctx.Process(target=target, args=args, daemon=True)
-    p.start()
-    return p
 
 def _step_of(path: str) -> int:
     return int(Path(path).name.removeprefix("step_"))
@@ -152,7 +142,7 @@ def test_kill9_at_random_moments(tmp_path: Path, blocking: bool) -> None:
     stats: collections.Counter[str] = collections.Counter()
     for trial in range(KILL_TRIALS if blocking else KILL_TRIALS // 2):
         log = tmp_path / f"log-{trial}"
-        procs = [_spawn(ranks.saver_loop, r, 2, str(root), str(tmp_path / f"store-{trial}"),
+        procs = [spawn_process(ranks.saver_loop, r, 2, str(root), str(tmp_path / f"store-{trial}"),
                         first_step, str(log), width, blocking) for r in range(2)]
         _wait_for_line(log, "begin", procs)
         time.sleep(rng.uniform(0.0, 0.4))
@@ -203,7 +193,7 @@ def test_kill9_before_every_file_system_call(tmp_path: Path, blocking: bool) -> 
     previous, step, kill_at = 1, 2, 1
     stats: collections.Counter[str] = collections.Counter()
     while True:
-        p = _spawn(ranks.crash_at, str(root), step, kill_at, blocking)
+        p = spawn_process(ranks.crash_at, str(root), step, kill_at, blocking)
         p.join(60)
         assert p.exitcode in (0, -signal.SIGKILL), p.exitcode
         path = checkpoint.latest(root)

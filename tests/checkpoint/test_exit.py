@@ -27,9 +27,9 @@ from unittest import mock
 import pytest
 import torch.distributed as dist
 
-from _dist import run_distributed
+from helpers.dist import run_distributed
+from helpers.models import build, train
 from shardopt import checkpoint
-from test_checkpoint import build, train
 
 JOBS = int(os.environ.get("SHARDOPT_EXIT_JOBS", "12"))
 SIZES = (2, 3)  # consecutive jobs load each other's checkpoints: every load reshards

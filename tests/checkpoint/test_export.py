@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.checks import assert_tensors_equal, exported, read_export
 from shardopt import checkpoint
 from shardopt.checkpoint import CheckpointError
 from shardopt.optimizer import STATE_NAMES
-from test_checkpoint import assert_tensors_equal, exported, read_export, saved3  # noqa: F401
 
 def test_export_matches_live_state(saved3, tmp_path):
     written = checkpoint.export(saved3.path, tmp_path)

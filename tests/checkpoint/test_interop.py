@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from test_checkpoint import exported, saved3  # noqa: F401 - saved3 is a fixture
+from helpers.checks import exported
+
 
 
 def _chunks(saved, infos: dict[str, list[dict]] | None = None

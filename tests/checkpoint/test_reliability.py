@@ -21,7 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _dist import run_distributed
+from helpers.dist import run_distributed
 from faults import ranks
 from faults.common import (Net, check_root, check_state, data_offset, differences, edit_manifest,
                            flip_byte, header_length, read_json, rehash_file, snapshot, trained,

@@ -18,9 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import device_for, require_world_size, run_distributed
+from helpers.checks import assert_tensors_equal, exported, model_state
+from helpers.dist import device_for, require_world_size, run_distributed
+from helpers.models import STATE_NAMES, build, train
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
-from test_checkpoint import STATE_NAMES, assert_tensors_equal, build, exported, snapshot, train
 
 SIZES = (1, 2, 3, 4)
 SAVE_STEP, END_STEP = 2, 4
@@ -54,7 +55,7 @@ def load_rank(rank: int, world_size: int, backend: str, base: str,
         checkpoint.save(f"{base}/resaved-{n}-at-{world_size}", model, opt, step=SAVE_STEP)
         train(model, opt, range(SAVE_STEP, END_STEP), rank, world_size)
         checkpoint.save(f"{base}/continued-{n}-at-{world_size}", model, opt, step=END_STEP)
-        out[n] = snapshot(model)
+        out[n] = model_state(model)
     return out
 
 
@@ -154,7 +155,7 @@ def tiny_rank(rank: int, world_size: int, base: str, save: bool) -> dict[str, to
     else:
         checkpoint.load(f"{base}/saved", model, opt)
         checkpoint.save(f"{base}/resaved-{world_size}", model, opt, step=1)
-    return snapshot(model)
+    return model_state(model)
 
 
 def test_ranks_without_shards_save_empty_files_and_reshard(tmp_path):
@@ -175,7 +176,7 @@ def test_ranks_without_shards_save_empty_files_and_reshard(tmp_path):
     # One process, no process group at all.
     model, opt = _tiny(2)
     checkpoint.load(path, model, opt)
-    assert_tensors_equal(snapshot(model), saved[0])
+    assert_tensors_equal(model_state(model), saved[0])
 
 
 def load_file_keys(file: Path) -> list[str]:

@@ -17,9 +17,9 @@ import pytest
 
 from faults import ranks
 from faults.common import check_root, check_state, read_json, trained
+from helpers.dist import spawn_process
 from shardopt import checkpoint
 from shardopt.checkpoint import commit
-from test_commit_protocol import _spawn
 
 
 def _branch(root: Path, steps: range) -> dict[str, str]:
@@ -154,7 +154,7 @@ def test_kill9_during_a_rollback_save(tmp_path: Path) -> None:
     while True:
         root = tmp_path / f"root-{kill_at}"
         shutil.copytree(pristine, root)
-        p = _spawn(ranks.crash_at, str(root), 2, kill_at, True, True)
+        p = spawn_process(ranks.crash_at, str(root), 2, kill_at, True, True)
         p.join(60)
         assert p.exitcode in (0, -signal.SIGKILL), p.exitcode
         steps = {q.name: read_json(q)["checksum"] for q in check_root(root)}

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.checks import checkpoint_bytes
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
 from shardopt import kernels as kernels_
 from shardopt.checkpoint.snapshot import SaveFence
-from test_async_save import _checkpoint_bytes
 
 
 def _state(opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
@@ -192,5 +192,5 @@ def test_step_right_after_an_async_save_never_overwrites_what_it_still_copies(tm
     for _ in range(2):
         grads()
         opt.step()
-    same = _checkpoint_bytes(Path(sync)) == _checkpoint_bytes(Path(handle.wait()))
+    same = checkpoint_bytes(Path(sync)) == checkpoint_bytes(Path(handle.wait()))
     assert same == waits

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import DistributedRunError, run_distributed
+from helpers.dist import DistributedRunError, run_distributed
 from faults.common import (Net, check_root, check_state, config, differences, snapshot,
                            train_step, trained)
 from shardopt import DistributedOptimizer, checkpoint

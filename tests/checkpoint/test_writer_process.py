@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from helpers.checks import checkpoint_bytes
+from helpers.models import build, train
 from shardopt import checkpoint
 from shardopt.checkpoint import CheckpointError
-from test_async_save import SAVE_MODULE, _checkpoint_bytes, trained_model  # noqa: F401
-from test_checkpoint import build, train
 
+SAVE_MODULE = "shardopt.checkpoint.save"
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="the writer process needs memfd")
 
@@ -104,7 +105,7 @@ def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
     path = checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
     assert writer._PROCESS._proc is proc
-    assert _checkpoint_bytes(Path(path)) == _checkpoint_bytes(Path(reference))
+    assert checkpoint_bytes(Path(path)) == checkpoint_bytes(Path(reference))
 
 
 def test_a_buffer_the_writer_process_cannot_map_fails_the_write_that_needs_it(tmp_path):
@@ -158,7 +159,7 @@ def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, m
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
     path = checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
     assert writer._PROCESS._proc.pid != proc.pid
-    assert _checkpoint_bytes(Path(path)) == _checkpoint_bytes(Path(reference))
+    assert checkpoint_bytes(Path(path)) == checkpoint_bytes(Path(reference))
 
 
 def test_the_writer_process_names_the_file_it_could_not_write(trained_model, tmp_path,
@@ -196,7 +197,7 @@ def test_a_block_of_more_pieces_than_one_write_call_takes(tmp_path):
     opt.step()
     sync = checkpoint.save(tmp_path / "sync", model, opt, step=1)
     asyn = checkpoint.save(tmp_path / "async", model, opt, step=1, blocking=False).wait()
-    a, b = _checkpoint_bytes(Path(sync)), _checkpoint_bytes(Path(asyn))
+    a, b = checkpoint_bytes(Path(sync)), checkpoint_bytes(Path(asyn))
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name] == b[name], name

@@ -75,7 +75,7 @@ def _is_result(path: Path) -> bool:
 
 def test_the_scan_sees_the_project():
     names = {f.relative_to(ROOT).as_posix() for f in _text_files()}
-    assert "README.md" in names and "tests/test_project_text.py" in names, sorted(names)[:20]
+    assert "README.md" in names and "tests/cli/test_project_text.py" in names, sorted(names)[:20]
     assert any(n.startswith("src/shardopt/") for n in names)
     assert any(n.startswith("docs/") for n in names)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import run_distributed
+from helpers.dist import run_distributed
 from shardopt import checkpoint
 from shardopt.recipes.data import BatchPlan, MarkovTask, local_batches
 from shardopt.recipes.model import GPT, PRESETS, build_model, count_params, model_config, no_decay

@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import run_distributed
+from helpers.checks import model_state
+from helpers.dist import run_distributed
+from helpers.models import MixedLM, build, train
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
 from shardopt.guards import UsageError
-from test_checkpoint import MixedLM, build, snapshot, train
 
 
 @pytest.mark.parametrize("args, kwargs", [
@@ -40,9 +41,9 @@ def test_second_optimizer_over_the_same_params_is_refused():
         DistributedOptimizer(model, OptimizerConfig())
     # The first optimizer still owns and trains the params.
     assert model.up.weight.data_ptr() == data_ptr
-    before = snapshot(model)
+    before = model_state(model)
     train(model, opt, range(1), 0, 1)
-    assert not torch.equal(snapshot(model)["up.weight"], before["up.weight"])
+    assert not torch.equal(model_state(model)["up.weight"], before["up.weight"])
     # Once its hooks are removed the first one has let go (a benchmark swaps optimizers so).
     for hook in opt._hooks:
         hook.remove()
@@ -102,10 +103,10 @@ def test_checkpoint_with_a_model_the_optimizer_does_not_own(tmp_path):
         checkpoint.save(tmp_path, other, opt, step=1)
     assert checkpoint.latest(tmp_path) is None and not os.listdir(tmp_path)
     path = checkpoint.save(tmp_path, model, opt, step=1)
-    before = snapshot(other)
+    before = model_state(other)
     with pytest.raises(checkpoint.CheckpointError, match="'emb.weight' of the model passed in"):
         checkpoint.load(path, other, opt)
-    assert snapshot(other).keys() == before.keys()
+    assert model_state(other).keys() == before.keys()
     model.up.weight.requires_grad_(False)  # frozen since construction: still the optimizer's
     opt.check_model(model)
     with pytest.raises(ValueError, match="the optimizer's param 'up.weight' is not in the mod"):

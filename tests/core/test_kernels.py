@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import device_for, require_world_size, run_distributed
+from helpers.checks import bits
+from helpers.dist import device_for, require_world_size, run_distributed
+from helpers.models import Scenario, assert_matches_reference, tol_for, train_rank
 from shardopt import DistributedOptimizer, OptimizerConfig, kernels
-from test_optimizer import (Scenario, assert_matches_reference, bits,
-                            tol_for, train_rank)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(not kernels.available(DEVICE),

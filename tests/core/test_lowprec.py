@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _dist import device_for, run_distributed
+from helpers.checks import bits
+from helpers.dist import device_for, run_distributed
+from helpers.models import MixedNet, mixed_config, mixed_data
 from shardopt import DistributedOptimizer, OptimizerConfig, kernels
 from shardopt.optimizer import LowPrecisionStateError
 from shardopt.quant import QBLOCK, Moment
-from test_optimizer import MixedNet, bits, mixed_config, mixed_data
 
 BF16, FP32 = torch.bfloat16, torch.float32
 MOMENTS = (FP32, BF16, "int8")

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from _dist import device_for, require_world_size, run_distributed
+from helpers.checks import bits, param_copies
+from helpers.dist import device_for, require_world_size, run_distributed
+from helpers.models import GROUP_FNS, Scenario
 from shardopt import DistributedOptimizer
-from test_optimizer import GROUP_FNS, Scenario, bits, snapshot
 
 
 def _overlap_rank(rank: int, world_size: int, backend: str, overlap: bool) -> dict[str, Any]:
@@ -34,7 +35,7 @@ def _overlap_rank(rank: int, world_size: int, backend: str, overlap: bool) -> di
         model(tokens[0, 0, rank].to(device), targets[0, 0, rank].to(device), True)
     after_forward = len(opt.param_sync.handles)
     opt.finish_param_sync()
-    return {"losses": history, "params": snapshot(model), "in_flight": in_flight,
+    return {"losses": history, "params": param_copies(model), "in_flight": in_flight,
             "after_forward": after_forward}
 
 
@@ -64,7 +65,7 @@ def _overlap_state_dict_rank(rank: int, world_size: int) -> dict[str, Any]:
     saved = {k: v.clone() for k, v in model.state_dict().items()}  # as torch.save would read
     left = len(opt.param_sync.handles)
     opt.finish_param_sync()
-    return {"in_flight": in_flight, "left": left, "saved": saved, "params": snapshot(model)}
+    return {"in_flight": in_flight, "left": left, "saved": saved, "params": param_copies(model)}
 
 
 def test_model_state_dict_after_an_overlapped_step_holds_the_updated_params(tmp_path):

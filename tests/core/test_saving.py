@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers.checks import bits
 from shardopt import DistributedOptimizer, OptimizerConfig
-from test_optimizer import bits
 
 
 VOCAB = 2000  # the embedding dwarfs the other weights of its buffer

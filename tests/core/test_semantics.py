@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _dist import run_distributed
+from helpers.checks import bits
+from helpers.dist import run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig, ParamMovedError, checkpoint, kernels
 from shardopt.sync import GradientOrderError
-from test_optimizer import bits
 
 TRITON = pytest.mark.skipif(not kernels.available(torch.device("cpu")),
                             reason="Triton is not installed")

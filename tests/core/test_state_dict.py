@@ -18,19 +18,19 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from _dist import run_distributed
+from helpers.checks import assert_tensors_equal, model_state
+from helpers.dist import run_distributed
+from helpers.models import (MixedLM, STATE_NAMES, build, live_optimizer_state, make_config,
+                            param_groups, train)
 from shardopt import DistributedOptimizer, FlatShard
 from shardopt.state_dict import StateDictError
-from test_checkpoint import (STATE_NAMES, assert_tensors_equal, build, live_optimizer_state,
-                             make_config, param_groups, snapshot, train)
-from test_checkpoint import MixedLM
 
 SAVE_STEP, END_STEP = 3, 6
 
 
 def everything(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
     """Copies of all a load may change on this rank: weights, state, steps, hyperparameters."""
-    out = {f"model.{k}": v for k, v in snapshot(model).items()}
+    out = {f"model.{k}": v for k, v in model_state(model).items()}
     names = STATE_NAMES if opt.has_moments else ("master_param",)
     for s in opt.shards:
         out.update({f"{s.fqn}.{n}@{s.range_param.start}": opt.state_view(n, s).clone()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import run_distributed
+from helpers.dist import run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig
 from shardopt.wrap_guard import WrappedModelError
 

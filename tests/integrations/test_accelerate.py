@@ -18,9 +18,9 @@ from torch import nn
 
 accelerate = pytest.importorskip("accelerate")
 
-from _frameworks import (  # noqa: E402
-    assert_same_state, assert_trains_as_reference, full_state, launcher_env, max_diff, params,
-    runs_at_two_sizes)
+from helpers.checks import (  # noqa: E402
+    assert_same_state, assert_trains_as_reference, full_state, max_diff, model_state)
+from helpers.dist import launcher_env, runs_at_two_sizes  # noqa: E402
 from shardopt import (  # noqa: E402
     DistributedOptimizer, OptimizerConfig, ParamMovedError, checkpoint)
 from shardopt.integrations.accelerate import prepare  # noqa: E402
@@ -80,7 +80,7 @@ def _run(shardopt: bool, epochs: range = range(EPOCHS), save: Path | None = None
         if epoch == 0 and save is not None:
             acc.save_state(str(save))
             out["saved_state"] = full_state(opt.optimizer) if shardopt else None
-    out["params"] = params(acc.unwrap_model(model))
+    out["params"] = model_state(acc.unwrap_model(model))
     return out
 
 

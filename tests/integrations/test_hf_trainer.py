@@ -16,9 +16,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from _frameworks import (  # noqa: E402
-    assert_same_state, assert_trains_as_reference, full_state, launcher_env, max_diff, params,
-    runs_at_two_sizes)
+from helpers.checks import (  # noqa: E402
+    assert_same_state, assert_trains_as_reference, full_state, max_diff, model_state)
+from helpers.dist import launcher_env, runs_at_two_sizes  # noqa: E402
 from shardopt import (  # noqa: E402
     DistributedOptimizer, OptimizerConfig, ParamMovedError, checkpoint)
 from shardopt.integrations.transformers import ShardoptTrainer  # noqa: E402
@@ -81,7 +81,7 @@ def _train(out_dir: Path, shardopt: bool, resume: str | None = None, steps: int 
                   callbacks=[states] if shardopt else [])
     trainer.train(resume_from_checkpoint=resume)
     norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
-    return {"params": params(trainer.model), "norms": norms, "states": states.states}
+    return {"params": model_state(trainer.model), "norms": norms, "states": states.states}
 
 
 def _job(rank: int, world_size: int, tmp: str, other: str | None) -> dict[str, Any]:

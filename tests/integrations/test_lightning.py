@@ -18,8 +18,9 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from _frameworks import (  # noqa: E402
-    assert_same_state, assert_trains_as_reference, full_state, max_diff, params, runs_at_two_sizes)
+from helpers.checks import (  # noqa: E402
+    assert_same_state, assert_trains_as_reference, full_state, max_diff, model_state)
+from helpers.dist import runs_at_two_sizes  # noqa: E402
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint  # noqa: E402
 from shardopt.integrations.lightning import ShardoptStrategy  # noqa: E402
 from shardopt.wrap_guard import WrappedModelError  # noqa: E402
@@ -109,15 +110,15 @@ def _job(rank: int, world_size: int, tmp: str, other: str | None) -> dict[str, A
     tmp_path = Path(tmp)
     out: dict[str, Any] = {}
     ref = _fit(world_size, shardopt=False)
-    out["ref"] = {"params": params(ref), "norms": ref.norms}
+    out["ref"] = {"params": model_state(ref), "norms": ref.norms}
     ckpts = tmp_path / f"ckpt_{world_size}"
     ours = _fit(world_size, shardopt=True, ckpt_dir=ckpts)
-    out["ours"] = {"params": params(ours), "norms": ours.norms}
+    out["ours"] = {"params": model_state(ours), "norms": ours.norms}
     latest = ckpts / "latest"
     out["latest"] = {p.name: sorted(q.name for q in (p / "optimizer").iterdir())
                      for p in latest.iterdir()}
     out["saved_state"] = ours.state_at["epoch 0"]
-    out["resumed"] = params(_fit(world_size, True, resume=_ckpt(ckpts, STEPS_PER_EPOCH)))
+    out["resumed"] = model_state(_fit(world_size, True, resume=_ckpt(ckpts, STEPS_PER_EPOCH)))
     if other is not None:
         out["loaded_state"] = _fit(world_size, True, resume=other).state_at["start"]
     # A torch optimizer's Lightning checkpoint is refused, saying why.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _dist import run_distributed
+from helpers.dist import run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
 from shardopt.checkpoint import CheckpointError
 from shardopt.host_state import OffloadError

@@ -1,30 +1,18 @@
 """Run a function on several ranks, each in its own process, and bring the results back.
 
-A deliberately small helper (no ``torch.testing._internal``)::
+:func:`run_distributed` runs ``fn(rank, world_size, *args)`` on ranks that join a process
+group rendezvoused through a ``FileStore`` under ``tmp_path`` and returns each rank's return
+value (``torch.save`` d), in rank order. An exception in any rank fails the call with that
+rank's traceback; a rank that never finishes is terminated after ``timeout`` seconds.
+``fn`` must be a module-level function, so it pickles (no ``torch.testing._internal``).
 
-    def check(rank, world_size, n):            # module level, so it pickles
-        ...
-        return {"loss": loss, "params": params}
-
-    results = run_distributed(check, 3, 10, tmp_path=tmp_path)   # one entry per rank
-
-Each rank joins a process group rendezvoused through a ``FileStore`` under
-``tmp_path``, runs ``fn(rank, world_size, *args)`` and writes the return value
-with ``torch.save``; the parent loads them and returns them in rank order.
-An exception in any rank fails the call with that rank's traceback; a rank
-that never finishes is terminated after ``timeout`` seconds. Nothing can hang.
-
-Processes start through a fork server that has already imported torch, so a
-rank starts in tens of milliseconds instead of the seconds a fresh interpreter
-needs to import torch (``start_method="spawn"`` is there for comparison or if
-a platform misbehaves). The fork server never touches CUDA, so NCCL ranks may
-initialise their devices after the fork.
-
-Such a rank ends as multiprocessing's do, with ``os._exit``: no exit handler runs and
-the interpreter never finalises. ``interpreter_exit=True`` ends each rank as a launched
-job's process ends instead (exit handlers, module teardown, finalisation, then the exit
-status), still forked from a server that has imported torch (:func:`_serve`, started once
-per test process), for tests of how a job exits.
+Ranks start through a fork server that has imported torch, so a rank starts in tens of
+milliseconds instead of the seconds a fresh interpreter needs (``start_method="spawn"`` for
+comparison); the server never touches CUDA, so NCCL ranks may initialise their devices after
+the fork. Such a rank ends as multiprocessing's do, with ``os._exit``. ``interpreter_exit=True``
+ends each rank as a launched job's process ends instead (exit handlers, module teardown,
+finalisation, then the exit status), forked from a server of its own (:func:`_serve`,
+started once per test process), for tests of how a job exits.
 """
 
 from __future__ import annotations
@@ -45,8 +33,10 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.multiprocessing as mp
+
 
 DEFAULT_TIMEOUT_S = 300.0
 # After one rank fails, survivors usually fail soon too (closed connections);
@@ -262,7 +252,7 @@ class _ExitServer:
         rep_r, rep_w = os.pipe()
         code = (f"import sys; sys.path[:] = {sys.path!r}; "
                 f"[__import__(m) for m in {_PRELOAD!r}]; "
-                f"import _dist; _dist._serve({req_r}, {rep_w})")
+                f"from helpers import dist; dist._serve({req_r}, {rep_w})")
         self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(req_r, rep_w))
         os.close(req_r)
         os.close(rep_w)
@@ -337,8 +327,39 @@ def device_for(backend: str | None, rank: int) -> torch.device:
 
 def require_world_size(backend: str, world_size: int) -> None:
     """Skip the calling test when ``backend`` cannot run ``world_size`` ranks here."""
-    import pytest
-
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         pytest.skip(f"nccl with {world_size} ranks needs {world_size} GPUs, "
                     f"found {torch.cuda.device_count()}")
+
+
+def spawn_process(target: Callable[..., Any], *args: Any) -> mp.Process:
+    """Start ``target(*args)`` in a process of its own (a fork server that has imported torch,
+    shardopt's checkpoint and the fault injectors), for a test that kills or watches it."""
+    ctx = mp.get_context("forkserver")
+    # Takes effect only if no fork server runs yet (run_distributed preloads the same modules).
+    ctx.set_forkserver_preload(_PRELOAD + ["shardopt.checkpoint", "faults.ranks"])
+    p = ctx.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+# ----------------------------------------------------------------- the frameworks' runs
+
+def launcher_env(rank: int, world_size: int) -> None:
+    """What ``torchrun`` / ``accelerate launch`` set (the process group exists already)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29500")
+
+
+def runs_at_two_sizes(job: Callable[..., Any], load_only: Callable[..., Any], tmp: Path,
+                      saved_by: Callable[[int], str]) -> dict[int, list[Any]]:
+    """``job(rank, world_size, tmp, other)`` at 2 processes, then at 1 with ``other`` what
+    the 2 saved (``saved_by(2)``), then ``load_only(rank, 2, tmp, saved_by(1))``: results
+    by world size, the last under 21. Forked ranks start with the framework imported."""
+    def run(fn: Callable[..., Any], world_size: int, other: str | None) -> list[Any]:
+        return run_distributed(fn, world_size, str(tmp), other, tmp_path=tmp, start_method="fork")
+
+    two = run(job, 2, None)
+    one = run(job, 1, saved_by(2))
+    return {1: one, 2: two, 21: run(load_only, 2, saved_by(1))}
