@@ -237,7 +237,8 @@ def test_inspect_and_verify(saved3, tmp_path):
     assert info["extra"] == {"data": [1, 2]}
     rows = {r["fqn"]: r for r in info["params"]}
     assert set(rows) == set(saved3.params)
-    assert rows["up.weight"]["shape"] == [LM_HIDDEN, LM_DIM] and rows["up.weight"]["dtype"] == "bfloat16"
+    assert rows["up.weight"]["shape"] == [LM_HIDDEN, LM_DIM]
+    assert rows["up.weight"]["dtype"] == "bfloat16"
     assert rows["pos"]["trainable"] is False and rows["router.bias"]["dtype"] == "float32"
     assert info["num_files"] == 15
     assert checkpoint.verify(saved3.path)["step"] == 2

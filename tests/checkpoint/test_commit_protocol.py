@@ -62,7 +62,7 @@ def test_held_root_lock_times_out_with_a_clear_error(tmp_path: Path,
 
 
 def test_a_directory_in_the_way_of_a_step_is_never_overwritten(tmp_path: Path) -> None:
-    """Only committed checkpoints are replaced (by a rollback, tests/test_rollback.py): a
+    """Only committed checkpoints are replaced (by a rollback, test_rollback.py): a
     ``step_*`` directory without a manifest is someone else's and stays as it is."""
     root = tmp_path / "root"
     (root / "step_00000001").mkdir(parents=True)

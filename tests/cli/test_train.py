@@ -1,7 +1,7 @@
 """The reference job's parts: model, synthetic data, LR schedule, and exact resume of ``train.run``.
 
-Multi-rank runs go through ``_dist.run_distributed`` (fork server, no fresh interpreters), so a
-whole interrupted-and-resumed run at a different DP size takes a few seconds.
+Multi-rank runs go through ``helpers.dist.run_distributed`` (fork server, no fresh
+interpreters), so a whole interrupted-and-resumed run at a different DP size takes a few seconds.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def test_a_second_backward_at_one_rank_accumulates(grad_mode):
     """At one rank nothing is reduced, so a second backward before step() (a framework's
     gradient accumulation, which cannot call no_sync()) adds to the first in every mode:
     the step equals torch.optim.AdamW's after the same two backward passes. (At DP > 1,
-    grad_mode='buffer' refuses it: tests/test_grads.py.)"""
+    grad_mode='buffer' refuses it: tests/core/test_grads.py.)"""
     def run(make_opt):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))

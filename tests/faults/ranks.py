@@ -1,7 +1,7 @@
 """Functions that run inside spawned processes of the fault-injection suite.
 
 Each is module level (so it pickles) and takes ``(rank, world_size, ...)`` as
-``tests/_dist.run_distributed`` calls it, or is a process target that the
+``helpers.dist.run_distributed`` calls it, or is a process target that the
 suite kills with SIGKILL.
 """
 
