@@ -6,6 +6,8 @@
 * :class:`Scenario`, :func:`train_rank`, :func:`assert_matches_reference`: the optimizer on
   several ranks against ``torch.optim.AdamW`` on a full replica (:class:`ToyLM`).
 * :class:`MixedNet`: bf16, fp16 and fp32 params interleaved, with a top-1 router.
+* :class:`MixedMLP`, :class:`MlpReference`: a small bf16/fp16/fp32 net whose modules a step
+  can leave out, against ``torch.optim.AdamW`` on fp32 masters of a full replica.
 """
 
 from __future__ import annotations
@@ -400,3 +402,103 @@ def mixed_data(world_size: int, per_rank: int = 16) -> tuple[torch.Tensor, torch
 def mixed_config(**overrides: Any) -> OptimizerConfig:
     return OptimizerConfig(**{"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 1.0,
                               "bucket_numel": 200, "align_numel": 8, **overrides})
+
+
+# ------------------------------------------- a small mixed net against AdamW on fp32 masters
+
+# bf16 params: a last-bit difference in the fp32 sums flips a bf16 rounding now and then.
+MLP_TOL = dict(rtol=2e-2, atol=2e-3)
+
+
+class MixedMLP(nn.Module):
+    """bf16 and fp16 Linears, fp32 LayerNorm and Linear; ``skip`` leaves modules out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(8)
+        self.b = nn.Linear(8, 8).to(torch.bfloat16)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 1).to(torch.float16)
+
+    def forward(self, x: torch.Tensor, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        h = self.norm(self.a(x.to(self.a.weight.dtype)).to(self.norm.weight.dtype))
+        if "b" not in skip:
+            h = h + self.b(h.to(self.b.weight.dtype)).to(h.dtype)
+        if "c" not in skip:
+            h = torch.tanh(self.c(h.to(self.c.weight.dtype)))
+        return self.d(h.to(self.d.weight.dtype)).float().squeeze(-1)
+
+
+def mlp_batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    x = torch.randn(5, 6, generator=g)
+    return x, torch.sin(x.sum(-1))
+
+
+def mlp_loss(model: MixedMLP, step: int, rank: int, micro: int, skip: frozenset[str]) -> torch.Tensor:
+    x, y = mlp_batch(step, rank, micro)
+    return F.mse_loss(model(x, skip), y)
+
+
+def mlp_config(kernel: str, clip: float | None = None, overlap: bool = False,
+               grad_mode: str = "torch") -> OptimizerConfig:
+    return OptimizerConfig(lr=2e-2, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=clip,
+                           bucket_numel=90, align_numel=4, step_kernel=kernel,
+                           overlap_param_gather=overlap, grad_mode=grad_mode)
+
+
+class MlpReference:
+    """torch.optim.AdamW on fp32 masters of a full replica; ``skips[step][rank]`` as the ranks."""
+
+    def __init__(self, cfg: OptimizerConfig) -> None:
+        torch.manual_seed(0)
+        self.model = MixedMLP()
+        self.params = dict(self.model.named_parameters())
+        self.masters = {f: p.detach().float().clone().requires_grad_(True)
+                        for f, p in self.params.items()}
+        self.cfg = cfg
+        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=cfg.lr, betas=cfg.betas,
+                                     eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+    def step(self, step: int, world_size: int, micro_batches: int,
+             skips: list[list[frozenset[str]]]) -> None:
+        grads: dict[str, torch.Tensor] = {}
+        for rank in range(world_size):
+            for micro in range(micro_batches):
+                for p in self.params.values():
+                    p.grad = None
+                loss = mlp_loss(self.model, step, rank, micro, skips[rank][micro])
+                (loss / micro_batches).backward()
+                for f, p in self.params.items():
+                    if p.grad is not None:
+                        grads[f] = grads.get(f, 0) + p.grad.float() / world_size
+        for f, m in self.masters.items():
+            m.grad = grads.get(f)  # None on every rank: torch leaves the param alone
+        if self.cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(list(self.masters.values()), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.copy_back()
+
+    def copy_back(self) -> None:
+        with torch.no_grad():
+            for f, p in self.params.items():
+                p.copy_(self.masters[f])
+
+    def steps(self) -> dict[str, int]:
+        return {f: int(self.opt.state[m]["step"]) if m in self.opt.state else 0
+                for f, m in self.masters.items()}
+
+
+def mlp_train_step(model: MixedMLP, opt: DistributedOptimizer, step: int, rank: int,
+               skips: list[frozenset[str]]) -> None:
+    """One step; micro-batches but the last run under ``no_sync``."""
+    for micro, skip in enumerate(skips):
+        loss = mlp_loss(model, step, rank, micro, skip) / len(skips)
+        if micro < len(skips) - 1:
+            with opt.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    opt.step()
+    opt.zero_grad()
