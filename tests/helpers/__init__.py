@@ -6,6 +6,8 @@
 * :mod:`helpers.checks`: comparisons (raw bits, dicts of tensors, a checkpoint's bytes, an
   export, an optimizer's whole state gathered from every rank).
 * :mod:`helpers.models`: the models and training runs several modules train.
+* :mod:`helpers.offload`: the offload tests' model, its training with round trips of the
+  state, and that state.
 
 ``tests/`` is on ``sys.path`` (pyproject's pytest ``pythonpath``), and ranks inherit it, so a
 rank's function may live here or in a test module. The fault injectors of the checkpoint
