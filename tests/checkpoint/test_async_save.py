@@ -351,18 +351,25 @@ def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path
     assert checkpoint_bytes(Path(again)) == checkpoint_bytes(Path(reference))
 
 
-def test_repeated_saves_reuse_the_snapshot_plan_and_follow_the_state(trained_model, tmp_path,
-                                                                     monkeypatch):
-    """After the first save, saves repeat its copies from wherever the state lives now:
-    after a step, while offloaded (host copies), after a load (new moment tensors) and a
-    frozen buffer replaced by a tensor of another size (a new plan). Each checkpoint equals
-    a synchronous save of the same state."""
+def _snapshot_memory() -> list[tuple[int, int]]:
+    """The address ranges of this process's asynchronous-save host buffers (the shared
+    mappings the writer process reads)."""
+    with open("/proc/self/maps") as f:
+        rows = [line.split()[0] for line in f if "shardopt-snapshot" in line]
+    return sorted(tuple(int(x, 16) for x in row.split("-")) for row in rows)
+
+
+SHARED_SNAPSHOTS = pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                      reason="the snapshot's shared buffers need memfd")
+
+
+@SHARED_SNAPSHOTS
+def test_repeated_saves_reuse_the_snapshot_and_follow_the_state(trained_model, tmp_path):
+    """After the first save, saves repeat its copies into the same host memory from wherever
+    the state lives now: after a step, while offloaded (host copies), after a load (new
+    moment tensors); a frozen buffer more is in the next checkpoint (a new plan). Each
+    checkpoint equals a synchronous save of the same state."""
     model, opt = trained_model
-    snapshot_module = importlib.import_module("shardopt.checkpoint.snapshot")
-    takes = []
-    real_take = snapshot_module.Snapshot.take
-    monkeypatch.setattr(snapshot_module.Snapshot, "take",
-                        lambda self, *a, **k: takes.append(1) or real_take(self, *a, **k))
 
     def both(step):
         sync = checkpoint.save(tmp_path / "sync", model, opt, step=step)
@@ -370,6 +377,8 @@ def test_repeated_saves_reuse_the_snapshot_plan_and_follow_the_state(trained_mod
         assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
 
     both(2)
+    memory = _snapshot_memory()
+    assert memory
     train(model, opt, range(2, 3), 0, 1)
     both(3)
     opt.offload()
@@ -378,10 +387,9 @@ def test_repeated_saves_reuse_the_snapshot_plan_and_follow_the_state(trained_mod
     checkpoint.load(tmp_path / "sync", model, opt)  # moments replaced by loaded ones
     train(model, opt, range(4, 5), 0, 1)
     both(5)
-    assert len(takes) == 1  # one plan, repeated
+    assert _snapshot_memory() == memory  # one snapshot, its copies repeated
     model.register_buffer("spare", torch.arange(7.0))  # a frozen tensor more: a new plan
-    both(6)
-    assert len(takes) == 2
+    both(6)  # equal to the synchronous save, which holds the new buffer
 
 
 def test_a_buffer_that_stops_sharing_storage_gets_a_new_plan(trained_model, tmp_path):
@@ -402,27 +410,29 @@ def test_a_buffer_that_stops_sharing_storage_gets_a_new_plan(trained_model, tmp_
     both(3)
 
 
-def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between():
-    """Adjacent and overlapping views of one storage become one copy; a gap, another dtype
-    view or another storage starts a new one; every entry reads its own elements back."""
-    from shardopt.checkpoint.snapshot import Snapshot, _runs
-    from shardopt.checkpoint.storage import WriteEntry
-
-    base = torch.arange(40, dtype=torch.float32)
-    other = torch.arange(100, 110, dtype=torch.float32)
-    views = [base[0:10], base[10:16], base[12:20], base[30:40], other[2:5]]
-    runs = _runs(views)
-    assert [(r.start, r.numel) for r in runs] in ([(0, 20), (30, 10), (2, 3)],
-                                                  [(2, 3), (0, 20), (30, 10)])
-    entries = [WriteEntry(f"k{i}", torch.float32, v.numel(), 0, v) for i, v in enumerate(views)]
-    snap = Snapshot(torch.device("cpu"))
-    jobs, event = snap.take([("f", entries)])
-    assert event is None
-    assert snap.nbytes() == (20 + 10 + 3) * 4  # the gap [20, 30) of ``base`` is not copied
-    for e, v in zip(jobs[0][1], views):
-        assert torch.equal(e.source, v)
-    base.zero_()  # the snapshot is a copy
-    assert torch.equal(jobs[0][1][0].source, torch.arange(10, dtype=torch.float32))
+@SHARED_SNAPSHOTS
+def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between(trained_model, tmp_path):
+    """Frozen buffers that are adjacent and overlapping views of one storage are copied as
+    one run; a gap is not copied and another storage is a run of its own; each buffer is
+    saved as its own elements at the call, whatever is written into the storage after it."""
+    model, opt = trained_model
+    k = 1024  # elements: 4 KiB of fp32, so the snapshot's pages show each run's size
+    checkpoint.save(tmp_path / "first", model, opt, step=1, blocking=False).wait()
+    before = sum(end - start for start, end in _snapshot_memory())
+    base = torch.arange(40 * k, dtype=torch.float32)
+    other = torch.arange(100 * k, 110 * k, dtype=torch.float32)
+    views = [base[0:10 * k], base[10 * k:16 * k], base[12 * k:20 * k], base[30 * k:40 * k],
+             other[2 * k:5 * k]]
+    for i, v in enumerate(views):
+        model.register_buffer(f"view{i}", v)
+    sync = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    handle = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False)
+    base.zero_()  # after the call: the checkpoint holds the elements as they were
+    other.zero_()
+    assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
+    grown = sum(end - start for start, end in _snapshot_memory()) - before
+    runs = (20 + 10 + 3) * k * 4  # [0, 20), [30, 40) of base and 3 k of other; not [20, 30)
+    assert runs <= grown <= runs + 4096, grown
 
 
 # ----------------------------------------------------------- other processes

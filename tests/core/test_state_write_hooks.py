@@ -1,8 +1,8 @@
-"""Before anything writes or frees an optimizer's state its state-write hooks run
-(``DistributedOptimizer.register_state_write_hook``), with the state still as it was; an
-asynchronous save's copies (``shardopt.checkpoint.snapshot.SaveFence``) are such a hook until
-the first write has waited for them or they are done; and on a GPU the step's wait is what
-keeps the checkpoint intact."""
+"""The optimizer's state-write hooks (``DistributedOptimizer.register_state_write_hook``):
+before anything writes or frees the state they run, with the state still as it was, and a
+removed hook no longer runs. An asynchronous save's copies on a GPU are such a hook
+(``shardopt.checkpoint.snapshot.SaveFence``) until the first write has waited for them or
+they are done; a step right after such a save leaves its checkpoint intact."""
 
 from __future__ import annotations
 
