@@ -4,6 +4,7 @@ lost, one save in flight at a time, crash safety, and ``load`` waiting for the s
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import signal
@@ -231,12 +232,36 @@ def test_snapshot_is_a_copy_that_offload_cannot_touch(trained_model, tmp_path, m
     assert got == want
 
 
+def _snapshot_buffers() -> dict[int, int]:
+    """Bytes of each host buffer of this process's asynchronous saves, by inode: the memfd
+    mappings the writer process reads, sized exactly."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith("/memfd:shardopt-snapshot"):
+            st = os.fstat(int(fd))
+            out[st.st_ino] = st.st_size
+    return out
+
+
+def _new_snapshot_buffers(known: dict[int, int]) -> dict[int, int]:
+    return {ino: size for ino, size in _snapshot_buffers().items() if ino not in known}
+
+
+SHARED_SNAPSHOTS = pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                      reason="the snapshot's shared buffers need memfd")
+
+
+@SHARED_SNAPSHOTS
 def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tmp_path):
     model, opt = trained_model
-    save_module = importlib.import_module(SAVE_MODULE)
+    gc.collect()  # earlier tests' optimizers and their buffers
+    known = _snapshot_buffers()
     checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
-    snap = save_module._SNAPSHOTS[opt]
-    buffers = {d: t.data_ptr() for d, t in snap._buffers.items()}
+    buffers = _new_snapshot_buffers(known)
     # Model shards in their dtypes and three fp32 states per shard; an fp32 param's main
     # param is the param itself, copied once. Frozen tensors and buffers on rank 0.
     fp32 = sum(s.range_param.size for s in opt.shards
@@ -248,10 +273,10 @@ def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tm
                  for t in importlib.import_module("shardopt.checkpoint.state")
                  .frozen_tensors(model, opt).values())
     # The RNG state is not copied: torch returns it as a new tensor at the call.
-    assert snap.nbytes() == state + model_bytes + frozen
+    assert sum(buffers.values()) == state + model_bytes + frozen
     train(model, opt, range(2, 3), 0, 1)
     checkpoint.save(tmp_path, model, opt, step=3, blocking=False).wait()
-    assert {d: t.data_ptr() for d, t in snap._buffers.items()} == buffers
+    assert _new_snapshot_buffers(known) == buffers  # the same buffers
 
 
 @pytest.mark.cuda
@@ -351,25 +376,15 @@ def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path
     assert checkpoint_bytes(Path(again)) == checkpoint_bytes(Path(reference))
 
 
-def _snapshot_memory() -> list[tuple[int, int]]:
-    """The address ranges of this process's asynchronous-save host buffers (the shared
-    mappings the writer process reads)."""
-    with open("/proc/self/maps") as f:
-        rows = [line.split()[0] for line in f if "shardopt-snapshot" in line]
-    return sorted(tuple(int(x, 16) for x in row.split("-")) for row in rows)
-
-
-SHARED_SNAPSHOTS = pytest.mark.skipif(not hasattr(os, "memfd_create"),
-                                      reason="the snapshot's shared buffers need memfd")
-
-
 @SHARED_SNAPSHOTS
 def test_repeated_saves_reuse_the_snapshot_and_follow_the_state(trained_model, tmp_path):
-    """After the first save, saves repeat its copies into the same host memory from wherever
+    """After the first save, saves repeat its copies into the same host buffers from wherever
     the state lives now: after a step, while offloaded (host copies), after a load (new
-    moment tensors); a frozen buffer more is in the next checkpoint (a new plan). Each
-    checkpoint equals a synchronous save of the same state."""
+    moment tensors); a frozen buffer more takes a new snapshot of the new size (a new
+    plan). Each checkpoint equals a synchronous save of the same state."""
     model, opt = trained_model
+    gc.collect()
+    known = _snapshot_buffers()
 
     def both(step):
         sync = checkpoint.save(tmp_path / "sync", model, opt, step=step)
@@ -377,8 +392,8 @@ def test_repeated_saves_reuse_the_snapshot_and_follow_the_state(trained_model, t
         assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
 
     both(2)
-    memory = _snapshot_memory()
-    assert memory
+    buffers = _new_snapshot_buffers(known)
+    assert buffers
     train(model, opt, range(2, 3), 0, 1)
     both(3)
     opt.offload()
@@ -387,9 +402,12 @@ def test_repeated_saves_reuse_the_snapshot_and_follow_the_state(trained_model, t
     checkpoint.load(tmp_path / "sync", model, opt)  # moments replaced by loaded ones
     train(model, opt, range(4, 5), 0, 1)
     both(5)
-    assert _snapshot_memory() == memory  # one snapshot, its copies repeated
+    assert _new_snapshot_buffers(known) == buffers  # one snapshot, its copies repeated
     model.register_buffer("spare", torch.arange(7.0))  # a frozen tensor more: a new plan
-    both(6)  # equal to the synchronous save, which holds the new buffer
+    both(6)
+    replanned = _new_snapshot_buffers(known)
+    assert not replanned.keys() & buffers.keys()
+    assert sum(replanned.values()) == sum(buffers.values()) + 7 * 4
 
 
 def test_a_buffer_that_stops_sharing_storage_gets_a_new_plan(trained_model, tmp_path):
@@ -416,9 +434,11 @@ def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between(trained_m
     one run; a gap is not copied and another storage is a run of its own; each buffer is
     saved as its own elements at the call, whatever is written into the storage after it."""
     model, opt = trained_model
-    k = 1024  # elements: 4 KiB of fp32, so the snapshot's pages show each run's size
+    gc.collect()
+    known = _snapshot_buffers()
+    k = 1024
     checkpoint.save(tmp_path / "first", model, opt, step=1, blocking=False).wait()
-    before = sum(end - start for start, end in _snapshot_memory())
+    before = sum(_new_snapshot_buffers(known).values())
     base = torch.arange(40 * k, dtype=torch.float32)
     other = torch.arange(100 * k, 110 * k, dtype=torch.float32)
     views = [base[0:10 * k], base[10 * k:16 * k], base[12 * k:20 * k], base[30 * k:40 * k],
@@ -430,9 +450,8 @@ def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between(trained_m
     base.zero_()  # after the call: the checkpoint holds the elements as they were
     other.zero_()
     assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
-    grown = sum(end - start for start, end in _snapshot_memory()) - before
-    runs = (20 + 10 + 3) * k * 4  # [0, 20), [30, 40) of base and 3 k of other; not [20, 30)
-    assert runs <= grown <= runs + 4096, grown
+    grown = sum(_new_snapshot_buffers(known).values()) - before
+    assert grown == (20 + 10 + 3) * k * 4  # [0, 20), [30, 40) of base, 3 k of other; no gap
 
 
 # ----------------------------------------------------------- other processes
