@@ -33,9 +33,9 @@ takes the GIL to do it; once finalisation has begun, CPython ends a thread that 
 (``noexcept``) calls ``std::terminate``: ``terminate called without an active exception``,
 SIGABRT, exit status 134 after the job's work was done. Step 2 makes sure no group of the library
 outlives the job's; the job's own default group needs the same, so a job ends with
-``destroy_process_group()`` as torch asks (``shardopt train`` does). ``tests/test_exit.py`` runs
-jobs that exit through the interpreter and checks both: no thread is left after
-``destroy_process_group()``, and every process exits 0.
+``destroy_process_group()`` as torch asks (``shardopt train`` does).
+``tests/checkpoint/test_exit.py`` runs jobs that exit through the interpreter and checks both: no
+thread is left after ``destroy_process_group()``, and every process exits 0.
 """
 
 from __future__ import annotations
