@@ -128,7 +128,8 @@ def test_an_in_place_read_is_verified_in_a_file_that_also_had_a_one_pass_read(tm
     from shardopt.layout import Range
 
     model, opt = trained(1)
-    path = Path(checkpoint.save(tmp_path, model, opt, step=1, block_bytes=64))
+    path = Path(checkpoint.save(tmp_path, model, opt, step=1,
+                                config=checkpoint.CheckpointConfig(block_bytes=64)))
     m = parse(path)
     name = "model-00000.safetensors"
     files = DataFiles(m, [name])

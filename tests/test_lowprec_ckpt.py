@@ -265,7 +265,7 @@ def test_verify_and_load_detect_damage_in_the_scales(tmp_path):
         checkpoint.verify(path)
     model2, opt2 = make(INT8, INT8)
     with pytest.raises(checkpoint.CheckpointError, match=hits[0].name):
-        checkpoint.load(path, model2, opt2, verify=True)
+        checkpoint.load(path, model2, opt2, config=checkpoint.CheckpointConfig(verify=True))
     assert opt2.moments is None
 
 

@@ -53,7 +53,6 @@ import shutil
 import time
 import uuid
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -286,20 +285,21 @@ def _delete(paths: list[Path]) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-# The root and step each optimizer last resumed from with checkpoint.load (by object: this
-# module never looks inside it), which lets its saves roll that root back.
-_RESUMED: weakref.WeakKeyDictionary[object, tuple[Path, int]] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class Resumed:
+    """A checkpoint a run resumed from (``checkpoint.load``): its saves may roll the root
+    back (held by the optimizer as ``loaded_from``)."""
+
+    root: Path  # resolved
+    step: int
 
 
-def note_resume(owner: object, checkpoint_dir: Path, step: int) -> None:
-    """``owner`` (an optimizer) was loaded from ``checkpoint_dir``, a checkpoint of ``step``."""
-    _RESUMED[owner] = (checkpoint_dir.parent.resolve(), step)
-
-
-def resumed_step(owner: object, root: Path) -> int | None:
-    """The step ``owner`` last resumed from in ``root`` (None: not from this root)."""
-    got = _RESUMED.get(owner)
-    return got[1] if got is not None and got[0] == root.resolve() else None
+def resumed_step(resumed: object, root: Path) -> int | None:
+    """The step ``resumed`` (a :class:`Resumed` or None) names in ``root``; None when it is
+    not a resume from this root."""
+    if isinstance(resumed, Resumed) and resumed.root == root.resolve():
+        return resumed.step
+    return None
 
 
 def begin(root: Path, final_name: str, rollback_from: int | None = None) -> Staged:

@@ -29,7 +29,7 @@ from ..optimizer import DistributedOptimizer
 from . import background, choose, commit, convert, state
 from .agree import CheckpointError, agree
 from ..config import GROUP_KEYS, dtype_name
-from .config import CheckpointConfig, resolve_config
+from .config import CheckpointConfig, settings
 from .format import FormatError, data_file_name
 from .manifest import Manifest
 from .read import DataFiles, Read, read_verified
@@ -67,24 +67,17 @@ def load(
     model: torch.nn.Module,
     optimizer: DistributedOptimizer,
     low_memory_resume: bool | None = None,
-    verify: bool | None = None,
-    staging_bytes: int | None = None,
-    io_threads: int | None = None,
     *,
-    hyperparameters: str | None = None,
     config: CheckpointConfig | None = None,
 ) -> LoadInfo:
     """Collective. Restore ``model`` and ``optimizer`` from a checkpoint saved at any DP size.
 
     ``low_memory_resume`` (default: the optimizer config's) keeps the Adam moments
-    in host memory until the first ``step()``. ``verify`` checks the content hash
-    of every block read (and of the header blocks of every file read from).
-    ``io_threads`` (default as for :func:`~.save.save`) is how many blocks a rank
-    reads at once. ``hyperparameters="current"`` keeps the param groups' values instead of
-    the saved ones (the default, refused when the params are grouped otherwise than when
-    saved). On any error every rank raises a :class:`CheckpointError` and
-    model and optimizer are left as they were. ``config`` holds these settings in one
-    object; a keyword argument that is not None overrides its field.
+    in host memory until the first ``step()``; ``config`` sets the rest (verification,
+    threads, staging, hyperparameters: :class:`~.config.CheckpointConfig`). On any error
+    every rank raises a :class:`CheckpointError` and model and optimizer are left as they
+    were. The optimizer records where it resumed from (``loaded_from``): its saves may roll
+    that root back.
     """
     background.wait_pending()  # it may be writing what this reads, and reads what this writes
     dp = optimizer.dp
@@ -93,11 +86,9 @@ def load(
     mine, found, error = None, None, None
     try:
         optimizer.check_model(model)
-        cfg = resolve_config(config, low_memory_resume=low_memory_resume, verify=verify,
-                             staging_bytes=staging_bytes, io_threads=io_threads,
-                             hyperparameters=hyperparameters)
-        host = bool(optimizer.config.low_memory_resume if cfg.low_memory_resume is None
-                    else cfg.low_memory_resume)
+        cfg = settings(config, low_memory_resume=low_memory_resume)
+        host = bool(optimizer.config.low_memory_resume if low_memory_resume is None
+                    else low_memory_resume)
         threads = resolve_threads(cfg.io_threads)
         mine, found = choose.propose(root_or_path, dp.rank)
     except Exception as e:  # noqa: BLE001 - reported to every rank by agree
@@ -141,7 +132,7 @@ def load(
     if "torch_cuda" in plan.rng:
         torch.cuda.set_rng_state(plan.rng["torch_cuda"])
     m = plan.manifest
-    commit.note_resume(optimizer, m.path, m.step)  # its saves may roll this root back
+    optimizer.loaded_from = commit.Resumed(m.path.parent.resolve(), m.step)
     return LoadInfo(m.step, dict(m.extra), str(m.path), m.dp_size)
 
 
