@@ -17,6 +17,7 @@ from torch import nn
 
 from _dist import run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
+from shardopt.checkpoint.format import StoredTensor
 from shardopt.checkpoint.manifest import parse
 from shardopt.quant import QBLOCK, Moment
 
@@ -116,9 +117,9 @@ def test_manifest_records_each_moments_encoding(tmp_path):
                                               "map": "linear", "code_max": 127}
     assert m.moments["exp_avg_sq"].to_json() == {"dtype": "bfloat16"}
     stored = m.stored()
-    assert stored["a.weight.exp_avg"] == (24 * 37, torch.int8)
-    assert stored["a.weight.exp_avg.scale"] == (-(-24 * 37 // QBLOCK), FP32)
-    assert stored["a.weight.exp_avg_sq"] == (24 * 37, BF16)
+    assert stored["a.weight.exp_avg"] == StoredTensor(24 * 37, torch.int8)
+    assert stored["a.weight.exp_avg.scale"] == StoredTensor(-(-24 * 37 // QBLOCK), FP32)
+    assert stored["a.weight.exp_avg_sq"] == StoredTensor(24 * 37, BF16)
     assert "a.weight.exp_avg_sq.scale" not in stored
     info = checkpoint.inspect(m.path)
     assert info["moments"] == {k: e.to_json() for k, e in m.moments.items()}
