@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .agree import CheckpointError
-from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES
+from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES, is_int
 
 # What a save does while another of this process is still being written.
 BUSY_POLICIES = ("wait", "error")
@@ -14,10 +14,6 @@ BUSY_POLICIES = ("wait", "error")
 SNAPSHOTS = ("host", "device", "device_staged")
 # Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
 STAGING_BYTES = 128 << 20
-
-
-def _is_int(v: Any, minimum: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
 
 
 def refuse_invalid(checks: dict[str, tuple[bool, str]], values: dict[str, Any]) -> None:
@@ -65,10 +61,10 @@ class CheckpointConfig:
             "verify": (isinstance(self.verify, bool), "a bool"),
             "hyperparameters": (self.hyperparameters in ("saved", "current"),
                                 "'saved' or 'current'"),
-            "io_threads": (self.io_threads is None or _is_int(self.io_threads, 1),
+            "io_threads": (self.io_threads is None or is_int(self.io_threads, 1),
                            "an int >= 1 or None"),
-            "staging_bytes": (_is_int(self.staging_bytes, 1), "an int >= 1"),
-            "block_bytes": (_is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
+            "staging_bytes": (is_int(self.staging_bytes, 1), "an int >= 1"),
+            "block_bytes": (is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
                             f"an int in [1, {MAX_BLOCK_BYTES}]"),
             "rollback": (isinstance(self.rollback, bool), "a bool"),
             "if_busy": (self.if_busy in BUSY_POLICIES, "'wait' or 'error'"),
@@ -79,7 +75,7 @@ class CheckpointConfig:
 # ``save``'s and ``load``'s own arguments: (valid, what each must be).
 _ARGUMENTS = {
     "blocking": (lambda v: isinstance(v, bool), "a bool"),
-    "keep_last": (lambda v: v is None or _is_int(v, 1), "an int >= 1 or None"),
+    "keep_last": (lambda v: v is None or is_int(v, 1), "an int >= 1 or None"),
     "low_memory_resume": (lambda v: isinstance(v, (bool, type(None))), "a bool or None"),
 }
 
