@@ -41,20 +41,16 @@ class CheckpointConfig:
     staging_bytes: int = STAGING_BYTES
     """Host memory (pinned for a GPU optimizer) a save or load stages data through at most."""
     rollback: bool = False
-    """Save: replace committed checkpoints of steps at or after this one (the branch a
-    rollback abandons) although this run did not resume from the root at or before this
-    step (with ``checkpoint.load``, which allows it by itself); otherwise such a save is
-    refused and nothing changes."""
+    """Save: replace committed checkpoints of steps at or after this one (an abandoned branch)
+    although this run did not resume from the root at or before it (``checkpoint.load``)."""
     block_bytes: int = DEFAULT_BLOCK_BYTES
     """Save: the hash block size of the data files."""
     if_busy: str = "wait"
     """Save while an asynchronous save is in flight: ``"wait"`` for it, or ``"error"``."""
     snapshot: str = "host"
-    """Asynchronous save on a GPU: copy the state to pinned ``"host"`` memory (one copy of
-    the rank's state, reused); to spare ``"device"`` memory, which the background thread
-    copies to pinned host memory in bulk (one copy in each, the least stall); or to spare
-    device memory written out through the ``staging_bytes`` pinned buffers
-    (``"device_staged"``: no host copy). See :mod:`.snapshot`."""
+    """Asynchronous save on a GPU: copy the state to pinned ``"host"`` memory; to spare
+    ``"device"`` memory, then to pinned host memory in bulk; or to spare device memory written
+    out through the ``staging_bytes`` pinned buffers (``"device_staged"``). See :mod:`.snapshot`."""
 
     def __post_init__(self) -> None:
         refuse_invalid({

@@ -146,7 +146,8 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
                 enc = m.moments.get(n)
                 optim_keys.append((f"{fqn}.{n}", p.shape))
                 if enc is not None and enc.block and moments_dtype == "stored":
-                    optim_keys.append((f"{fqn}.{n}.scale", (files.stored[f"{fqn}.{n}.scale"].numel,)))
+                    scale = f"{fqn}.{n}.scale"
+                    optim_keys.append((scale, (files.stored[scale].numel,)))
         decode = {} if moments_dtype == "stored" else dict(m.moments)
         needed = sum(_out_bytes(files, k, decode) for k, _ in model_keys + optim_keys)
         names = _write_split(files, tmp, "model", model_keys, verify, max_file_bytes, {})
