@@ -38,8 +38,8 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
     train(model, opt, range(3), rank, world_size)
     at_call = model_state(model)
     sync_path = checkpoint.save(f"{root}/sync", model, opt, step=3, extra={"k": 1})
-    handle = checkpoint.save(f"{root}/async", model, opt, step=3, extra={"k": 1},
-                             blocking=False, snapshot=where)
+    handle = checkpoint.save(f"{root}/async", model, opt, step=3, extra={"k": 1}, blocking=False,
+                             config=checkpoint.CheckpointConfig(snapshot=where))
     assert isinstance(handle, SaveHandle)
     for group in opt.param_groups:  # a scheduler's change after the call is not saved
         group["lr"] *= 0.5
@@ -145,12 +145,15 @@ def test_handle_returns_at_once_and_commits_later(trained_model, tmp_path, monke
     assert handle.done()
 
 
-def test_config_blocking_false_and_bad_values(trained_model, tmp_path):
+def test_blocking_false_with_a_config_and_bad_values(trained_model, tmp_path):
     model, opt = trained_model
-    handle = checkpoint.save(tmp_path, model, opt, step=2,
-                             config=checkpoint.CheckpointConfig(blocking=False))
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False,
+                             config=checkpoint.CheckpointConfig(if_busy="error"))
     assert handle.wait() == checkpoint.latest(tmp_path)
-    for bad in ({"blocking": "no"}, {"if_busy": "skip"}, {"snapshot": "disk"}):
+    with pytest.raises(CheckpointError, match="blocking must be a bool, got 'no'"):
+        checkpoint.save(tmp_path, model, opt, step=3, blocking="no")
+    assert checkpoint.latest(tmp_path) == handle.wait()
+    for bad in ({"if_busy": "skip"}, {"snapshot": "disk"}):
         with pytest.raises(CheckpointError, match=next(iter(bad))):
             checkpoint.CheckpointConfig(**bad)
 
@@ -193,7 +196,8 @@ def test_second_save_waits_or_errors_while_one_is_in_flight(trained_model, tmp_p
     _gate_writes(monkeypatch, gate)
     first = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
     with pytest.raises(CheckpointError, match="still in flight"):
-        checkpoint.save(tmp_path, model, opt, step=3, if_busy="error")
+        checkpoint.save(tmp_path, model, opt, step=3,
+                        config=checkpoint.CheckpointConfig(if_busy="error"))
     assert not first.done() and checkpoint.latest(tmp_path) is None
     threading.Timer(0.2, gate.set).start()
     second = checkpoint.save(tmp_path, model, opt, step=3, blocking=False)  # waits for first
@@ -288,17 +292,17 @@ def test_a_device_snapshot_drains_into_one_reused_host_copy_of_its_size(tmp_path
     snap = importlib.import_module(SAVE_MODULE)._snapshot(opt)
     host = checkpoint.save(tmp_path / "host", model, opt, step=2, blocking=False).wait()
     device = checkpoint.save(tmp_path / "device", model, opt, step=2, blocking=False,
-                             snapshot="device").wait()
+                             config=checkpoint.CheckpointConfig(snapshot="device")).wait()
     assert checkpoint_bytes(Path(host)) == checkpoint_bytes(Path(device))
     assert snap.on_device and snap.host_nbytes() == snap.nbytes()
     drained = {d: b.tensor.data_ptr() for d, b in snap._drained.items()}
     assert all(b.pinned for b in snap._drained.values())
     train(model, opt, range(2, 3), 0, 1)
     checkpoint.save(tmp_path / "device", model, opt, step=3, blocking=False,
-                    snapshot="device").wait()
+                    config=checkpoint.CheckpointConfig(snapshot="device")).wait()
     assert {d: b.tensor.data_ptr() for d, b in snap._drained.items()} == drained
     staged = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
-                             snapshot="device_staged").wait()
+                             config=checkpoint.CheckpointConfig(snapshot="device_staged")).wait()
     assert checkpoint_bytes(Path(staged)) == checkpoint_bytes(tmp_path / "device" /
                                                                 "step_00000003")
 
@@ -335,7 +339,7 @@ def test_buffers_a_forward_updates_right_after_the_call_are_saved_as_at_the_call
         opt.zero_grad()
         at_call = {k: v.clone() for k, v in model.bn.state_dict().items()}
         handle = checkpoint.save(tmp_path, model, opt, step=step, blocking=False,
-                                 snapshot=where)
+                                 config=checkpoint.CheckpointConfig(snapshot=where))
         model(x).backward()  # updates the running statistics at once
         path = handle.wait()
         opt.zero_grad()
@@ -362,13 +366,15 @@ def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path
 
     monkeypatch.setattr(save_module, "write_file", no_thread_writes)
     staged = checkpoint.save(tmp_path / "staged", model, opt, step=2, blocking=False,
-                             snapshot="device_staged", staging_bytes=1 << 20).wait()
+                             config=checkpoint.CheckpointConfig(snapshot="device_staged",
+                                                                staging_bytes=1 << 20)).wait()
     staging = snap._staging.tensor.data_ptr()
     assert snap.on_device and not snap._drained and snap._staging.pinned
     assert snap.host_nbytes() == 1 << 20  # 16 slots of 64 KiB
     train(model, opt, range(2, 3), 0, 1)
     again = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
-                            snapshot="device_staged", staging_bytes=1 << 20).wait()
+                            config=checkpoint.CheckpointConfig(snapshot="device_staged",
+                                                               staging_bytes=1 << 20)).wait()
     assert snap._staging.tensor.data_ptr() == staging
     monkeypatch.undo()
     assert Path(staged).is_dir()

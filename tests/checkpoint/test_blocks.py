@@ -128,16 +128,17 @@ def test_an_in_place_read_is_verified_in_a_file_that_also_had_a_one_pass_read(tm
     from shardopt.layout import Range
 
     model, opt = trained(1)
-    path = Path(checkpoint.save(tmp_path, model, opt, step=1, block_bytes=64))
+    path = Path(checkpoint.save(tmp_path, model, opt, step=1,
+                                config=checkpoint.CheckpointConfig(block_bytes=64)))
     m = parse(path)
     name = "model-00000.safetensors"
     files = DataFiles(m, [name])
     try:
-        keys = [k for k, _, _ in m.files[name].chunks]
+        keys = [c.key for c in m.files[name].chunks]
         first, last = keys[0], keys[-1]
-        numel = {k: n for k, _, n in m.files[name].chunks}
-        fresh = torch.zeros(numel[first], dtype=files.stored[first][1])
-        existing = torch.zeros(numel[last], dtype=files.stored[last][1])
+        numel = {c.key: c.numel for c in m.files[name].chunks}
+        fresh = torch.zeros(numel[first], dtype=files.stored[first].dtype)
+        existing = torch.zeros(numel[last], dtype=files.stored[last].dtype)
         reads = (files.reads(first, Range(0, numel[first]), fresh, in_place=False)
                  + files.reads(last, Range(0, numel[last]), existing, in_place=True))
         with open(path / name, "r+b") as f:  # damage the in-place read's bytes only

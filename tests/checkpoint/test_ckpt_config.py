@@ -1,8 +1,11 @@
-"""CheckpointConfig: the checkpoint settings in one validated object, and the keyword
-arguments of save and load that override it."""
+"""CheckpointConfig: the checkpoint settings in one validated object, beside the few
+arguments of save (blocking, keep_last) and load (low_memory_resume), each set in one
+place."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 from pathlib import Path
 
@@ -14,9 +17,9 @@ from shardopt.checkpoint import CheckpointConfig
 
 
 @pytest.mark.parametrize("field, bad", [
-    ("low_memory_resume", 1), ("verify", None), ("verify", "yes"), ("io_threads", 0),
-    ("io_threads", True), ("staging_bytes", 0), ("staging_bytes", 2.5), ("keep_last", 0),
-    ("block_bytes", 0), ("block_bytes", (1 << 30) + 1),
+    ("verify", None), ("verify", "yes"), ("io_threads", 0), ("io_threads", True),
+    ("staging_bytes", 0), ("staging_bytes", 2.5), ("block_bytes", 0),
+    ("block_bytes", (1 << 30) + 1), ("rollback", 1), ("hyperparameters", "mine"),
 ])
 def test_bad_settings_are_refused_by_name(field: str, bad) -> None:
     with pytest.raises(checkpoint.CheckpointError, match=rf"^{field} must be .*got {bad!r}$"):
@@ -30,43 +33,59 @@ def test_config_is_keyword_only_and_frozen() -> None:
         CheckpointConfig().verify = False  # type: ignore[misc]
 
 
-def test_save_takes_its_settings_from_the_config_and_keywords_override(tmp_path: Path) -> None:
+def test_each_setting_has_one_place() -> None:
+    """blocking, keep_last and low_memory_resume are arguments of save and load, not fields;
+    the settings of the config are not arguments."""
+    fields = {f.name for f in dataclasses.fields(CheckpointConfig)}
+    assert not fields & {"blocking", "keep_last", "low_memory_resume"}
+    for fn in (checkpoint.save, checkpoint.load):
+        assert not fields & set(inspect.signature(fn).parameters)
+    with pytest.raises(TypeError):
+        checkpoint.save("unused", None, None, 1, io_threads=2)  # type: ignore[call-arg]
+
+
+def test_save_takes_its_settings_from_the_config(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    cfg = CheckpointConfig(block_bytes=4096, keep_last=1, io_threads=1)
+    cfg = CheckpointConfig(block_bytes=4096, io_threads=1)
     for step in (1, 2):
-        checkpoint.save(root, *trained(step), step=step, config=cfg)
+        checkpoint.save(root, *trained(step), step=step, keep_last=1, config=cfg)
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000002"]
     assert {r["block_bytes"] for r in read_json(root / "step_00000002")["files"].values()} == {4096}
-    checkpoint.save(root, *trained(3), step=3, config=cfg, block_bytes=512, keep_last=2)
+    checkpoint.save(root, *trained(3), step=3, keep_last=2,
+                    config=CheckpointConfig(block_bytes=512))
     assert {r["block_bytes"] for r in read_json(root / "step_00000003")["files"].values()} == {512}
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000002",
                                                                            "step_00000003"]
 
 
-def test_a_bad_setting_fails_the_save_and_commits_nothing(tmp_path: Path) -> None:
-    with pytest.raises(checkpoint.CheckpointError, match="keep_last must be"):
-        checkpoint.save(tmp_path / "root", *trained(1), step=1, keep_last=0)
-    with pytest.raises(checkpoint.CheckpointError, match="config must be a CheckpointConfig"):
-        checkpoint.save(tmp_path / "root", *trained(1), step=1, config={"keep_last": 2})
+@pytest.mark.parametrize("arguments, needle", [
+    ({"keep_last": 0}, r"keep_last must be an int >= 1 or None, got 0$"),
+    ({"blocking": None}, r"blocking must be a bool, got None$"),
+    ({"config": {"keep_last": 2}}, "config must be a CheckpointConfig"),
+])
+def test_a_bad_setting_fails_the_save_and_commits_nothing(tmp_path: Path, arguments: dict,
+                                                         needle: str) -> None:
+    with pytest.raises(checkpoint.CheckpointError, match=needle):
+        checkpoint.save(tmp_path / "root", *trained(1), step=1, **arguments)
     assert checkpoint.latest(tmp_path / "root") is None
 
 
-def test_load_settings_from_the_config(tmp_path: Path) -> None:
+def test_load_settings(tmp_path: Path) -> None:
     path = checkpoint.save(tmp_path / "root", *trained(1), step=1)
     expected = snapshot(*trained(1), rng=False)
-    # low_memory_resume None: the optimizer config's; a config's True or False wins over it.
-    for cfg_value, opt_value, host in ((None, True, True), (None, False, False),
-                                       (False, True, False), (True, False, True)):
+    # low_memory_resume None: the optimizer config's; a True or False given wins over it.
+    for given, opt_value, host in ((None, True, True), (None, False, False),
+                                   (False, True, False), (True, False, True)):
         model, opt = trained(5, low_memory_resume=opt_value)
-        checkpoint.load(path, model, opt, config=CheckpointConfig(low_memory_resume=cfg_value,
-                                                                  io_threads=2))
-        assert (opt._host.staged is not None) == host, (cfg_value, opt_value)
+        checkpoint.load(path, model, opt, given, config=CheckpointConfig(io_threads=2))
+        assert (opt._host.staged is not None) == host, (given, opt_value)
         assert differences(snapshot(model, opt, rng=False), expected) == []
     model, opt = trained(5)
-    checkpoint.load(path, model, opt, config=CheckpointConfig(low_memory_resume=True),
-                    low_memory_resume=False)  # the keyword overrides the config
-    assert opt._host.staged is None
     before = snapshot(model, opt)
-    with pytest.raises(checkpoint.CheckpointError, match="staging_bytes must be"):
-        checkpoint.load(path, model, opt, config=CheckpointConfig(), staging_bytes=-1)
-    assert differences(snapshot(model, opt), before) == []
+    for arguments, needle in (({"low_memory_resume": 1}, "low_memory_resume must be a bool "
+                               "or None, got 1"),
+                              ({"config": {"staging_bytes": -1}}, "config must be a "
+                               "CheckpointConfig, got dict")):
+        with pytest.raises(checkpoint.CheckpointError, match=needle):
+            checkpoint.load(path, model, opt, **arguments)
+        assert differences(snapshot(model, opt), before) == []

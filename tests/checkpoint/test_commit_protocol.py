@@ -77,7 +77,8 @@ def test_retention_never_deletes_the_newest_checkpoint(tmp_path: Path) -> None:
     for step in range(1, 6):
         checkpoint.save(root, *trained(step), step=step, keep_last=2)
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000004", "step_00000005"]
-    checkpoint.save(root, *trained(3), step=3, keep_last=5, rollback=True)  # 4, 5 abandoned
+    checkpoint.save(root, *trained(3), step=3, keep_last=5,
+                    config=checkpoint.CheckpointConfig(rollback=True))  # 4, 5 abandoned
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000003"]
     checkpoint.save(root, *trained(4), step=4, keep_last=1)
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000004"]
@@ -137,7 +138,8 @@ def test_kill9_at_random_moments(tmp_path: Path, blocking: bool) -> None:
     train a step while the save is written (fewer trials: the protocol is the same)."""
     rng = random.Random(20240611)
     root, width = tmp_path / "root", 256
-    checkpoint.save(root, *trained(0, width=width), step=0, block_bytes=64 << 10)
+    checkpoint.save(root, *trained(0, width=width), step=0,
+                    config=checkpoint.CheckpointConfig(block_bytes=64 << 10))
     previous, first_step = 0, 1
     stats: collections.Counter[str] = collections.Counter()
     for trial in range(KILL_TRIALS if blocking else KILL_TRIALS // 2):
@@ -189,7 +191,8 @@ def test_kill9_before_every_file_system_call(tmp_path: Path, blocking: bool) -> 
     (async: those of the background thread too, while the process trains)."""
     root = tmp_path / "root"
     for step in (0, 1):
-        checkpoint.save(root, *trained(step), step=step, keep_last=2, block_bytes=4096)
+        checkpoint.save(root, *trained(step), step=step, keep_last=2,
+                        config=checkpoint.CheckpointConfig(block_bytes=4096))
     previous, step, kill_at = 1, 2, 1
     stats: collections.Counter[str] = collections.Counter()
     while True:

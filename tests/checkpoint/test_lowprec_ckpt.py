@@ -17,6 +17,7 @@ from torch import nn
 
 from helpers.dist import run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
+from shardopt.checkpoint.format import StoredTensor
 from shardopt.checkpoint.manifest import parse
 from shardopt.quant import QBLOCK, Moment
 
@@ -116,9 +117,9 @@ def test_manifest_records_each_moments_encoding(tmp_path):
                                               "map": "linear", "code_max": 127}
     assert m.moments["exp_avg_sq"].to_json() == {"dtype": "bfloat16"}
     stored = m.stored()
-    assert stored["a.weight.exp_avg"] == (24 * 37, torch.int8)
-    assert stored["a.weight.exp_avg.scale"] == (-(-24 * 37 // QBLOCK), FP32)
-    assert stored["a.weight.exp_avg_sq"] == (24 * 37, BF16)
+    assert stored["a.weight.exp_avg"] == StoredTensor(24 * 37, torch.int8)
+    assert stored["a.weight.exp_avg.scale"] == StoredTensor(-(-24 * 37 // QBLOCK), FP32)
+    assert stored["a.weight.exp_avg_sq"] == StoredTensor(24 * 37, BF16)
     assert "a.weight.exp_avg_sq.scale" not in stored
     info = checkpoint.inspect(m.path)
     assert info["moments"] == {k: e.to_json() for k, e in m.moments.items()}
@@ -265,7 +266,7 @@ def test_verify_and_load_detect_damage_in_the_scales(tmp_path):
         checkpoint.verify(path)
     model2, opt2 = make(INT8, INT8)
     with pytest.raises(checkpoint.CheckpointError, match=hits[0].name):
-        checkpoint.load(path, model2, opt2, verify=True)
+        checkpoint.load(path, model2, opt2, config=checkpoint.CheckpointConfig(verify=True))
     assert opt2.moments is None
 
 

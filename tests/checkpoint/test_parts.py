@@ -75,7 +75,8 @@ def test_io_threads_default_and_bad_values(monkeypatch):
 def split_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(storage, "MIN_PART_BYTES", 256)
     model, opt = trained(1, width=64)
-    return Path(checkpoint.save(tmp_path / "root", model, opt, step=1, io_threads=12))
+    return Path(checkpoint.save(tmp_path / "root", model, opt, step=1,
+                                config=checkpoint.CheckpointConfig(io_threads=12)))
 
 
 def test_a_split_save_loads_exactly_in_place_and_into_a_new_optimizer(split_save: Path):
@@ -95,7 +96,7 @@ def test_a_split_save_loads_exactly_in_place_and_into_a_new_optimizer(split_save
             torch.manual_seed(7)
             model = Net(64, False)
             opt = DistributedOptimizer(model, config())
-        checkpoint.load(split_save, model, opt, io_threads=3)
+        checkpoint.load(split_save, model, opt, config=checkpoint.CheckpointConfig(io_threads=3))
         assert differences(snapshot(model, opt, rng=False), expected) == [], how
 
 
@@ -128,7 +129,8 @@ def test_parts_per_kind_stay_within_what_file_names_allow(tmp_path, monkeypatch)
     monkeypatch.setattr(storage, "MIN_PART_BYTES", 1)
     monkeypatch.setattr(ckpt_save, "MAX_PARTS", 3)  # as if -p1, -p2 were the last names
     model, opt = trained(1, width=64)
-    path = Path(checkpoint.save(tmp_path / "root", model, opt, step=1, io_threads=40))
+    path = Path(checkpoint.save(tmp_path / "root", model, opt, step=1,
+                                config=checkpoint.CheckpointConfig(io_threads=40)))
     names = sorted(read_json(path)["files"])
     per_kind = collections.Counter(n.split("-")[0] for n in names)
     assert max(per_kind.values()) <= 3, per_kind  # 40 files would need up to 16 per kind

@@ -99,7 +99,8 @@ def test_what_load_verifies_is_what_it_reads(tmp_path: Path) -> None:
     trainable param (the weights are rebuilt from the fp32 main params), so damage there is
     reported by ``verify`` and cannot reach the loaded state; damage to the main param it
     reads is refused by both."""
-    saved = Path(checkpoint.save(tmp_path / "root", *trained(1), step=1, block_bytes=64))
+    saved = Path(checkpoint.save(tmp_path / "root", *trained(1), step=1,
+                                 config=checkpoint.CheckpointConfig(block_bytes=64)))
     model_file = saved / "model-00000.safetensors"
     flip_byte(model_file, data_offset(model_file, "hidden.weight") + 200)  # a block of its own
     with pytest.raises(FormatError, match="model-00000.safetensors: content hash mismatch"):
@@ -115,7 +116,8 @@ def test_what_load_verifies_is_what_it_reads(tmp_path: Path) -> None:
 def test_verify_false_skips_hashes_but_verify_catches_it(saved: Path) -> None:
     _damage(saved, "optim-00000.safetensors", "flip-data")
     model, opt = trained(2)
-    checkpoint.load(saved, model, opt, verify=False)  # what the caller asked for
+    checkpoint.load(saved, model, opt,
+                    config=checkpoint.CheckpointConfig(verify=False))  # what the caller asked for
     _assert_refused(saved, "optim-00000.safetensors")
 
 
@@ -158,7 +160,8 @@ def test_unknown_file_is_reported_by_verify(saved: Path) -> None:
 def fuzz_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model, opt = trained(1)
     root = tmp_path_factory.mktemp("fuzz")
-    return Path(checkpoint.save(root, model, opt, step=1, block_bytes=512))
+    return Path(checkpoint.save(root, model, opt, step=1,
+                                config=checkpoint.CheckpointConfig(block_bytes=512)))
 
 
 @given(which=st.integers(0, 3), where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
@@ -354,7 +357,8 @@ def test_pickle_payloads_are_never_executed(saved: Path, tmp_path: Path,
             for verify in (True, False):
                 model, opt = trained(2)
                 with pytest.raises(checkpoint.CheckpointError):
-                    checkpoint.load(copy, model, opt, verify=verify)
+                    checkpoint.load(copy, model, opt,
+                                    config=checkpoint.CheckpointConfig(verify=verify))
     assert not marker.exists()
 
     # And nothing on the read path unpickles at all, even a good checkpoint.

@@ -39,7 +39,8 @@ def save_rank(rank: int, world_size: int, backend: str, base: str) -> None:
     # Tiny parts: each rank's state is split over 8 files, chunks cut across them.
     storage.MIN_PART_BYTES = 64
     checkpoint.save(f"{base}/saved-{world_size}", model, opt, step=SAVE_STEP,
-                    extra={"saved_by": world_size}, io_threads=8)
+                    extra={"saved_by": world_size},
+                    config=checkpoint.CheckpointConfig(io_threads=8))
     storage.MIN_PART_BYTES = 64 << 20
     train(model, opt, range(SAVE_STEP, END_STEP), rank, world_size)
     checkpoint.save(f"{base}/continued-{world_size}", model, opt, step=END_STEP)

@@ -142,7 +142,8 @@ def test_resume_with_another_param_grouping_is_an_error_or_an_explicit_override(
                        r"'0\.(weight|bias)'.*param_group_fn.*hyperparameters='current'"):
         checkpoint.load(tmp_path, model2, opt2)
     assert all(torch.equal(a, b) for a, b in zip(fresh, model2.parameters()))
-    checkpoint.load(tmp_path, model2, opt2, hyperparameters="current")
+    checkpoint.load(tmp_path, model2, opt2,
+                    config=checkpoint.CheckpointConfig(hyperparameters="current"))
     assert [dict(g) for g in opt2.param_groups] == wanted
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
     assert opt2.param_steps == opt.param_steps

@@ -36,7 +36,8 @@ def test_resume_from_an_older_step_and_save_on(tmp_path: Path,
     model, opt = trained(99)
     assert checkpoint.load(root / "step_00000002", model, opt).step == 2
     with caplog.at_level(logging.WARNING, logger="shardopt.checkpoint"):
-        checkpoint.save(root, *trained(3), step=3, extra={"branch": "new"}, rollback=True)
+        checkpoint.save(root, *trained(3), step=3, extra={"branch": "new"},
+                        config=checkpoint.CheckpointConfig(rollback=True))
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000001", "step_00000002",
                                                              "step_00000003"]
     assert checkpoint.latest(root) == str(root / "step_00000003")
@@ -68,7 +69,9 @@ def test_a_run_that_did_not_resume_from_the_root_cannot_roll_it_back(tmp_path: P
             handle = checkpoint.save(root, model, opt, step=2, blocking=blocking)
             handle.wait()
     assert {p.name: read_json(p)["checksum"] for p in commit.complete_steps(root)} == before
+    assert opt.loaded_from is None
     checkpoint.load(root / "step_00000003", model, opt)
+    assert opt.loaded_from == commit.Resumed(root.resolve(), 3)  # held by the optimizer
     with pytest.raises(checkpoint.CheckpointError, match="this run resumed from step 3 of it"):
         checkpoint.save(root, model, opt, step=2)
     checkpoint.save(root, model, opt, step=3)  # resumed at 3: 3 and 4 are the abandoned branch
@@ -81,8 +84,8 @@ def test_rollback_replaces_step_k_content(tmp_path: Path) -> None:
     root = tmp_path / "root"
     _branch(root, range(1, 4))
     model, opt = trained(2)
-    checkpoint.save(root, model, opt, step=2, extra={"branch": "new"},  # same step, new save
-                    rollback=True)
+    checkpoint.save(root, model, opt, step=2, extra={"branch": "new"},
+                    config=checkpoint.CheckpointConfig(rollback=True))
     check_state(str(root / "step_00000002"), 2)
     assert read_json(root / "step_00000002")["extra"] == {"branch": "new"}
     assert [p.name for p in commit.complete_steps(root)] == ["step_00000001", "step_00000002"]
@@ -103,7 +106,8 @@ def test_rollback_with_and_without_atomic_exchange(tmp_path: Path, monkeypatch: 
         monkeypatch.setattr(commit, "_exchange", lambda a, b: used.append(real(a, b)) or used[-1])
     else:
         monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
-    checkpoint.save(root, *trained(2), step=2, extra={"branch": "new"}, rollback=True)
+    checkpoint.save(root, *trained(2), step=2, extra={"branch": "new"},
+                    config=checkpoint.CheckpointConfig(rollback=True))
     assert used == ([True] if exchange else [])
     assert read_json(root / "step_00000002")["extra"] == {"branch": "new"}
     assert checkpoint.latest(root) == str(root / "step_00000002")
@@ -117,7 +121,8 @@ def test_a_failed_rollback_save_changes_nothing(tmp_path: Path,
     before = _branch(root, range(1, 4))
     monkeypatch.setattr(commit, "write_atomic", _fail)  # the manifest cannot be written
     with pytest.raises(checkpoint.CheckpointError, match="disk full"):
-        checkpoint.save(root, *trained(2), step=2, rollback=True)
+        checkpoint.save(root, *trained(2), step=2,
+                        config=checkpoint.CheckpointConfig(rollback=True))
     monkeypatch.undo()
     assert {p.name: read_json(p)["checksum"] for p in commit.complete_steps(root)} == before
     assert checkpoint.latest(root) == str(root / "step_00000003")

@@ -184,7 +184,7 @@ def test_async_saves_resume_like_synchronous_ones(tmp_path):
 
 
 def test_async_save_snapshot_choices_are_the_checkpoint_ones(tmp_path):
-    """``--async-save device`` reaches ``checkpoint.save(snapshot=...)`` (on CPU every
+    """``--async-save device`` reaches ``CheckpointConfig(snapshot=...)`` (on CPU every
     snapshot is a host copy); the CLI offers exactly the library's choices."""
     from shardopt import cli
     parser = cli.build_parser()

@@ -147,7 +147,8 @@ def save_three_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     model, opt = build(0)
     train(model, opt, range(2), rank, world_size)
     # Small hash blocks, so files span several blocks.
-    checkpoint.save(root, model, opt, step=2, extra={"data": [1, 2]}, block_bytes=512)
+    checkpoint.save(root, model, opt, step=2, extra={"data": [1, 2]},
+                    config=checkpoint.CheckpointConfig(block_bytes=512))
     return {"params": model_state(model), "state": live_optimizer_state(opt),
             "shapes": {fqn: p.shape for fqn, p in model.named_parameters()}}
 
