@@ -11,23 +11,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import uuid
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
-from ..layout import Range
-from ..layout import STATE_NAMES
+from ..layout import STATE_NAMES, Range
 from . import commit
 from .agree import CheckpointError
-from .format import MANIFEST, FormatError, dtype_name
+from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, FormatError, dtype_name
 from .manifest import Manifest, MomentEncoding, parse
 from .read import DataFiles, read_verified
-from .transfer import io_threads
+from .storage import write_parts
+from .transfer import Part, io_threads
 
 EXPORT_MOMENTS = ("float32", "stored")
 
@@ -192,8 +191,33 @@ class _WriteFailed(Exception):
 def _writing(out: Path, name: str, write: Callable[[str], object]) -> None:
     try:
         write(str(out / name))
-    except (OSError, SafetensorError) as e:
+    except OSError as e:
         raise _WriteFailed(name, e) from e
+
+
+def save_file(tensors: dict[str, torch.Tensor], filename: str,
+              metadata: dict[str, str] | None = None) -> None:
+    """Write host ``tensors`` as a plain safetensors file (laid out as the safetensors
+    library lays it out: widest dtypes first, then by name) through the block writer."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    pos = 0
+    for key in order:
+        t = tensors[key]
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # data 8-byte aligned, as safetensors does
+    raw = struct.pack("<Q", len(raw)) + raw
+    parts = [Part(0, len(raw), torch.frombuffer(bytearray(raw), dtype=torch.uint8))]
+    pos = len(raw)
+    for key in order:
+        data = tensors[key].contiguous().view(-1).view(torch.uint8)
+        parts.append(Part(pos, data.numel(), data))
+        pos += data.numel()
+    write_parts(filename, parts, DEFAULT_BLOCK_BYTES, None)
 
 
 def _write_error(ckpt: Path, out: Path, failed: _WriteFailed, needed: int) -> CheckpointError:
