@@ -1,20 +1,10 @@
 """Entry point of the writer process of asynchronous saves (:mod:`.writer_process`).
 
-Run as a script: it loads :mod:`.transfer` from its file (the package would import torch)
-and writes through its :class:`~.transfer.FileWriter`. It maps the shared buffers the
-parent sends, writes the files each request lists, fsyncs them and answers their records
-or the error; it exits within ``PARENT_POLL_S`` of its parent's death, even mid-write, and
-when the socket closes. Requests (docs/async_save.md has the whole protocol):
-
-* ``["map", id, nbytes]`` then one byte carrying the descriptor (``SCM_RIGHTS``);
-  ``["unmap", id]``.
-* ``["write", {"dir", "files": [[name, parts, size]], "block_bytes", "buffers"}]``: a part
-  is ``[start, nbytes, src]``, ``src`` null (zeros), ``[buffer id, byte offset]`` or
-  ``{"blob": k}``; answered ``["ok", records]`` or ``["error", why]``.
-* ``["stream", {"dir", "files": [[name, size]], "block_bytes", "slot_bytes", "buffer"}]``,
-  then ``["pieces", [[file, start, nbytes, slot], ...]]`` (each slot answered ``["free",
-  slot]`` once written; the first failure also ``["failed", why]``) and ``["end"]``,
-  answered ``["done", "ok", records]`` or ``["done", "error", why]``.
+Run as a script, it loads :mod:`.transfer` from its file (the package would import torch),
+maps the shared buffers the parent sends, writes the files each request lists through
+:class:`~.transfer.FileWriter` and answers their records or the error (the messages:
+docs/async_save.md). It exits when the socket closes, and within ``PARENT_POLL_S`` of its
+parent's death, even mid-write.
 """
 
 import importlib.util
@@ -95,9 +85,16 @@ def stream(sock: socket.socket, request: dict, maps: dict, failed: dict) -> None
     errors: list[str] = [] if staging is not None else \
         [failed.get(buf, f"the staging buffer {buf} is not mapped")]
     lock = threading.Lock()
-    names = [name for name, _ in request["files"]]
-    writers: list = [None] * len(names)
-    queues = [queue.Queue() for _ in names]
+    files = request["files"]
+    writers: list = [None] * len(files)
+    queues = [queue.Queue() for _ in files]
+
+    def writer(i: int):  # opened at its first piece, or at the end (an empty file)
+        if writers[i] is None:
+            name, size = files[i]
+            writers[i] = transfer.FileWriter(os.path.join(request["dir"], name), size,
+                                             request["block_bytes"])
+        return writers[i]
 
     def answer(msg, why: str | None = None) -> None:
         with lock:
@@ -107,24 +104,20 @@ def stream(sock: socket.socket, request: dict, maps: dict, failed: dict) -> None
                     return
             transfer.send(sock, msg)
 
-    def run(i: int, size: int) -> None:
+    def run(i: int) -> None:
         while (piece := queues[i].get()) is not None:
             start, nbytes, slot = piece
             if not errors:
                 try:
-                    if writers[i] is None:
-                        writers[i] = transfer.FileWriter(
-                            os.path.join(request["dir"], names[i]), size, request["block_bytes"])
-                    writers[i].write(start, [staging[slot * slot_bytes:][:nbytes]])
+                    writer(i).write(start, [staging[slot * slot_bytes:][:nbytes]])
                 except BaseException as e:  # noqa: BLE001 - answered to the parent
-                    why = f"{names[i]}: {type(e).__name__}: {e}"
+                    why = f"{files[i][0]}: {type(e).__name__}: {e}"
                     answer(["failed", why], why)
             answer(["free", slot])
 
     if errors:
         answer(["failed", errors[0]])
-    threads = [threading.Thread(target=run, args=(i, size))
-               for i, (_, size) in enumerate(request["files"])]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(files))]
     for t in threads:
         t.start()
     records: dict[str, dict] = {}
@@ -137,13 +130,10 @@ def stream(sock: socket.socket, request: dict, maps: dict, failed: dict) -> None
             q.put(None)
         for t in threads:
             t.join()
-        for i, (name, size) in enumerate(request["files"]):
+        for i, (name, _) in enumerate(files):
             try:
                 if not errors:
-                    if writers[i] is None:  # an empty file gets no piece
-                        writers[i] = transfer.FileWriter(
-                            os.path.join(request["dir"], name), size, request["block_bytes"])
-                    records[name] = writers[i].finish()
+                    records[name] = writer(i).finish()
             except BaseException as e:  # noqa: BLE001
                 errors.append(f"{name}: {type(e).__name__}: {e}")
             finally:

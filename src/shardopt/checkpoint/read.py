@@ -1,16 +1,10 @@
 """The one read engine of checkpoints: ``load``, ``verify`` and ``export`` all read through it.
 
-:class:`DataFiles` opens a checkpoint's data files, cross-checks their headers with the
-manifest and says which stored bytes fill a destination (a :class:`Read`).
-:func:`read_verified` fills fresh destinations (new moments, RNG states, export buffers)
-at once, in one pass that hash-checks each block as it reads it where the block layout
-allows (else verify, then read); in-place destinations (existing tensors) are only
-verified, and filled by the function it returns, which ``load`` runs once every rank found
-everything in order. Every read is a list of :class:`_Job`\\ s (a byte span of a file, the
-destinations in it, the digest it must have) run on several threads by one function
-(:func:`_run`): ``preadv`` scatters each span straight into host destinations of the stored
-dtype or into a scratch buffer (gaps, device or casting destinations), which is then copied
-on. Host memory is one piece or block per thread.
+:class:`DataFiles` opens a checkpoint's data files and says which stored bytes fill a
+destination (:class:`Read`); :func:`read_verified` reads and hash-checks them. Every read
+is a list of :class:`_Job`\\ s (a byte span, the destinations in it, the digest it must
+have) that one function runs on several threads (:func:`_run`); docs/format.md says what
+is verified when.
 """
 
 from __future__ import annotations
@@ -99,9 +93,10 @@ def _typed(staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _run(jobs: list[_Job], threads: int, scratch: Scratch | None) -> None:
-    """Every job on ``threads`` threads; ``FormatError`` naming the file and bytes when a
-    digest differs. A job without reads is read in pieces of the scratch; one with reads
-    at once. Returns once every device copy is done."""
+    """Every job on ``threads`` threads: ``preadv`` into host destinations of the stored
+    dtype, the rest (gaps, device or casting destinations) into the thread's scratch, then
+    copied on. A job without reads goes in pieces of the scratch. ``FormatError`` when a
+    digest differs; returns once every device copy is done."""
     def work(job: _Job, slot: int) -> None:
         raw = scratch.take(slot) if scratch is not None else None
         step = scratch.nbytes if scratch is not None and not job.reads else job.end - job.start
@@ -168,8 +163,8 @@ def read_blocks(reads: list[Read], threads: int) -> dict[str, set[int]]:
 
 
 def read_plain(reads: list[Read], staging_bytes: int, threads: int) -> None:
-    """Fill every read's ``out``, nothing hash-checked, in pieces of at most a scratch
-    buffer (``staging_bytes`` over the threads) where a read needs one."""
+    """Fill every read's ``out`` unchecked, in pieces of at most a scratch buffer
+    (``staging_bytes`` over the threads)."""
     device = next((r.out.device for r in reads if r.out.is_cuda), torch.device("cpu"))
     scratch = None
     if device.type == "cuda" or not all(r.direct for r in reads):
@@ -215,8 +210,7 @@ class DataFiles:
 
     def check_scales(self, key: str, first: int, scales: torch.Tensor) -> None:
         """Raise :class:`FormatError`, naming the file, unless every scale of ``scales``
-        (elements ``first`` on of the stored 8-bit moment scales ``key``) is finite and
-        >= 0: a NaN, infinite or negative scale makes the weights NaN one step later."""
+        (elements ``first`` on of stored 8-bit moment scales ``key``) is finite and >= 0."""
         bad = (~torch.isfinite(scales) | (scales < 0)).nonzero()
         if not bad.numel():
             return
@@ -260,11 +254,10 @@ def _touched(r: Read) -> set[int]:
 def read_verified(reads: list[Read], *, verify: bool, threads: int,
                   staging_bytes: int = STAGING_BYTES,
                   whole: Iterable[FileReader] = ()) -> Callable[[], None]:
-    """Fill the fresh reads now and verify every block the in-place ones need (and every
-    block of the files ``whole``); return the function that then fills the in-place reads.
-    Raises ``FormatError`` on a damaged block (fresh destinations may then hold partial
-    data; in-place ones are untouched). With ``verify`` False nothing is hash-checked
-    (sizes and headers still are)."""
+    """Fill the fresh reads now (in one verifying pass where the blocks allow) and verify
+    every block the in-place ones need and every block of the files ``whole``; return the
+    function that then fills the in-place reads. ``FormatError`` on a damaged block leaves
+    in-place destinations untouched. ``verify`` False: no hash is checked."""
     fresh = [r for r in reads if not r.in_place]
     in_place = [r for r in reads if r.in_place]
     if verify:

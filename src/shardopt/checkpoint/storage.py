@@ -1,11 +1,9 @@
 """Checkpoint data files on the torch side: what a file holds, writing it, opening it to read.
 
-A file's bytes (its safetensors header, then each entry's) are :class:`~.transfer.Part`\\ s
-written by :func:`write_parts` through the one block writer (:mod:`.transfer`); device
-tensors pass through a small page-locked :class:`Scratch`, so nothing is serialised whole
-in memory. A file is opened for reading only if it is a regular file reached without
-following a symlink, and its header is trusted only after its length is bounded (before
-anything is allocated) and its chunks match the manifest's.
+:func:`write_parts` writes a file's parts through the one block writer (:mod:`.transfer`),
+device bytes through a small page-locked :class:`Scratch`. A file is read only if it is a
+regular file reached without a symlink, its header only once its length is bounded and its
+chunks match the manifest's.
 """
 
 from __future__ import annotations
@@ -98,9 +96,8 @@ def host_bytes(t: torch.Tensor) -> memoryview:
 
 class Scratch:
     """One host buffer of ``nbytes`` per thread, pinned when ``device`` is a GPU, and the
-    event of the last device copy that used each. Copies run on the stream current when the
-    scratch is made, so they follow the work that produced the tensors. The events are
-    blocking: a waiting thread sleeps instead of spinning on a core training needs."""
+    event of the last device copy into or out of each (on the stream current when the
+    scratch is made; blocking events: a waiting thread sleeps, it does not spin)."""
 
     def __init__(self, threads: int, nbytes: int, device: torch.device | None = None) -> None:
         self.cuda = device is not None and device.type == "cuda"
@@ -140,18 +137,15 @@ class Scratch:
             self.wait(slot)
 
 
-def scratch_for(staging_bytes: int, device: torch.device, threads: int = 1,
-                most: int | None = None) -> Scratch:
-    """``threads`` buffers sharing ``staging_bytes`` (at least :data:`MIN_SCRATCH_BYTES`
-    each, at most ``most``) for moving bytes to or from ``device``."""
-    nbytes = staging_bytes // threads if most is None else min(most, staging_bytes // threads)
-    return Scratch(threads, max(MIN_SCRATCH_BYTES, nbytes), device)
+def scratch_for(staging_bytes: int, device: torch.device, threads: int = 1) -> Scratch:
+    """``threads`` buffers sharing ``staging_bytes`` (each at least
+    :data:`MIN_SCRATCH_BYTES`) for moving bytes to or from ``device``."""
+    return Scratch(threads, max(MIN_SCRATCH_BYTES, staging_bytes // threads), device)
 
 
 def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device) -> Scratch | None:
-    """The pinned buffer (``staging_bytes``) that a file's writes from ``device`` stage
-    through (None on the host)."""
-    return scratch_for(staging_bytes, device, most=block_bytes) if device.type == "cuda" else None
+    """The pinned buffer a file's writes from ``device`` stage through (None on the host)."""
+    return scratch_for(min(block_bytes, staging_bytes), device) if device.type == "cuda" else None
 
 
 def file_parts(entries: Sequence[WriteEntry]) -> list[Part]:
@@ -174,10 +168,7 @@ def write_parts(path: str, parts: Sequence[Part], block_bytes: int,
                 scratch: Scratch | None) -> dict:
     """Write a new file of ``parts`` (host or device tensors, zeros; sorted and contiguous
     from byte 0) at ``path`` and fsync it; return ``{"size", "block_bytes", "hashes"}``.
-
-    Host bytes are written from where they lie; device bytes go through ``scratch``
-    (pinned), a piece at a time, each copy waited for before its piece is written.
-    """
+    Host bytes are written from where they lie, device bytes through ``scratch``."""
     layout = Parts(parts)
     piece = min(block_bytes, scratch.nbytes if scratch is not None else PIECE_BYTES)
     if any(p.data is not None and p.data.is_cuda for p in layout.parts) and (

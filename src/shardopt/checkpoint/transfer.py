@@ -1,11 +1,8 @@
-"""The one block writer of checkpoint files, and the byte-level pieces around it.
+"""The one block writer of checkpoint files (:class:`FileWriter`), and the byte-level pieces
+around it: the threads data moves on and the writer process's messages.
 
-Standard library and xxhash only: the writer process (:mod:`._writer_main`) loads this
-file without importing torch or the package. :class:`FileWriter` writes a file front to
-back at offsets (``pwritev``), hashes every ``block_bytes`` block (xxh3-64) as its bytes
-go by and fsyncs it; blocking saves, the writer process (direct and streamed writes) and
-export all write through it. Also: the threads data moves on (:func:`run_parallel`,
-:func:`io_threads`) and the writer process's messages (:func:`send`, :func:`recv`).
+Standard library and xxhash only: the writer process (:mod:`._writer_main`) loads this file
+without torch. Blocking saves, the writer process and export all write through it.
 """
 
 from __future__ import annotations

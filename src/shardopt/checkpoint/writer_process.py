@@ -1,11 +1,8 @@
-"""The files of an asynchronous save, written by a process of their own.
+"""The files of an asynchronous save, written by a process of their own (docs/async_save.md).
 
-A background save's host snapshot lives in shared memory (``PinnedBuffer(shared=True)``), and
-a :class:`WriterProcess` (:mod:`._writer_main`, which imports neither torch nor shardopt)
-maps it and writes, hashes and fsyncs the files through the one block writer, so the
-training thread does not share the GIL with writer threads (docs/async_save.md). The
-save's thread only sends the plan and sleeps until the answer. ``device_staged`` saves
-stream the device copy through a small shared staging buffer instead (:meth:`stream_files`).
+A :class:`WriterProcess` (:mod:`._writer_main`: no torch) maps the snapshot's shared memory
+and writes, hashes and fsyncs the files through the one block writer, so writer threads do
+not take the GIL from training; the save's thread sends the plan and sleeps until the answer.
 """
 
 from __future__ import annotations
@@ -78,8 +75,6 @@ class WriterProcess:
         self._link: _Link | None = None
         self._ended: weakref.finalize | None = None
         self._ids: weakref.WeakKeyDictionary[PinnedBuffer, int] = weakref.WeakKeyDictionary()
-        self._unmaps: dict[int, weakref.finalize] = {}  # id -> its unmapping, run once
-        self._unmap: list[int] = []  # released buffers the process still maps
         self._next = 0
         self._pid = os.getpid()  # a forked child (a data loader worker) must not talk to it
 
@@ -93,17 +88,12 @@ class WriterProcess:
         """The running process's id, or None."""
         return self._link.proc.pid if self._link is not None else None
 
-    def _forget_all(self) -> None:
-        for fin in self._unmaps.values():
-            fin.detach()  # the process's mappings go with it
-        self._ids, self._unmaps, self._unmap = weakref.WeakKeyDictionary(), {}, []
-
     def _start(self) -> socket.socket:
         if os.getpid() != self._pid:  # forked: the socket and the process are the parent's
             if self._ended is not None:
                 self._ended.detach()
             self._link = self._ended = None
-            self._forget_all()
+            self._ids = weakref.WeakKeyDictionary()
             self._pid = os.getpid()
         if self._link is not None and self._link.proc.poll() is None:
             return self._link.sock
@@ -120,7 +110,7 @@ class WriterProcess:
             theirs.close()
         self._link = _Link(proc, mine, os.getpid())
         self._ended = weakref.finalize(self, self._link.end)
-        self._forget_all()
+        self._ids = weakref.WeakKeyDictionary()  # the old process's mappings went with it
         return mine
 
     def _close(self) -> None:
@@ -134,34 +124,15 @@ class WriterProcess:
             self._close()
 
     def forget(self, buf: PinnedBuffer) -> None:
-        """Unmap ``buf`` in the process, before it is released (a buffer collected without
-        it is unmapped by a finalizer): a mapping would keep its memory alive."""
-        i = self._ids.get(buf)
-        fin = None if i is None else self._unmaps.get(i)
-        if fin is not None:
-            fin()
-
-    def _dropped(self, i: int) -> None:
-        """Queue the unmapping of buffer ``i``; send it now unless a write holds the lock
-        (that write sends it when it ends). Never blocks: it may run in a finalizer."""
-        if os.getpid() != self._pid:  # in a forked child: the mapping is the parent's
-            return
-        self._unmap.append(i)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._flush()
-            finally:
-                self._lock.release()
-
-    def _flush(self) -> None:
-        while self._unmap:
-            i = self._unmap.pop()
-            self._unmaps.pop(i, None)
-            if self._link is not None:
+        """Unmap ``buf`` in the process; call it before releasing a buffer it wrote from
+        (its mapping would keep the memory alive while the process lives)."""
+        with self._lock:
+            i = self._ids.pop(buf, None)
+            if i is not None and self._link is not None and os.getpid() == self._pid:
                 try:
                     transfer.send(self._link.sock, ["unmap", i])
                 except OSError:
-                    pass
+                    pass  # the process is gone, and its mappings with it
 
     def _map(self, sock: socket.socket, buf: PinnedBuffer) -> int:
         i = self._ids.get(buf)
@@ -170,7 +141,6 @@ class WriterProcess:
             transfer.send(sock, ["map", i, buf.tensor.numel() * buf.tensor.element_size()])
             socket.send_fds(sock, [b"F"], [buf.fd])
             self._ids[buf] = i
-            self._unmaps[i] = weakref.finalize(buf, self._dropped, i)
         return i
 
     @contextlib.contextmanager
@@ -189,8 +159,6 @@ class WriterProcess:
             except BaseException:
                 self._close()  # mid-exchange: what it would read next is unknown
                 raise
-            finally:
-                self._flush()
 
     def write_files(self, tmp: Path, jobs: Jobs, block_bytes: int,
                     buffers: Sequence[PinnedBuffer]) -> dict[str, dict] | None:
