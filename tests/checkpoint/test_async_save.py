@@ -471,12 +471,11 @@ _CHILD = textwrap.dedent("""
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
     checkpoint.save({root!r}, model, opt, step=1)
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
     real = save_module._write_rank_files
     def write_files(tmp, *args, **kwargs):
         out = real(tmp, *args, **kwargs)
-        proc = writer._PROCESS._proc
-        sys.stdout.write(f"wrote {{tmp}} writer {{proc.pid if proc else None}}\\n")
+        pid = save_module._snapshot(opt).writer.pid
+        sys.stdout.write(f"wrote {{tmp}} writer {{pid}}\\n")
         sys.stdout.flush()
         {after_write}
         return out

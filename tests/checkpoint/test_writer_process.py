@@ -19,7 +19,7 @@ import xxhash
 from helpers.checks import checkpoint_bytes
 from helpers.models import build, train
 from shardopt import checkpoint
-from shardopt.checkpoint import CheckpointError
+from shardopt.checkpoint import CheckpointError, transfer
 
 SAVE_MODULE = "shardopt.checkpoint.save"
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
@@ -31,19 +31,36 @@ def test_one_writer_process_outlives_the_save_threads_that_use_it(trained_model,
     the first stays up for the next ones (it once died with the thread that started it,
     failing every other save with 'Connection reset by peer')."""
     model, opt = trained_model
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
     pids = []
     for step in range(1, 4):
         checkpoint.save(tmp_path, model, opt, step=step, blocking=False).wait()
-        pids.append(writer._PROCESS._proc.pid)
+        pids.append(_writer(opt).pid)
         time.sleep(0.3)  # time for a signal at the save thread's end to land
-        assert writer._PROCESS._proc.poll() is None
+        assert _running(pids[-1])
     assert len(set(pids)) == 1
 
 
+def _writer(opt):
+    """The writer process of ``opt``'s asynchronous saves (its snapshot's)."""
+    return importlib.import_module(SAVE_MODULE)._snapshot(opt).writer
+
+
+def _running(pid: int | None) -> bool:
+    """Whether child process ``pid`` runs (neither gone nor a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _snapshot_maps(pid: int) -> int:
-    with open(f"/proc/{pid}/maps") as f:
-        return sum("shardopt-snapshot" in line for line in f)
+    """Snapshot buffers process ``pid`` maps (none once it has ended)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return sum("shardopt-snapshot" in line for line in f)
+    except FileNotFoundError:
+        return 0
 
 
 def _until(cond, seconds: float = 10.0) -> bool:
@@ -59,13 +76,12 @@ def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
     """A snapshot's shared memory is unmapped in the writer process when the snapshot is
     released, or when its optimizer is garbage-collected without that (the mapping would
     keep gigabytes alive for the rest of the run)."""
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
     save_module = importlib.import_module(SAVE_MODULE)
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
     checkpoint.save(tmp_path / "a", model, opt, step=1, blocking=False).wait()
-    pid = writer._PROCESS._proc.pid
-    before = _snapshot_maps(pid)  # other tests' optimizers may still be mapped too
+    pid = _writer(opt).pid
+    before = _snapshot_maps(pid)
     checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
     mine = len(save_module._snapshot(opt).host_buffers())
     # (<=: a collection may unmap other tests' dead optimizers at any time)
@@ -74,7 +90,7 @@ def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
     assert _until(lambda: _snapshot_maps(pid) <= before - mine)
     before = _snapshot_maps(pid)
     checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
-    assert writer._PROCESS._proc.pid == pid and _snapshot_maps(pid) <= before + mine
+    assert _writer(opt).pid == pid and _snapshot_maps(pid) <= before + mine
     before = _snapshot_maps(pid)
     del model, opt
     gc.collect()
@@ -85,26 +101,25 @@ def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
     """A child forked after the writer process started (a data loader worker) that drops a
     snapshot or exits sends nothing down the parent's socket: the parent's mappings and
     saves are intact."""
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
     save_module = importlib.import_module(SAVE_MODULE)
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
     checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
-    proc = writer._PROCESS._proc
-    before = _snapshot_maps(proc.pid)
+    pid = _writer(opt).pid
+    before = _snapshot_maps(pid)
     child = os.fork()
     if child == 0:
         try:
             save_module._snapshot(opt).release()  # would queue unmaps of the parent's buffers
-            writer._PROCESS.close()
+            _writer(opt).close()
         finally:
             os._exit(0)
     os.waitpid(child, 0)
     time.sleep(0.2)
-    assert proc.poll() is None and _snapshot_maps(proc.pid) >= before
+    assert _running(pid) and _snapshot_maps(pid) >= before
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
     path = checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
-    assert writer._PROCESS._proc is proc
+    assert _writer(opt).pid == pid
     assert checkpoint_bytes(Path(path)) == checkpoint_bytes(Path(reference))
 
 
@@ -117,19 +132,19 @@ def test_a_buffer_the_writer_process_cannot_map_fails_the_write_that_needs_it(tm
         sock = proc._start()
         fd = os.open(str(tmp_path), os.O_RDONLY)
         try:
-            writer.protocol.send(sock, ["map", 7, 4096])
+            transfer.send(sock, ["map", 7, 4096])
             socket.send_fds(sock, [b"F"], [fd])
         finally:
             os.close(fd)
         part = [0, 4, [7, 0]]
-        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "files": [["x", [part], 4]],
-                                              "block_bytes": 4, "buffers": [7]}])
-        (status, answer), _ = writer.protocol.recv(sock)
+        transfer.send(sock, ["write", {"dir": str(tmp_path), "files": [["x", [part], 4]],
+                                       "block_bytes": 4, "buffers": [7]}])
+        (status, answer), _ = transfer.recv(sock)
         assert status == "error" and "mapping 4096 bytes of the snapshot failed" in answer
-        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
-                                              "files": [["y", [[0, 3, {"blob": 0}]], 3]],
-                                              "block_bytes": 4}], [b"abc"])
-        (status, answer), _ = writer.protocol.recv(sock)
+        transfer.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
+                                       "files": [["y", [[0, 3, {"blob": 0}]], 3]],
+                                       "block_bytes": 4}], [b"abc"])
+        (status, answer), _ = transfer.recv(sock)
         assert status == "ok" and (tmp_path / "y").read_bytes() == b"abc"
         assert not (tmp_path / "x").exists()
     finally:
@@ -140,17 +155,16 @@ def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, m
     """The writer process is SIGKILLed in the middle of a save: that save fails on wait()
     naming the process, nothing is committed, and the next save starts a new one."""
     model, opt = trained_model
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
     checkpoint.save(tmp_path, model, opt, step=1, blocking=False).wait()
-    proc = writer._PROCESS._proc
-    assert proc is not None and proc.poll() is None
-    real = writer.protocol.recv
+    pid = _writer(opt).pid
+    assert pid is not None and _running(pid)
+    real = transfer.recv
 
     def killed_while_writing(sock):  # the request is sent; the answer never comes
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         return real(sock)
 
-    monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+    monkeypatch.setattr(transfer, "recv", killed_while_writing)
     handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
     with pytest.raises(CheckpointError, match="writer process failed"):
         handle.wait()
@@ -158,7 +172,7 @@ def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, m
     assert checkpoint.latest(tmp_path) == str(tmp_path / "step_00000001")
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
     path = checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
-    assert writer._PROCESS._proc.pid != proc.pid
+    assert _writer(opt).pid != pid
     assert checkpoint_bytes(Path(path)) == checkpoint_bytes(Path(reference))
 
 
@@ -221,8 +235,8 @@ def _stream_jobs():
 
 def test_a_streamed_write_is_the_direct_write(tmp_path):
     """Files streamed through a staging buffer of three 4 KiB slots, blocks of 10,000 bytes
-    (pieces never cross a block; a block takes three pieces): the same bytes and block
-    digests as each file written directly, and the buffer serves the next write too."""
+    (pieces cross blocks): the same bytes and block digests as each file written directly,
+    and the buffer serves the next write too."""
     import torch
 
     from shardopt.checkpoint.storage import write_file
@@ -232,13 +246,15 @@ def test_a_streamed_write_is_the_direct_write(tmp_path):
     direct = {name: write_file(str(tmp_path / "direct" / name), entries, 10_000, None)
               for name, entries in jobs}
     staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
+    process = writer.WriterProcess()
     for run in ("one", "two"):
         (tmp_path / run).mkdir()
-        records = writer.stream_files(tmp_path / run, jobs, 10_000, staging, 4096)
+        records = process.stream_files(tmp_path / run, jobs, 10_000, staging, 4096)
         assert records == direct
         for name, _ in jobs:
             assert (tmp_path / run / name).read_bytes() == \
                 (tmp_path / "direct" / name).read_bytes(), name
+    process.close()
 
 
 def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_path,
@@ -250,31 +266,34 @@ def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_pa
     writer = importlib.import_module("shardopt.checkpoint.writer_process")
     jobs = _stream_jobs()
     staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
+    process = writer.WriterProcess()
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "b.safetensors").write_bytes(b"in the way")
     with pytest.raises(OSError, match=r"b\.safetensors: FileExistsError"):
-        writer.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096)
-    proc = writer._PROCESS._proc
+        process.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096)
+    pid = process.pid
     (tmp_path / "y").mkdir()
-    assert set(writer.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096)) == \
+    assert set(process.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096)) == \
         {name for name, _ in jobs}
-    assert writer._PROCESS._proc is proc
+    assert process.pid == pid
 
-    real = writer.protocol.recv
+    real = transfer.recv
 
     def killed_while_writing(sock):
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         return real(sock)
 
-    monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+    monkeypatch.setattr(transfer, "recv", killed_while_writing)
     (tmp_path / "z").mkdir()
     with pytest.raises(OSError, match="writer process failed"):
-        writer.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096)
+        process.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096)
     monkeypatch.undo()
     (tmp_path / "w").mkdir()
-    assert set(writer.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096)) == \
+    assert set(process.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096)) == \
         {name for name, _ in jobs}
-    assert writer._PROCESS._proc.pid != proc.pid
+    assert process.pid != pid
+    process.close()
+    assert not _running(pid)
 
 
 def test_a_streamed_write_from_a_buffer_the_process_lacks_fails_saying_so(tmp_path):
@@ -285,23 +304,22 @@ def test_a_streamed_write_from_a_buffer_the_process_lacks_fails_saying_so(tmp_pa
     proc = writer.WriterProcess()
     try:
         sock = proc._start()
-        writer.protocol.send(sock, ["stream", {"dir": str(tmp_path), "files": [["x", 4]],
-                                               "block_bytes": 4, "slot_bytes": 4,
-                                               "buffer": 99}])
-        writer.protocol.send(sock, ["pieces", [[0, 0, 4, 0]]])
-        writer.protocol.send(sock, ["end"])
+        transfer.send(sock, ["stream", {"dir": str(tmp_path), "files": [["x", 4]],
+                                        "block_bytes": 4, "slot_bytes": 4, "buffer": 99}])
+        transfer.send(sock, ["pieces", [[0, 0, 4, 0]]])
+        transfer.send(sock, ["end"])
         answers = []
         while not answers or answers[-1][0] != "done":
-            answers.append(writer.protocol.recv(sock)[0])
+            answers.append(transfer.recv(sock)[0])
         assert answers[0] == ["failed", "the staging buffer 99 is not mapped"]
         assert ["free", 0] in answers
         assert answers[-1] == ["done", "error", "the staging buffer 99 is not mapped"]
         assert not (tmp_path / "x").exists()
-        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
-                                              "files": [["y", [[0, 3, {"blob": 0}]], 3]],
-                                              "block_bytes": 4}], [b"abc"])
+        transfer.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
+                                       "files": [["y", [[0, 3, {"blob": 0}]], 3]],
+                                       "block_bytes": 4}], [b"abc"])
         digest = xxhash.xxh3_64(b"abc").hexdigest()
-        assert writer.protocol.recv(sock)[0] == \
+        assert transfer.recv(sock)[0] == \
             ["ok", {"y": {"size": 3, "block_bytes": 4, "hashes": [digest]}}]
     finally:
         proc.close()

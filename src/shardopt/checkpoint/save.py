@@ -44,8 +44,8 @@ from .agree import CheckpointError, agree
 from .config import CheckpointConfig, settings
 from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, data_file_name,
                      manifest_checksum, state_file_kind, step_dir_name)
-from .storage import (FILE_THREADS, WriteEntry, entry_bytes, part_counts, split_entries,
-                      write_file, write_scratch)
+from .storage import (WriteEntry, entry_bytes, part_counts, split_entries, write_file,
+                      write_scratch)
 from .snapshot import Job, SaveFence, Snapshot
 from .transfer import io_threads as resolve_threads
 from .transfer import run_parallel
@@ -188,12 +188,12 @@ def save(
                     jobs = contents
                     slot_bytes, slots = writer_process.stream_slots(cfg.staging_bytes,
                                                                     cfg.block_bytes)
-                    through = functools.partial(writer_process.stream_files,
+                    through = functools.partial(snap.writer.stream_files,
                                                 staging=snap.staging(slot_bytes * slots),
                                                 slot_bytes=slot_bytes)
                 else:  # from the host copy
                     jobs = snap.drain(contents)
-                    through = functools.partial(writer_process.write_files,
+                    through = functools.partial(snap.writer.write_files,
                                                 buffers=snap.host_buffers())
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     _write_and_commit(tmp, owned, _split(jobs, rank, threads), base, group,
@@ -304,18 +304,16 @@ def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_byte
 
     The files are written side by side: ``through`` the writer process
     (:mod:`.writer_process`: it returns None where it cannot), else each by
-    ``FILE_THREADS`` thread(s) that copy blocks from ``device``, hash and write them.
+    one thread each that copies blocks from ``device``, hashes and writes them.
     """
     records = None if through is None else through(tmp, jobs, block_bytes)
     if records is None:
-        scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device,
-                                 threads=FILE_THREADS) for _ in jobs]
+        scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device) for _ in jobs]
         records = {}
 
         def write(job, slot):
             name, entries = job
-            records[name] = write_file(str(tmp / name), entries, block_bytes, scratch[slot],
-                                       FILE_THREADS)
+            records[name] = write_file(str(tmp / name), entries, block_bytes, scratch[slot])
 
         run_parallel(jobs, write, len(jobs))
     for name, entries in jobs:
