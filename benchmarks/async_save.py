@@ -114,7 +114,8 @@ class ShardoptSaver:
 
     def save(self, step: int) -> None:
         self.handle = self.ckpt.save(self.root, self.model, self.opt, step=step, keep_last=1,
-                                     blocking=False, snapshot=self.snapshot)
+                                     blocking=False,
+                                     config=self.ckpt.CheckpointConfig(snapshot=self.snapshot))
 
     def before_step(self) -> None:  # step() itself waits for the snapshot copies
         pass

@@ -143,7 +143,8 @@ def main(argv=None) -> int:
                     def do_save(step=step):
                         nonlocal handle
                         handle = checkpoint.save(root, model, opt, step=step, keep_last=1,
-                                                 blocking=False, snapshot=snap)
+                                                 blocking=False,
+                                                 config=checkpoint.CheckpointConfig(snapshot=snap))
                     r = iteration(do_save)
                     r["after"] = [iteration() for _ in range(args.gap)]
                     rows.append(r)

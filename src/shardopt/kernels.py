@@ -290,7 +290,8 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
         first += n
 
 
-# Bytes per program of copy_from_host_: benchmarks/probes/onload_probe.py, docs/offload.md.
+# Bytes per program of copy_from_host_: the fastest of the settings tried
+# (docs/offload.md, "Why onload copies by kernel").
 COPY_BLOCK_BYTES = 4 << 10
 COPY_WARPS = 4
 

@@ -55,8 +55,7 @@ __all__ = ["SUPPORTED_DTYPES", "STATE_NAMES", "DistributedOptimizer", "GradientO
 
 @dataclass(frozen=True)
 class StepGrads:
-    """What phase 1 of ``step()`` hands on: the closure's loss, the params that got a gradient
-    on some rank (None: all) and the clipping divisor (None: no clipping)."""
+    """Phase 1's result: the loss, who got a gradient (None: all), the clip divisor or None."""
 
     loss: Any
     got: frozenset[str] | None
@@ -340,6 +339,9 @@ class ShardStateAccess:
         self.group_of: Mapping[str, int] = MappingProxyType(opt._group_of)
         self.moment_kinds: Mapping[str, torch.dtype | str] = MappingProxyType(state.kinds)
         self.held: Mapping[str, Held] = MappingProxyType(state.held)  # the records, by name
+        # Where the layer that loaded this state (checkpoint.load) says it came from: kept
+        # as long as the optimizer lives, never read by it.
+        self.loaded_from: object | None = None
 
     @property
     def has_moments(self) -> bool:
@@ -353,7 +355,7 @@ class ShardStateAccess:
 
     @property
     def param_writes(self) -> int:
-        """How many times the optimizer has written the params (steps, loads, onloads)."""
+        """How many times the optimizer wrote the params (steps, loads, onloads)."""
         return self._opt._watch.writes
 
     def sources(self) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Functions that run inside spawned processes of the fault-injection suite.
 
 Each is module level (so it pickles) and takes ``(rank, world_size, ...)`` as
-``tests/_dist.run_distributed`` calls it, or is a process target that the
+``helpers.dist.run_distributed`` calls it, or is a process target that the
 suite kills with SIGKILL.
 """
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardopt import checkpoint
 from shardopt.checkpoint import commit
-from shardopt.checkpoint import transfer
+from shardopt.checkpoint import read as ckpt_read
 
 from .common import (data_offset, differences, flip_byte, listing, rehash_file, snapshot,
                      train_step, trained)
@@ -75,6 +75,22 @@ def failing_call(module: Any, name: str, when: Callable[..., bool], exc: BaseExc
         return real(*args, **kwargs)
 
     with mock.patch.object(module, name, fake):
+        yield
+
+
+@contextlib.contextmanager
+def failing_in_place_reads(exc: BaseException):
+    """Every read of the bytes of in-place reads (those made once every check has passed)
+    raises ``exc``, in the reader threads."""
+    real = ckpt_read.read_plain
+
+    def fake(reads, *args, **kwargs):
+        if not any(r.in_place for r in reads):
+            return real(reads, *args, **kwargs)
+        with failing_call(ckpt_read, "preadv_exact", lambda *a: True, exc):
+            return real(reads, *args, **kwargs)
+
+    with mock.patch.object(ckpt_read, "read_plain", fake):
         yield
 
 
@@ -208,7 +224,7 @@ def failed_loads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # An I/O error after every check passed (the medium fails mid-read, in a reader
     # thread): every rank raises.
     read_error = None
-    with (failing_call(transfer, "preadv_exact", lambda *a: True, OSError(errno.EIO, "I/O error"))
+    with (failing_in_place_reads(OSError(errno.EIO, "I/O error"))
           if rank == 1 else contextlib.nullcontext()):
         try:
             checkpoint.load(good, model, opt)
@@ -240,8 +256,8 @@ def saver_loop(rank: int, world_size: int, root: str, store: str, first_step: in
                 model, opt = trained(step, width=width)
                 f.write(f"{rank} begin {step}\n")
                 saved = checkpoint.save(root, model, opt, step=step, keep_last=2,
-                                        block_bytes=64 << 10, extra={"step": step},
-                                        blocking=blocking)
+                                        extra={"step": step}, blocking=blocking,
+                                        config=checkpoint.CheckpointConfig(block_bytes=64 << 10))
                 if not blocking:
                     train_step(model, opt, step + 1)  # changes what is being written
                     saved.wait()
@@ -287,8 +303,9 @@ def crash_at(root: str, step: int, kill_at: int, blocking: bool = True,
     model, opt = trained(step)
 
     def save() -> None:
-        saved = checkpoint.save(root, model, opt, step=step, keep_last=2, block_bytes=4096,
-                                blocking=blocking, rollback=rollback)
+        saved = checkpoint.save(root, model, opt, step=step, keep_last=2, blocking=blocking,
+                                config=checkpoint.CheckpointConfig(block_bytes=4096,
+                                                                   rollback=rollback))
         if not blocking:
             train_step(model, opt, step + 1)
             saved.wait()
@@ -304,11 +321,13 @@ def concurrent_job(rank: int, world_size: int, root: str, num_saves: int) -> dic
     for i in range(num_saves):
         step = 2 * i + rank
         model, opt = trained(step)
-        checkpoint.save(root, model, opt, step=step, keep_last=4, rollback=True)
+        checkpoint.save(root, model, opt, step=step, keep_last=4,
+                        config=checkpoint.CheckpointConfig(rollback=True))
         committed.append(step)
     model, opt = trained(1000)  # both jobs try the same step
     try:
-        checkpoint.save(root, model, opt, step=1000, rollback=True)
+        checkpoint.save(root, model, opt, step=1000,
+                        config=checkpoint.CheckpointConfig(rollback=True))
         committed.append(1000)
     except checkpoint.CheckpointError as e:
         refused.append(str(e))

@@ -6,7 +6,8 @@ Asynchronous saves start three things beside training, in each training process:
 * the coordination process group, a gloo group over the DP ranks (:func:`.background.
   coordination_group`) on which that thread exchanges with the other ranks; torch runs it on
   two worker threads and an I/O thread of its own;
-* the writer process (:mod:`.writer_process`), which writes the snapshot's files.
+* the writer process (:mod:`.writer_process`), which writes the snapshot's files; it belongs
+  to the optimizer's snapshot and ends with it (garbage collection, or at exit its finalizer).
 
 They end in this order, each before what it depends on, and none outlives the job's process
 groups:
@@ -21,8 +22,7 @@ groups:
    while the job's process groups exist and drops them in that call, which frees them and joins
    their threads, while the interpreter is whole.
 3. **At interpreter exit**, one exit handler (:func:`_at_exit`) waits for the save in flight and
-   logs an error nobody has seen, closes the writer process (it reads the end of its socket and
-   exits 0), and destroys the coordination groups that are still registered (a job that never
+   logs an error nobody has seen and destroys the coordination groups that are still registered (a job that never
    called ``destroy_process_group``).
 
 Why the order matters: a gloo group whose threads are still running when the interpreter
@@ -33,9 +33,9 @@ takes the GIL to do it; once finalisation has begun, CPython ends a thread that 
 (``noexcept``) calls ``std::terminate``: ``terminate called without an active exception``,
 SIGABRT, exit status 134 after the job's work was done. Step 2 makes sure no group of the library
 outlives the job's; the job's own default group needs the same, so a job ends with
-``destroy_process_group()`` as torch asks (``shardopt train`` does). ``tests/test_exit.py`` runs
-jobs that exit through the interpreter and checks both: no thread is left after
-``destroy_process_group()``, and every process exits 0.
+``destroy_process_group()`` as torch asks (``shardopt train`` does).
+``tests/checkpoint/test_exit.py`` runs jobs that exit through the interpreter and checks both: no
+thread is left after ``destroy_process_group()``, and every process exits 0.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from __future__ import annotations
 import atexit
 import logging
 
-from . import background, writer_process
+from . import background
 
 log = logging.getLogger("shardopt.checkpoint")
 
@@ -52,7 +52,6 @@ def _at_exit() -> None:
     error = background.settle()
     if error is not None:
         log.error("an asynchronous checkpoint save failed and nobody waited for it: %s", error)
-    writer_process.close()
     background.destroy_groups()
 
 

@@ -21,7 +21,7 @@ in GPU memory and one in host memory. ``snapshot="device_staged"``: the GPU copy
 streamed to the files through one small page-locked staging buffer (``staging_bytes``,
 :meth:`Snapshot.staging`), so the host holds no copy of the state: the background thread
 fills its slots and the writer process writes them
-(:func:`.writer_process.stream_files`).
+(:meth:`.writer_process.WriterProcess.stream_files`).
 
 What is copied: runs of adjacent elements of the few flat tensors the state lives in (a
 rank's shard of each bucket is contiguous), not one copy per param and state. A later save
@@ -54,9 +54,6 @@ from .storage import WriteEntry
 
 if TYPE_CHECKING:
     from ..optimizer import DistributedOptimizer
-
-# Host buffers in shared memory, which the writer process maps (where it can run).
-SHARED = writer_process.available()
 
 Job = tuple[str, list[WriteEntry]]  # a file name and the entries it holds
 
@@ -110,6 +107,8 @@ class Snapshot:
         self._stream: torch.cuda.Stream | None = None
         self._drain_stream: torch.cuda.Stream | None = None
         self._plan: _Plan | None = None  # the last take, to repeat with the same buffers
+        # Writes the files from the buffers, which are shared memory where it can run.
+        self.writer = writer_process.WriterProcess()
 
     def nbytes(self) -> int:
         """Memory the snapshot holds (kept between saves), on the device or the host."""
@@ -129,15 +128,16 @@ class Snapshot:
 
     def staging(self, nbytes: int) -> PinnedBuffer:
         """A page-locked, shared host buffer of ``nbytes`` that ``"device_staged"`` saves
-        stream the device copy through (:func:`.writer_process.stream_files`), kept and
+        stream the device copy through (:meth:`~.writer_process.WriterProcess.stream_files`), kept and
         reused while the size stays."""
         if self._staging is None or self._staging.tensor.numel() != nbytes:
-            _release([self._staging] if self._staging is not None else [])
-            self._staging = PinnedBuffer(nbytes, torch.uint8, shared=SHARED, lock=self.cuda)
+            _release(self.writer, [self._staging] if self._staging is not None else [])
+            self._staging = PinnedBuffer(nbytes, torch.uint8, shared=self.writer.available,
+                                         lock=self.cuda)
         return self._staging
 
     def release(self) -> None:
-        _release([*self._pinned.values(), *self._drained.values(),
+        _release(self.writer, [*self._pinned.values(), *self._drained.values(),
                   *([self._staging] if self._staging is not None else [])])
         self._buffers, self._pinned, self._drained, self._plan = {}, {}, {}, None
         self._staging = None
@@ -152,8 +152,8 @@ class Snapshot:
             return jobs
         if {d: b.tensor.numel() for d, b in self._drained.items()} != \
                 {d: t.numel() for d, t in self._buffers.items()}:
-            _release(self._drained.values())
-            self._drained = {d: PinnedBuffer(t.numel(), d, shared=SHARED)
+            _release(self.writer, self._drained.values())
+            self._drained = {d: PinnedBuffer(t.numel(), d, shared=self.writer.available)
                              for d, t in self._buffers.items()}
         if self._drain_stream is None:
             self._drain_stream = torch.cuda.Stream(self.device)
@@ -243,7 +243,8 @@ class Snapshot:
             if on_device:
                 self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
             else:  # page-locked for copies from a GPU; shared with the writer process
-                self._pinned[dtype] = PinnedBuffer(numel, dtype, shared=SHARED, lock=self.cuda)
+                self._pinned[dtype] = PinnedBuffer(numel, dtype, shared=self.writer.available,
+                                                   lock=self.cuda)
                 self._buffers[dtype] = self._pinned[dtype].tensor
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int] = ()
@@ -286,10 +287,10 @@ def _hot_first(pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[i
     return hot_pairs, [pair for pair in pairs if pair[1].untyped_storage().data_ptr() not in hot]
 
 
-def _release(buffers) -> None:
+def _release(writer: writer_process.WriterProcess, buffers) -> None:
     for buf in buffers:
         if buf.fd is not None:
-            writer_process.forget(buf)  # the process's mapping would keep the memory
+            writer.forget(buf)  # the process's mapping would keep the memory
         buf.release()
 
 
