@@ -21,7 +21,7 @@ import torch
 
 from _dist import device_for, require_world_size, run_distributed
 from shardopt import checkpoint
-from shardopt.checkpoint import CheckpointError, SaveHandle
+from shardopt.checkpoint import CheckpointError, SaveHandle, background
 from test_checkpoint import build, snapshot, train
 
 SAVE_MODULE = "shardopt.checkpoint.save"
@@ -65,10 +65,8 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
 
 
 @pytest.mark.parametrize("world_size,where", [(1, "host"), (2, "host"), (3, "host"),
-                                              (1, "device"), (2, "device"),
                                               (1, "device_staged"), (2, "device_staged")],
-                         ids=["dp1", "dp2", "dp3", "dp1-device-snapshot", "dp2-device-snapshot",
-                              "dp1-device-staged", "dp2-device-staged"])
+                         ids=["dp1", "dp2", "dp3", "dp1-device-staged", "dp2-device-staged"])
 def test_async_save_equals_sync_save_at_the_call(backend, world_size, where, tmp_path):
     """bf16 and fp32 params, a frozen param and a buffer: the async checkpoint's files are
     byte for byte those of a synchronous save at the same step, although the run took
@@ -251,9 +249,8 @@ def test_snapshot_is_a_copy_that_offload_cannot_touch(trained_model, tmp_path, m
 
 def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tmp_path):
     model, opt = trained_model
-    save_module = importlib.import_module(SAVE_MODULE)
     checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
-    snap = save_module._SNAPSHOTS[opt]
+    snap = background.of(opt).snapshot
     buffers = {d: t.data_ptr() for d, t in snap._buffers.items()}
     # Model shards in their dtypes and three fp32 states per shard; an fp32 param's main
     # param is the param itself, copied once. Frozen tensors and buffers on rank 0.
@@ -273,27 +270,23 @@ def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tm
 
 
 @pytest.mark.cuda
-def test_a_device_snapshot_drains_into_one_reused_host_copy_of_its_size(tmp_path):
-    """``snapshot="device"``: the GPU copy goes to page-locked host buffers of exactly its
-    size, the same ones at the next save, and the checkpoint is that of a host snapshot."""
+def test_a_host_snapshot_is_page_locked_by_its_first_drain_and_reused(tmp_path):
+    """``snapshot="host"`` on a GPU: the first save's drain page-locks host buffers of exactly
+    the snapshot's size, the next save reuses them, and a ``device_staged`` save of the same
+    state writes the same checkpoint."""
     model, opt = build(0, "cuda")
     train(model, opt, range(2), 0, 1)
-    snap = importlib.import_module(SAVE_MODULE)._snapshot(opt)
-    host = checkpoint.save(tmp_path / "host", model, opt, step=2, blocking=False).wait()
-    device = checkpoint.save(tmp_path / "device", model, opt, step=2, blocking=False,
-                             snapshot="device").wait()
-    assert _checkpoint_bytes(Path(host)) == _checkpoint_bytes(Path(device))
-    assert snap.on_device and snap.host_nbytes() == snap.nbytes()
-    drained = {d: b.tensor.data_ptr() for d, b in snap._drained.items()}
-    assert all(b.pinned for b in snap._drained.values())
+    snap = background.of(opt).snapshot
+    checkpoint.save(tmp_path / "host", model, opt, step=2, blocking=False).wait()
+    assert not snap.on_device and snap.host_nbytes() == snap.nbytes()
+    host = {b.tensor.data_ptr() for b in snap.host_buffers()}
+    assert all(b.pinned for b in snap.host_buffers())
     train(model, opt, range(2, 3), 0, 1)
-    checkpoint.save(tmp_path / "device", model, opt, step=3, blocking=False,
-                    snapshot="device").wait()
-    assert {d: b.tensor.data_ptr() for d, b in snap._drained.items()} == drained
+    again = checkpoint.save(tmp_path / "host", model, opt, step=3, blocking=False).wait()
+    assert {b.tensor.data_ptr() for b in snap.host_buffers()} == host
     staged = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
                              snapshot="device_staged").wait()
-    assert _checkpoint_bytes(Path(staged)) == _checkpoint_bytes(tmp_path / "device" /
-                                                                "step_00000003")
+    assert _checkpoint_bytes(Path(staged)) == _checkpoint_bytes(Path(again))
 
 
 class _NormedLinear(torch.nn.Module):
@@ -310,7 +303,7 @@ class _NormedLinear(torch.nn.Module):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("where", ["host", "device", "device_staged"])
+@pytest.mark.parametrize("where", ["host", "device_staged"])
 def test_buffers_a_forward_updates_right_after_the_call_are_saved_as_at_the_call(where,
                                                                                   tmp_path):
     """A forward right after an asynchronous save's call updates BatchNorm's running
@@ -348,7 +341,7 @@ def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path
     save_module = importlib.import_module(SAVE_MODULE)
     model, opt = build(0, "cuda")
     train(model, opt, range(2), 0, 1)
-    snap = save_module._snapshot(opt)
+    snap = background.of(opt).snapshot
 
     def no_thread_writes(*args, **kwargs):
         raise AssertionError("a save thread wrote a file")
@@ -357,7 +350,7 @@ def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path
     staged = checkpoint.save(tmp_path / "staged", model, opt, step=2, blocking=False,
                              snapshot="device_staged", staging_bytes=1 << 20).wait()
     staging = snap._staging.tensor.data_ptr()
-    assert snap.on_device and not snap._drained and snap._staging.pinned
+    assert snap.on_device and not snap._host and snap._staging.pinned
     assert snap.host_nbytes() == 1 << 20  # 16 slots of 64 KiB
     train(model, opt, range(2, 3), 0, 1)
     again = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
@@ -423,7 +416,7 @@ def test_a_buffer_that_stops_sharing_storage_gets_a_new_plan(trained_model, tmp_
 def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between():
     """Adjacent and overlapping views of one storage become one copy; a gap, another dtype
     view or another storage starts a new one; every entry reads its own elements back."""
-    from shardopt.checkpoint.snapshot import Snapshot, _runs
+    from shardopt.checkpoint.snapshot import Job, Snapshot, _runs
     from shardopt.checkpoint.storage import WriteEntry
 
     base = torch.arange(40, dtype=torch.float32)
@@ -433,14 +426,15 @@ def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between():
     assert [(r.start, r.numel) for r in runs] in ([(0, 20), (30, 10), (2, 3)],
                                                   [(2, 3), (0, 20), (30, 10)])
     entries = [WriteEntry(f"k{i}", torch.float32, v.numel(), 0, v) for i, v in enumerate(views)]
-    snap = Snapshot(torch.device("cpu"))
-    jobs, event = snap.take([("f", entries)])
-    assert event is None
+    snap = Snapshot(torch.device("cpu"), False, lambda buf: None)
+    jobs, drain = snap.take([Job("f", entries)])
+    drain.run()
+    assert drain.finished.is_set()
     assert snap.nbytes() == (20 + 10 + 3) * 4  # the gap [20, 30) of ``base`` is not copied
-    for e, v in zip(jobs[0][1], views):
+    for e, v in zip(jobs[0].entries, views):
         assert torch.equal(e.source, v)
     base.zero_()  # the snapshot is a copy
-    assert torch.equal(jobs[0][1][0].source, torch.arange(10, dtype=torch.float32))
+    assert torch.equal(jobs[0].entries[0].source, torch.arange(10, dtype=torch.float32))
 
 
 # ----------------------------------------------------------- other processes
@@ -454,11 +448,11 @@ _CHILD = textwrap.dedent("""
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
     checkpoint.save({root!r}, model, opt, step=1)
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    background = importlib.import_module("shardopt.checkpoint.background")
     real = save_module._write_rank_files
     def write_files(tmp, *args, **kwargs):
         out = real(tmp, *args, **kwargs)
-        proc = writer._PROCESS._proc
+        proc = background.of(opt).writer._proc
         sys.stdout.write(f"wrote {{tmp}} writer {{proc.pid if proc else None}}\\n")
         sys.stdout.flush()
         {after_write}
@@ -533,16 +527,21 @@ def test_save_in_flight_when_the_script_ends_is_committed(tmp_path):
     assert checkpoint.load(root, model, opt).step == 2
 
 
-def test_copies_of_storages_a_forward_may_write_are_queued_first():
-    """The copies of ``hot`` storages (module buffers) come before every copy of the state,
-    whatever their place in their own storage; the others keep their order."""
-    snapshot = importlib.import_module("shardopt.checkpoint.snapshot")
-    state, buffer = torch.zeros(10), torch.zeros(4)
-    pairs = [(torch.empty(5), state[5:]), (torch.empty(5), state[:5]),
-             (torch.empty(2), buffer[2:])]
-    assert snapshot._hot_first(pairs) == ([], pairs)
-    hot, cold = snapshot._hot_first(pairs, {buffer.untyped_storage().data_ptr()})
-    assert [src.data_ptr() for _, src in hot + cold] == [
-        buffer[2:].data_ptr(), state[5:].data_ptr(), state.data_ptr()]
-    assert [dst is pair[0] for (dst, _), pair in zip(hot + cold, [pairs[2], *pairs[:2]])] == \
-        [True] * 3
+def test_copies_of_storages_a_forward_may_write_are_taken_at_the_call():
+    """The copies of ``hot`` storages (module buffers, which a forward updates in place) are
+    taken before the call returns; the state's are the drain's (the state-write hook keeps
+    the state from changing before it has them)."""
+    from shardopt.checkpoint.snapshot import Job, Snapshot
+    from shardopt.checkpoint.storage import WriteEntry
+
+    state, buffer = torch.arange(10.0), torch.arange(4.0)
+    entries = [WriteEntry("state", torch.float32, 10, 0, state),
+               WriteEntry("buffer", torch.float32, 2, 0, buffer[2:])]
+    snap = Snapshot(torch.device("cpu"), False, lambda buf: None)
+    jobs, drain = snap.take([Job("f", entries)], hot={buffer.untyped_storage().data_ptr()})
+    state.add_(100)  # no hook here: the drain copies what it finds
+    buffer.add_(100)
+    drain.run()
+    got = {e.key: e.source for e in jobs[0].entries}
+    assert torch.equal(got["buffer"], torch.tensor([2.0, 3.0]))
+    assert torch.equal(got["state"], torch.arange(10.0) + 100)

@@ -346,7 +346,7 @@ def test_pinned_buffer_release_reports_a_failed_unregister(monkeypatch):
 
     buf = PinnedBuffer(16, torch.float32)
     buf.release()
-    buf._registered = buf.tensor.data_ptr()  # as if registered
+    buf._registered = [(buf.tensor.data_ptr(), 64)]  # as if registered
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
     with pytest.warns(ResourceWarning, match=r"64 bytes .*invalid host pointer"):
         buf.release()

@@ -1,7 +1,7 @@
 """The writer process of asynchronous saves (``shardopt.checkpoint.writer_process``): one
-process serves every save, maps each snapshot once and unmaps it when it is released or
-collected, reports its errors as the save's, and a killed or forked-off process costs only
-the save it was writing."""
+process serves every save of an optimizer, maps each snapshot once and unmaps it when it is
+released or collected, reports its errors as the save's, ends with its optimizer, and a
+killed or forked-off process costs only the save it was writing."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 import xxhash
 
 from shardopt import checkpoint
-from shardopt.checkpoint import CheckpointError
-from test_async_save import SAVE_MODULE, _checkpoint_bytes, trained_model  # noqa: F401
+from shardopt.checkpoint import CheckpointError, background
+from test_async_save import _checkpoint_bytes, trained_model  # noqa: F401
 from test_checkpoint import build, train
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
@@ -30,13 +30,13 @@ def test_one_writer_process_outlives_the_save_threads_that_use_it(trained_model,
     the first stays up for the next ones (it once died with the thread that started it,
     failing every other save with 'Connection reset by peer')."""
     model, opt = trained_model
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    writer = background.of(opt).writer
     pids = []
     for step in range(1, 4):
         checkpoint.save(tmp_path, model, opt, step=step, blocking=False).wait()
-        pids.append(writer._PROCESS._proc.pid)
+        pids.append(writer._proc.pid)
         time.sleep(0.3)  # time for a signal at the save thread's end to land
-        assert writer._PROCESS._proc.poll() is None
+        assert writer._proc.poll() is None
     assert len(set(pids)) == 1
 
 
@@ -56,46 +56,41 @@ def _until(cond, seconds: float = 10.0) -> bool:
 
 def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
     """A snapshot's shared memory is unmapped in the writer process when the snapshot is
-    released, or when its optimizer is garbage-collected without that (the mapping would
-    keep gigabytes alive for the rest of the run)."""
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
-    save_module = importlib.import_module(SAVE_MODULE)
+    released (the mapping would keep gigabytes alive for the rest of the run), and the process
+    ends when its optimizer is garbage-collected."""
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
+    saves = background.of(opt)
     checkpoint.save(tmp_path / "a", model, opt, step=1, blocking=False).wait()
-    pid = writer._PROCESS._proc.pid
-    before = _snapshot_maps(pid)  # other tests' optimizers may still be mapped too
+    proc = saves.writer._proc
+    before = _snapshot_maps(proc.pid)
     checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
-    mine = len(save_module._snapshot(opt).host_buffers())
-    # (<=: a collection may unmap other tests' dead optimizers at any time)
-    assert mine > 0 and _snapshot_maps(pid) <= before  # reused, not mapped again
-    save_module._snapshot(opt).release()
-    assert _until(lambda: _snapshot_maps(pid) <= before - mine)
-    before = _snapshot_maps(pid)
+    mine = len(saves.snapshot.host_buffers())
+    assert mine > 0 and _snapshot_maps(proc.pid) == before == mine  # reused, not mapped again
+    saves.snapshot.release()
+    assert _until(lambda: _snapshot_maps(proc.pid) == 0)
     checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
-    assert writer._PROCESS._proc.pid == pid and _snapshot_maps(pid) <= before + mine
-    before = _snapshot_maps(pid)
-    del model, opt
+    assert saves.writer._proc is proc and _snapshot_maps(proc.pid) == mine
+    del model, opt, saves
     gc.collect()
-    assert _until(lambda: _snapshot_maps(pid) <= before - mine)
+    assert _until(lambda: proc.poll() is not None) and proc.returncode == 0
 
 
 def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
     """A child forked after the writer process started (a data loader worker) that drops a
     snapshot or exits sends nothing down the parent's socket: the parent's mappings and
     saves are intact."""
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
-    save_module = importlib.import_module(SAVE_MODULE)
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
+    saves = background.of(opt)
     checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
-    proc = writer._PROCESS._proc
+    proc = saves.writer._proc
     before = _snapshot_maps(proc.pid)
     child = os.fork()
     if child == 0:
         try:
-            save_module._snapshot(opt).release()  # would queue unmaps of the parent's buffers
-            writer._PROCESS.close()
+            saves.snapshot.release()  # would queue unmaps of the parent's buffers
+            saves.writer.close()
         finally:
             os._exit(0)
     os.waitpid(child, 0)
@@ -103,7 +98,7 @@ def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
     assert proc.poll() is None and _snapshot_maps(proc.pid) >= before
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
     path = checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
-    assert writer._PROCESS._proc is proc
+    assert saves.writer._proc is proc
     assert _checkpoint_bytes(Path(path)) == _checkpoint_bytes(Path(reference))
 
 
@@ -141,7 +136,7 @@ def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, m
     model, opt = trained_model
     writer = importlib.import_module("shardopt.checkpoint.writer_process")
     checkpoint.save(tmp_path, model, opt, step=1, blocking=False).wait()
-    proc = writer._PROCESS._proc
+    proc = background.of(opt).writer._proc
     assert proc is not None and proc.poll() is None
     real = writer.protocol.recv
 
@@ -157,7 +152,7 @@ def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, m
     assert checkpoint.latest(tmp_path) == str(tmp_path / "step_00000001")
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
     path = checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
-    assert writer._PROCESS._proc.pid != proc.pid
+    assert background.of(opt).writer._proc.pid != proc.pid
     assert _checkpoint_bytes(Path(path)) == _checkpoint_bytes(Path(reference))
 
 
@@ -166,11 +161,11 @@ def test_the_writer_process_names_the_file_it_could_not_write(trained_model, tmp
     """An error inside the writer process (here: the file exists already) comes back as
     the save's error, naming the file."""
     model, opt = trained_model
-    save_module = importlib.import_module(SAVE_MODULE)
+    save_module = importlib.import_module("shardopt.checkpoint.save")
     real = save_module._write_rank_files
 
     def clash(tmp, jobs, *args, **kwargs):
-        (tmp / jobs[0][0]).write_bytes(b"in the way")
+        (tmp / jobs[0].name).write_bytes(b"in the way")
         return real(tmp, jobs, *args, **kwargs)
 
     monkeypatch.setattr(save_module, "_write_rank_files", clash)
@@ -231,13 +226,17 @@ def test_a_streamed_write_is_the_direct_write(tmp_path):
     direct = {name: write_file(str(tmp_path / "direct" / name), entries, 10_000, None)
               for name, entries in jobs}
     staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
-    for run in ("one", "two"):
-        (tmp_path / run).mkdir()
-        records = writer.stream_files(tmp_path / run, jobs, 10_000, staging, 4096)
-        assert records == direct
-        for name, _ in jobs:
-            assert (tmp_path / run / name).read_bytes() == \
-                (tmp_path / "direct" / name).read_bytes(), name
+    process = writer.WriterProcess()
+    try:
+        for run in ("one", "two"):
+            (tmp_path / run).mkdir()
+            records = writer.stream_files(tmp_path / run, jobs, 10_000, staging, 4096, process)
+            assert records == direct
+            for name, _ in jobs:
+                assert (tmp_path / run / name).read_bytes() == \
+                    (tmp_path / "direct" / name).read_bytes(), name
+    finally:
+        process.close()
 
 
 def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_path,
@@ -249,31 +248,35 @@ def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_pa
     writer = importlib.import_module("shardopt.checkpoint.writer_process")
     jobs = _stream_jobs()
     staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
-    (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "b.safetensors").write_bytes(b"in the way")
-    with pytest.raises(OSError, match=r"b\.safetensors: FileExistsError"):
-        writer.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096)
-    proc = writer._PROCESS._proc
-    (tmp_path / "y").mkdir()
-    assert set(writer.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096)) == \
-        {name for name, _ in jobs}
-    assert writer._PROCESS._proc is proc
+    process = writer.WriterProcess()
+    try:
+        (tmp_path / "x").mkdir()
+        (tmp_path / "x" / "b.safetensors").write_bytes(b"in the way")
+        with pytest.raises(OSError, match=r"b\.safetensors: FileExistsError"):
+            writer.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096, process)
+        proc = process._proc
+        (tmp_path / "y").mkdir()
+        assert set(writer.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096,
+                                       process)) == {name for name, _ in jobs}
+        assert process._proc is proc
 
-    real = writer.protocol.recv
+        real = writer.protocol.recv
 
-    def killed_while_writing(sock):
-        os.kill(proc.pid, signal.SIGKILL)
-        return real(sock)
+        def killed_while_writing(sock):
+            os.kill(proc.pid, signal.SIGKILL)
+            return real(sock)
 
-    monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
-    (tmp_path / "z").mkdir()
-    with pytest.raises(OSError, match="writer process failed"):
-        writer.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096)
-    monkeypatch.undo()
-    (tmp_path / "w").mkdir()
-    assert set(writer.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096)) == \
-        {name for name, _ in jobs}
-    assert writer._PROCESS._proc.pid != proc.pid
+        monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+        (tmp_path / "z").mkdir()
+        with pytest.raises(OSError, match="writer process failed"):
+            writer.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096, process)
+        monkeypatch.undo()
+        (tmp_path / "w").mkdir()
+        assert set(writer.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096,
+                                       process)) == {name for name, _ in jobs}
+        assert process._proc.pid != proc.pid
+    finally:
+        process.close()
 
 
 def test_a_streamed_write_from_a_buffer_the_process_lacks_fails_saying_so(tmp_path):

@@ -164,6 +164,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_steps: dict[str, int] = {fqn: 0 for fqn, _ in named}
         # register_state_write_hook: what must run before the state is written or freed.
         self._state_write_hooks: OrderedDict[int, Callable[[bool], None]] = OrderedDict()
+        # Objects the layers above keep for as long as this optimizer lives, each under its
+        # module's name (the checkpoint layer's background saves).
+        self.attachments: dict[str, Any] = {}
         self._grad_norm: torch.Tensor | None = None
         self._kept_grads = step_plan.KeptGrads()
         self.step_kernel = build.choose_kernel(self.config, self.device)

@@ -12,7 +12,7 @@ from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES
 # What a save does while another of this process is still being written.
 BUSY_POLICIES = ("wait", "error")
 # Where an asynchronous save copies the state (see .snapshot).
-SNAPSHOTS = ("host", "device", "device_staged")
+SNAPSHOTS = ("host", "device_staged")
 
 # Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
 STAGING_BYTES = 128 << 20
@@ -52,14 +52,13 @@ class CheckpointConfig:
     block_bytes: int = DEFAULT_BLOCK_BYTES
     """Save: the hash block size of the data files."""
     blocking: bool = True
-    """Save: ``False`` snapshots the state to host memory and writes it in the background
-    (``save`` returns a handle; see :mod:`.background`)."""
+    """Save: ``False`` copies the state and writes it in the background (``save`` returns a
+    handle; see :mod:`.background`)."""
     if_busy: str = "wait"
     """Save while an asynchronous save is in flight: ``"wait"`` for it, or ``"error"``."""
     snapshot: str = "host"
     """Asynchronous save on a GPU: copy the state to pinned ``"host"`` memory (one copy of
-    the rank's state, reused); to spare ``"device"`` memory, which the background thread
-    copies to pinned host memory in bulk (one copy in each, the least stall); or to spare
+    the rank's state, reused), drained in small pieces from where it lives; or to spare
     device memory written out through the ``staging_bytes`` pinned buffers
     (``"device_staged"``: no host copy). See :mod:`.snapshot`."""
 
@@ -80,7 +79,7 @@ class CheckpointConfig:
             "blocking": (isinstance(self.blocking, bool), "a bool"),
             "rollback": (isinstance(self.rollback, bool), "a bool"),
             "if_busy": (self.if_busy in BUSY_POLICIES, "'wait' or 'error'"),
-            "snapshot": (self.snapshot in SNAPSHOTS, "'host', 'device' or 'device_staged'"),
+            "snapshot": (self.snapshot in SNAPSHOTS, "'host' or 'device_staged'"),
         }
         for name, (ok, wanted) in checks.items():
             if not ok:

@@ -86,7 +86,7 @@ def load(
     model and optimizer are left as they were. ``config`` holds these settings in one
     object; a keyword argument that is not None overrides its field.
     """
-    background.wait_pending()  # it may be writing what this reads, and reads what this writes
+    background.wait_pending(optimizer)  # it may write what this reads, and read what this writes
     dp = optimizer.dp
     optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
     what = f"loading {root_or_path}"

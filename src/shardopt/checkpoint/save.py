@@ -27,7 +27,6 @@ import datetime
 import functools
 import json
 import os
-import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -46,7 +45,7 @@ from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, dat
                      manifest_checksum, state_file_kind, step_dir_name)
 from .storage import (FILE_THREADS, WriteEntry, entry_bytes, part_counts, split_entries,
                       write_file, write_scratch)
-from .snapshot import Job, SaveFence, Snapshot
+from .snapshot import Drain, Job
 from .transfer import io_threads as resolve_threads
 from .transfer import run_parallel
 
@@ -125,28 +124,29 @@ def save(
     raises :class:`CheckpointError` and nothing is committed. ``config`` holds these
     settings in one object; a keyword argument that is not None overrides its field.
 
-    ``blocking=False``: copy the state to host memory (:mod:`.snapshot`) and return a
-    :class:`~.background.SaveHandle` at once; the files are written and committed in the
-    background (:mod:`.background`) and hold exactly the state at the call. A save while
-    an asynchronous one is in flight waits for it (``if_busy="wait"``) or fails on every
-    rank (``"error"``); an error of that earlier save nobody has seen fails this one.
-    ``snapshot`` (GPU only): where the copy goes, ``"host"``, ``"device"`` or
-    ``"device_staged"`` (:mod:`.snapshot`).
+    ``blocking=False``: return a :class:`~.background.SaveHandle` at once; the state is
+    copied (:mod:`.snapshot`), written and committed in the background (:mod:`.background`)
+    and the files hold exactly the state at the call. A save while an asynchronous one of
+    the optimizer is in flight waits for it (``if_busy="wait"``) or fails on every rank
+    (``"error"``); an error of that earlier save nobody has seen fails this one.
+    ``snapshot`` (GPU only): where the copy goes, ``"host"`` or ``"device_staged"``
+    (:mod:`.snapshot`).
     """
     dp = optimizer.dp
     optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
     root = Path(root)
     what = f"saving step {step!r} to {root}"
     staged: commit.Staged | None = None
+    saves = background.of(optimizer)
     try:
-        error, extra_obj, threads, cfg, contents, fence = None, None, 1, CheckpointConfig(), [], None
+        error, extra_obj, threads, cfg, contents, drain = None, None, 1, CheckpointConfig(), [], None
         base: Callable[[], dict[str, Any]] = dict
         try:
             cfg = resolve_config(config, keep_last=keep_last, block_bytes=block_bytes,
                                  staging_bytes=staging_bytes, io_threads=io_threads,
                                  blocking=blocking, if_busy=if_busy, snapshot=snapshot,
                                  rollback=rollback)
-            error = background.settle(cfg.if_busy)
+            error = saves.settle(cfg.if_busy)
             if error is None:
                 frozen = state.frozen_tensors(model, optimizer, check_model=True)
                 optimizer.reseed_written()  # saved main params are the weights written since
@@ -155,10 +155,8 @@ def save(
                 if cfg.blocking:
                     contents = _rank_contents(optimizer, frozen)
                 else:  # split into files later, in the background
-                    contents, fence = _take_snapshot(optimizer, frozen,
-                                                     cfg.snapshot.startswith("device"))
-                    if fence is not None:  # the state's next write waits for the copies
-                        fence.attach(optimizer)
+                    contents, drain = _take_snapshot(saves, optimizer, frozen,
+                                                     cfg.snapshot == "device_staged")
                 if dp.rank == 0:
                     base = _manifest_base(optimizer, step, extra_obj, frozen)
                     staged = commit.begin(root, step_dir_name(step), 0 if cfg.rollback else
@@ -179,7 +177,7 @@ def save(
                               threads, optimizer.device, step, what)
             return path
         try:
-            group = background.coordination_group(dp)
+            group = saves.coordination_group(dp)
         except Exception as e:  # noqa: BLE001 - a peer died or hung: no exchange can say so
             raise CheckpointError(f"{what} failed: [dp rank {dp.rank}] creating the process "
                                   "group of background saves failed (did another rank die?): "
@@ -191,30 +189,33 @@ def save(
         staged_out = cfg.snapshot == "device_staged" and optimizer.device.type == "cuda"
         device = optimizer.device if staged_out else torch.device("cpu")
         stream = torch.cuda.Stream(device) if staged_out else None
-        snap = _snapshot(optimizer)
+        snap = saves.snapshot
 
         def work(group: comm.DPGroup) -> None:
             try:
-                if fence is not None:
-                    fence.finish()
+                drain.run()  # the snapshot's copies, then the state may change freely
                 if staged_out:  # through one small page-locked buffer
-                    jobs = contents
                     slot_bytes, slots = writer_process.stream_slots(cfg.staging_bytes,
                                                                     cfg.block_bytes)
                     through = functools.partial(writer_process.stream_files,
                                                 staging=snap.staging(slot_bytes * slots),
-                                                slot_bytes=slot_bytes)
+                                                slot_bytes=slot_bytes, process=saves.writer)
                 else:  # from the host copy
-                    jobs = snap.drain(contents)
                     through = functools.partial(writer_process.write_files,
-                                                buffers=snap.host_buffers())
+                                                buffers=snap.host_buffers(),
+                                                process=saves.writer)
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    _write_and_commit(tmp, owned, _split(jobs, rank, threads), base, group,
-                                      cfg, threads, device, step, what, through)
+                    _write_and_commit(tmp, owned, _split(contents, rank, threads), base,
+                                      group, cfg, threads, device, step, what, through)
             finally:
                 if owned is not None:
                     commit.abort(owned)
-        return background.start(path, work, group)
+        drain.attach(optimizer)  # the state's next write waits until the copies have it
+        try:
+            return saves.start(path, work, group)
+        except BaseException:
+            drain.close()
+            raise
     finally:
         if staged is not None:
             commit.abort(staged)
@@ -222,19 +223,7 @@ def save(
 
 # Writes a rank's files (file name, entries) into a directory in blocks of the given size by
 # the writer process, returning their records, or None where that process cannot.
-Through = Callable[[Path, list[Job], int], "dict[str, dict] | None"]
-
-
-def _snapshot(opt: DistributedOptimizer) -> Snapshot:
-    snap = _SNAPSHOTS.get(opt)
-    if snap is None:
-        snap = _SNAPSHOTS[opt] = Snapshot(opt.device)
-    return snap
-
-
-# One reused host copy per optimizer, dropped with it.
-_SNAPSHOTS: weakref.WeakKeyDictionary[DistributedOptimizer, Snapshot] = \
-    weakref.WeakKeyDictionary()
+Through = Callable[[Path, list[tuple[str, list[WriteEntry]]], int], "dict[str, dict] | None"]
 
 
 def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
@@ -269,29 +258,29 @@ def _rank_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -
 
 
 def _rng_job(opt: DistributedOptimizer) -> Job:
-    return (data_file_name("rng", opt.dp.rank), _rng_entries())  # new tensors: no snapshot
+    return Job(data_file_name("rng", opt.dp.rank), _rng_entries())  # new tensors: no snapshot
 
 
 def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
     contents = {"model": state.model_entries(opt, frozen)}
     for name in STATE_NAMES:
         contents.setdefault(state_file_kind(name), []).extend(state.optim_entries(opt, name))
-    return list(contents.items())
+    return [Job(kind, entries) for kind, entries in contents.items()]
 
 
-def _take_snapshot(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor], on_device: bool
-                   ) -> tuple[list[Job], SaveFence | None]:
-    """Coordinator-free. :func:`_rank_contents` with its state copied into the optimizer's
-    snapshot: a repeat of the previous save's copies where the state lives in tensors of
-    the same sizes (:meth:`.Snapshot.retake`), else built and copied afresh."""
-    snap, sources = _snapshot(opt), state.sources(opt, frozen)
+def _take_snapshot(saves: background.Saves, opt: DistributedOptimizer,
+                   frozen: dict[str, torch.Tensor], on_device: bool) -> tuple[list[Job], Drain]:
+    """Coordinator-free. :func:`_rank_contents` with its state in the optimizer's snapshot
+    and the drain that copies it there: a repeat of the previous save's copies where the
+    state lives in tensors of the same sizes (:meth:`.Snapshot.retake`), else planned anew."""
+    snap, sources = saves.snapshot, state.sources(opt, frozen)
     # Buffers (not params) are what a forward may update in place while the copies run.
     hot = {t.untyped_storage().data_ptr() for t in frozen.values()
            if not isinstance(t, torch.nn.Parameter)} if opt.dp.rank == 0 else set()
     again = snap.retake(sources, on_device, hot)
-    jobs, fence = again if again is not None else \
+    jobs, drain = again if again is not None else \
         snap.take(_state_contents(opt, frozen), on_device, sources, hot)
-    return [_rng_job(opt), *jobs], fence
+    return [_rng_job(opt), *jobs], drain
 
 
 def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:
@@ -302,12 +291,13 @@ def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:
     larger than the others).
     """
     rng, *kinds = contents
-    counts = part_counts({k: entry_bytes(v) for k, v in kinds}, min(threads, MAX_PARTS))
+    counts = part_counts({k.name: entry_bytes(k.entries) for k in kinds},
+                         min(threads, MAX_PARTS))
     jobs = [rng]
-    for kind, entries in kinds:
-        runs = split_entries(entries, counts[kind]) or [[]]
-        jobs += [(data_file_name(kind, rank, p), run) for p, run in enumerate(runs)]
-    jobs.sort(key=lambda job: -entry_bytes(job[1]))  # the largest files start first
+    for kind in kinds:
+        runs = split_entries(kind.entries, counts[kind.name]) or [[]]
+        jobs += [Job(data_file_name(kind.name, rank, p), run) for p, run in enumerate(runs)]
+    jobs.sort(key=lambda job: -entry_bytes(job.entries))  # the largest files start first
     return jobs
 
 
@@ -319,21 +309,21 @@ def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_byte
     (:mod:`.writer_process`: it returns None where it cannot), else each by
     ``FILE_THREADS`` thread(s) that copy blocks from ``device``, hash and write them.
     """
-    records = None if through is None else through(tmp, jobs, block_bytes)
+    records = None if through is None else \
+        through(tmp, [(job.name, job.entries) for job in jobs], block_bytes)
     if records is None:
         scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device,
                                  threads=FILE_THREADS) for _ in jobs]
         records = {}
 
-        def write(job, slot):
-            name, entries = job
-            records[name] = write_file(str(tmp / name), entries, block_bytes, scratch[slot],
-                                       FILE_THREADS)
+        def write(job: Job, slot: int) -> None:
+            records[job.name] = write_file(str(tmp / job.name), job.entries, block_bytes,
+                                           scratch[slot], FILE_THREADS)
 
         run_parallel(jobs, write, len(jobs))
-    for name, entries in jobs:
-        if not name.startswith("rng-"):
-            records[name]["chunks"] = [[e.key, e.offset, e.numel] for e in entries]
+    for job in jobs:
+        if not job.name.startswith("rng-"):
+            records[job.name]["chunks"] = [[e.key, e.offset, e.numel] for e in job.entries]
     commit.fsync_dir(tmp)  # the directory entries, so the rename publishes whole files
     return {name: records[name] for name in sorted(records)}
 

@@ -1,11 +1,12 @@
 """Shutdown: the order in which the checkpoint layer's threads, process and process groups end.
 
-Asynchronous saves start three things beside training, in each training process:
+An optimizer's asynchronous saves (:class:`.background.Saves`) start three things beside
+training, in each training process:
 
 * the save's background thread (:mod:`.background`), one save at a time;
-* the coordination process group, a gloo group over the DP ranks (:func:`.background.
-  coordination_group`) on which that thread exchanges with the other ranks; torch runs it on
-  two worker threads and an I/O thread of its own;
+* the coordination process group, a gloo group over the DP ranks
+  (:meth:`.background.Saves.coordination_group`) on which that thread exchanges with the other
+  ranks; torch runs it on two worker threads and an I/O thread of its own;
 * the writer process (:mod:`.writer_process`), which writes the snapshot's files.
 
 They end in this order, each before what it depends on, and none outlives the job's process
@@ -20,10 +21,11 @@ groups:
    job's own groups. The library holds them only weakly: torch's registry of groups keeps them
    while the job's process groups exist and drops them in that call, which frees them and joins
    their threads, while the interpreter is whole.
-3. **At interpreter exit**, one exit handler (:func:`_at_exit`) waits for the save in flight and
-   logs an error nobody has seen, closes the writer process (it reads the end of its socket and
-   exits 0), and destroys the coordination groups that are still registered (a job that never
-   called ``destroy_process_group``).
+3. **When the optimizer is collected, or at interpreter exit** if it lives until then, its
+   :meth:`~.background.Saves.close` (:func:`close_with`) waits for the save in flight and logs an
+   error nobody has seen, closes the writer process (it reads the end of its socket and exits
+   0), and destroys the coordination groups that are still registered (a job that never called
+   ``destroy_process_group``).
 
 Why the order matters: a gloo group whose threads are still running when the interpreter
 finalises can abort a finished job. A worker thread that releases the last reference to a tensor
@@ -40,20 +42,11 @@ jobs that exit through the interpreter and checks both: no thread is left after
 
 from __future__ import annotations
 
-import atexit
-import logging
-
-from . import background, writer_process
-
-log = logging.getLogger("shardopt.checkpoint")
+import weakref
+from collections.abc import Callable
 
 
-def _at_exit() -> None:
-    error = background.settle()
-    if error is not None:
-        log.error("an asynchronous checkpoint save failed and nobody waited for it: %s", error)
-    writer_process.close()
-    background.destroy_groups()
-
-
-atexit.register(_at_exit)
+def close_with(owner: object, close: Callable[[], None]) -> None:
+    """Run ``close`` once: when ``owner`` is collected, or at interpreter exit (after the
+    non-daemon threads, a save's among them, have ended)."""
+    weakref.finalize(owner, close)

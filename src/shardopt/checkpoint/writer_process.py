@@ -6,18 +6,18 @@ writer thread per file wanting it too, a loop of small torch ops loses a large s
 time while a background save writes (``benchmarks/probes/writer_gil.py``; figures in
 docs/async_save.md). So an asynchronous save's host snapshot lives in shared
 memory (:class:`~shardopt.pinned.PinnedBuffer` with ``shared=True``: a memfd mapping,
-page-locked as before) and one writer process per training process
-(:mod:`._writer_main`, which imports neither torch nor shardopt) maps it and writes,
-hashes and fsyncs the files; the save's background thread only sends the plan (the files'
-headers and where each piece of them lies in the buffers) and sleeps until the answer.
+page-locked) and a writer process (:mod:`._writer_main`, which imports neither torch nor
+shardopt), one per optimizer's saves (held by :class:`.background.Saves`), maps it and
+writes, hashes and fsyncs the files; the save's background thread only sends the plan (the
+files' headers and where each piece of them lies in the buffers) and sleeps until the answer.
 
-The process starts at the first asynchronous save that uses it and is reused. It checks
-every 50 ms that its parent lives and exits when it does not, even mid-write (a killed
-run's save is never committed anyway), and exits when the parent closes its end (at exit,
-:mod:`.shutdown`). A piece the buffers do not hold (the RNG state, a few bytes) travels in
-the request. Anything else the process cannot write (a source outside the snapshot, a dtype
-conversion) makes :func:`write_files` return None, and the save's threads write it as a
-synchronous save does.
+The process starts at the first asynchronous save that uses it and is reused by the next.
+It checks every 50 ms that its parent lives and exits when it does not, even mid-write (a
+killed run's save is never committed anyway), and exits when the parent closes its end
+(when the optimizer goes or at exit, :mod:`.shutdown`). A piece the buffers do not hold (the
+RNG state, a few bytes) travels in the request. Anything else the process cannot write (a
+source outside the snapshot, a dtype conversion) makes :func:`write_files` return None, and
+the save's threads write it as a synchronous save does.
 """
 
 from __future__ import annotations
@@ -272,23 +272,11 @@ def _fill(dst: torch.Tensor, parts: list[Part], starts: list[int], lo: int
     return stream
 
 
-_PROCESS = WriterProcess()
-
-
-def forget(buf: PinnedBuffer) -> None:
-    _PROCESS.forget(buf)
-
-
-def close() -> None:
-    """End this process's writer process, if any (at exit, after the save in flight:
-    :mod:`.shutdown`); the next asynchronous save starts a new one."""
-    _PROCESS.close()
-
-
 def write_files(tmp: Path, jobs: Sequence[tuple[str, Sequence[WriteEntry]]], block_bytes: int,
-                buffers: Sequence[PinnedBuffer]) -> dict[str, dict] | None:
+                buffers: Sequence[PinnedBuffer], process: WriterProcess
+                ) -> dict[str, dict] | None:
     """Coordinator-free. Write ``jobs`` (file name, entries) into ``tmp`` with the writer
-    process, when every entry's bytes lie in ``buffers`` (shared) or are small; return the
+    ``process``, when every entry's bytes lie in ``buffers`` (shared) or are small; return the
     files' records, or None (nothing written) when some cannot go that way."""
     spans = [(b.tensor.data_ptr(), b.tensor.numel() * b.tensor.element_size(), b)
              for b in buffers if b.fd is not None]
@@ -311,7 +299,7 @@ def write_files(tmp: Path, jobs: Sequence[tuple[str, Sequence[WriteEntry]]], blo
             parts.append((p.start, p.nbytes, src))
             size = p.start + p.nbytes
         files.append((name, parts, size))
-    return _PROCESS.write(tmp, files, block_bytes)
+    return process.write(tmp, files, block_bytes)
 
 
 def stream_slots(staging_bytes: int, block_bytes: int) -> tuple[int, int]:
@@ -323,8 +311,9 @@ def stream_slots(staging_bytes: int, block_bytes: int) -> tuple[int, int]:
 
 
 def stream_files(tmp: Path, jobs: Sequence[tuple[str, Sequence[WriteEntry]]], block_bytes: int,
-                 staging: PinnedBuffer, slot_bytes: int) -> dict[str, dict] | None:
-    """Coordinator-free. Write ``jobs`` into ``tmp`` with the writer process through
+                 staging: PinnedBuffer, slot_bytes: int, process: WriterProcess
+                 ) -> dict[str, dict] | None:
+    """Coordinator-free. Write ``jobs`` into ``tmp`` with the writer ``process`` through
     ``staging`` (shared, page-locked where the sources are on a GPU; slots of ``slot_bytes``:
     :func:`stream_slots`) and return the files' records; None (nothing written) when the
     buffer is not shared."""
@@ -334,7 +323,7 @@ def stream_files(tmp: Path, jobs: Sequence[tuple[str, Sequence[WriteEntry]]], bl
     for name, entries in jobs:
         parts = file_parts(entries)
         files.append((name, parts, parts[-1].end))
-    return _PROCESS.stream(tmp, files, block_bytes, staging, slot_bytes)
+    return process.stream(tmp, files, block_bytes, staging, slot_bytes)
 
 
 def available() -> bool:
