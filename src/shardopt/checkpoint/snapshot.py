@@ -90,7 +90,7 @@ class Drain:
         self._stream, self._on_wait = stream, on_wait
         self._lock = threading.Lock()
         self._handle: RemovableHandle | None = None
-        self._spare: torch.Tensor | None = None  # what a write would have overwritten
+        self._spares: list[torch.Tensor] = []  # copies of sources that could change
         self._ready = None
         if self.cuda:  # the sources are final once the work queued so far has run
             self._ready = torch.cuda.Event()
@@ -106,6 +106,14 @@ class Drain:
             if self._flight:
                 torch.cuda.current_stream(self.device).wait_event(self._flight[-1])
 
+    def keep_now(self, count: int) -> None:
+        """Take the sources of the first ``count`` copies now, into spare memory (the drain
+        goes on from there), or by :meth:`issue_now` where it cannot be had."""
+        with self._lock:
+            if not count or self._move(count, host=False):
+                return
+        self.issue_now(count)
+
     def attach(self, opt: DistributedOptimizer) -> None:
         """Guard ``opt``'s state until every copy has read it."""
         self._handle = opt.register_state_write_hook(self._before_write)
@@ -114,6 +122,8 @@ class Drain:
         """Coordinator-free; the background thread. Issue the rest in pieces (at most
         :attr:`piece_bytes`, none across a segment of its host buffer) and return when
         every copy is done; the hook goes then, and if this raises."""
+        if self.cuda:  # the host buffers are page-locked for this device's context
+            torch.cuda.set_device(self.device)
         try:
             while True:
                 while len(self._flight) >= self.in_flight:
@@ -136,7 +146,7 @@ class Drain:
             event.synchronize()
         with self._lock:
             self._flight.clear()
-            self._copies, self._spare = [], None
+            self._copies, self._spares = [], []
             handle, self._handle = self._handle, None
         if handle is not None:
             handle.remove()
@@ -185,36 +195,42 @@ class Drain:
         with self._lock:
             if self._handle is None:  # the drain ended meanwhile
                 return
-            rest = sum(c.src.numel() for c in self._copies) - self._offset
-            spare = _spare(rest, self.device)
-            if spare is not None:
-                self._move(spare, host)
+            if self._move(len(self._copies), host):
                 handle, self._handle = self._handle, None
                 handle.remove()
                 return
         self._on_wait()
         self.finished.wait()
 
-    def _move(self, spare: torch.Tensor, host: bool) -> None:
+    def _move(self, count: int, host: bool) -> bool:
+        """Copy what the first ``count`` copies not yet issued read into spare memory, on
+        the current stream (after the pieces in flight, which still read it), and drain
+        those from there; False where the memory cannot be had."""
+        copies = self._copies[:count]
+        spare = _spare(sum(c.src.numel() for c in copies) - self._offset, self.device)
+        if spare is None:
+            return False
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         if stream is not None:
             stream.wait_event(self._ready)
-            for event in self._flight:  # they still read the sources
+            for event in self._flight:
                 stream.wait_event(event)
         at, moved = 0, []
-        for i, c in enumerate(self._copies):
+        for i, c in enumerate(copies):
             lo = self._offset if i == 0 else 0
             part = spare[at:at + c.src.numel() - lo]
             part.copy_(c.src[lo:], non_blocking=self.cuda)
             moved.append(Copy(c.dst[lo:], part, c.into))
             at += part.numel()
-        self._copies, self._offset, self._spare = moved, 0, spare
+        self._copies[:count], self._offset = moved, 0
+        self._spares.append(spare)
         if stream is not None:
             done = torch.cuda.Event()
             done.record(stream)
             self._stream.wait_event(done)  # the next pieces read the spare copy
             if host:
                 done.synchronize()
+        return True
 
 
 def _spare(nbytes: int, device: torch.device) -> torch.Tensor | None:
@@ -360,7 +376,10 @@ class Snapshot:
         copies = [Copy(_bytes(dst), _bytes(src), into.get(dst.untyped_storage().data_ptr()))
                   for dst, src in ordered]
         drain = Drain(copies, self.device, self._stream, self.log_wait)
-        drain.issue_now(len(copies) if self.on_device else len(hot_pairs))
+        if self.on_device:
+            drain.issue_now(len(copies))
+        else:
+            drain.keep_now(len(hot_pairs))
         return drain
 
 
