@@ -132,11 +132,11 @@ class ShardoptSaver:
     def __init__(self, model, opt, root: Path, drain: tuple[int, int] | None = None,
                  verify: bool = False) -> None:
         from shardopt import checkpoint
-        from shardopt.checkpoint import snapshot
+        from shardopt.checkpoint import drain as drain_module
         if ShardoptSaver.defaults is None:
-            ShardoptSaver.defaults = (snapshot.PIECE_BYTES, snapshot.IN_FLIGHT)
+            ShardoptSaver.defaults = (drain_module.PIECE_BYTES, drain_module.IN_FLIGHT)
         self.ckpt, self.model, self.opt, self.root = checkpoint, model, opt, root
-        self.snapshot_module, self.drain, self.verify = snapshot, drain or self.defaults, verify
+        self.drain_module, self.drain, self.verify = drain_module, drain or self.defaults, verify
         self.handle = self.reference = None
         self.notes: dict[str, Any] = {"drain": {"piece_bytes": self.drain[0],
                                                 "in_flight": self.drain[1]}}
@@ -151,7 +151,7 @@ class ShardoptSaver:
                                         step=step, keep_last=1)
 
     def save(self, step: int) -> None:
-        self.snapshot_module.PIECE_BYTES, self.snapshot_module.IN_FLIGHT = self.drain
+        self.drain_module.PIECE_BYTES, self.drain_module.IN_FLIGHT = self.drain
         self.handle = self.ckpt.save(self.root / "async", self.model, self.opt, step=step,
                                      keep_last=1, blocking=False, snapshot=self.snapshot)
 

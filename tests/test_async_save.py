@@ -437,6 +437,41 @@ def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between():
     assert torch.equal(jobs[0].entries[0].source, torch.arange(10, dtype=torch.float32))
 
 
+def test_the_drain_copies_pieces_of_at_most_its_size_never_across_a_segment(monkeypatch):
+    """Pieces of at most ``PIECE_BYTES``, none across a page-locking segment of its host
+    buffer, every byte copied once and where it belongs."""
+    from shardopt import pinned
+    from shardopt.checkpoint import drain as drain_module
+    from shardopt.checkpoint import snapshot
+    from shardopt.checkpoint.storage import WriteEntry
+
+    monkeypatch.setattr(pinned, "SEGMENT_BYTES", 96)
+    monkeypatch.setattr(drain_module, "PIECE_BYTES", 40)
+    pieces = []
+    real = drain_module.Drain._copy
+
+    def record(self, dst, src):
+        pieces.append((dst.data_ptr(), dst.numel()))
+        real(self, dst, src)
+
+    monkeypatch.setattr(drain_module.Drain, "_copy", record)
+    a, b = torch.arange(50, dtype=torch.float32), torch.arange(30, dtype=torch.float64)
+    entries = [WriteEntry("a", torch.float32, 50, 0, a), WriteEntry("b", torch.float64, 30, 0, b)]
+    snap = snapshot.Snapshot(torch.device("cpu"), False, lambda buf: None)
+    jobs, drain = snap.take([snapshot.Job("f", entries)])
+    drain.run()
+    got = {e.key: e.source for e in jobs[0].entries}
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+    bases = {buf.tensor.data_ptr(): buf.nbytes for buf in snap.host_buffers()}
+    covered = {base: 0 for base in bases}
+    for ptr, n in pieces:
+        base = max(p for p in bases if p <= ptr)
+        assert 0 < n <= 40 and (ptr - base) // 96 == (ptr - base + n - 1) // 96
+        assert ptr - base == covered[base]  # in order, each byte once
+        covered[base] += n
+    assert covered == bases
+
+
 # ----------------------------------------------------------- other processes
 _CHILD = textwrap.dedent("""
     import sys, time

@@ -1,6 +1,6 @@
 """Before anything writes or frees an optimizer's state its state-write hooks run
 (``DistributedOptimizer.register_state_write_hook``), with the state still as it was; an
-asynchronous save's drain (``shardopt.checkpoint.snapshot.Drain``) is such a hook until the
+asynchronous save's drain (``shardopt.checkpoint.drain.Drain``) is such a hook until the
 first write has taken what it had not copied yet, or until it is done; a write while the
 drain is midway, with or without spare memory for the rest, leaves the checkpoint the state
 at the call; and on a GPU the step's wait is what keeps the checkpoint intact."""
@@ -17,8 +17,8 @@ import torch
 
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
 from shardopt import kernels as kernels_
-from shardopt.checkpoint import snapshot
-from shardopt.checkpoint.snapshot import Copy, Drain
+from shardopt.checkpoint import drain as drain_module
+from shardopt.checkpoint.drain import Copy, Drain
 from test_async_save import _checkpoint_bytes, trained_model  # noqa: F401
 from test_checkpoint import train
 
@@ -173,7 +173,7 @@ def test_the_first_write_takes_the_rest_of_the_copies_and_the_hook_goes(monkeypa
 
 def _gate_the_drain(monkeypatch, pieces: int) -> tuple[threading.Event, list]:
     """Pieces of 64 bytes; the drain stops before its ``pieces + 1``-th until the gate opens."""
-    monkeypatch.setattr(snapshot, "PIECE_BYTES", 64)
+    monkeypatch.setattr(drain_module, "PIECE_BYTES", 64)
     gate, issued = threading.Event(), []
     real = Drain._prepare
 
@@ -219,7 +219,7 @@ def test_a_write_without_spare_memory_for_the_rest_waits_for_the_drain(trained_m
     host until the drain is done (said once at INFO), and the checkpoint is the state at the
     call."""
     model, opt = trained_model
-    monkeypatch.setattr(snapshot, "_spare", lambda nbytes, device: None)
+    monkeypatch.setattr(drain_module, "_spare", lambda nbytes, device: None)
     caplog.set_level(logging.INFO, logger="shardopt.checkpoint")
     for step in (2, 3):
         sync = checkpoint.save(tmp_path / "sync", model, opt, step=step)

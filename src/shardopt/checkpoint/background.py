@@ -1,23 +1,19 @@
 """The background half of asynchronous saves: one optimizer's saves (:class:`Saves`), the
-handle of the one in flight, and the coordination group their exchanges run on.
+handle of the save in flight, and the coordination group their exchanges run on.
 
-An optimizer's :class:`Saves` lives as long as the optimizer (``opt.attachments``, made at
-its first asynchronous save: :func:`of`) and holds what its saves keep between saves: the
-snapshot they reuse, the writer process that writes their files, the save in flight and the
-coordination groups. One save of an optimizer is in flight at a time: its next ``save``
-(either kind), a ``checkpoint.load`` into it and the interpreter's exit wait for it first.
+An optimizer's :class:`Saves` lives as long as the optimizer (in ``opt.attachments``, made
+at its first asynchronous save by :func:`of`, closed by :mod:`.shutdown`) and holds the
+snapshot its saves reuse, the writer process that writes their files, the save in flight
+and the coordination groups. One save of an optimizer is in flight at a time: its next
+``save`` (either kind), a ``checkpoint.load`` into it and the interpreter's exit wait for it.
 Its error is kept until someone sees it: :meth:`SaveHandle.wait`, the next ``save`` (which
-then fails on every rank, before it starts anything) or, if neither came, a log record when
-the optimizer is collected or at exit. How the thread, the process and the group end, and in
-which order: :mod:`.shutdown`.
+then fails on every rank, before it starts anything) or a log record at :meth:`Saves.close`.
 
-The save's exchanges between ranks (:func:`~.agree.agree`) run from the background thread
-while training issues its own collectives on the DP group from the main thread; on one group
-the two would interleave and deadlock or mix up data. They therefore run on a separate gloo
-group over the same ranks, created collectively at the first asynchronous save on that DP
-group, right after its first exchange, with the DP group's own timeout (a rank that dies
-before joining makes the others raise after that long, not after gloo's 30 minutes), and
-held weakly (:mod:`.shutdown`); dp_size 1 needs none.
+The save's exchanges (:func:`~.agree.agree`) run from the background thread while training
+issues its own collectives on the DP group; on one group the two would interleave and
+deadlock or mix up data. They run on a gloo group over the same ranks, created collectively
+at the first asynchronous save on that DP group, with the DP group's timeout (a rank that
+dies before joining makes the others raise after that long), held weakly; DP size 1 needs none.
 """
 
 from __future__ import annotations

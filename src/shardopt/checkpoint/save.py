@@ -45,7 +45,8 @@ from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, dat
                      manifest_checksum, state_file_kind, step_dir_name)
 from .storage import (FILE_THREADS, WriteEntry, entry_bytes, part_counts, split_entries,
                       write_file, write_scratch)
-from .snapshot import Drain, Job
+from .drain import Drain
+from .snapshot import Job
 from .transfer import io_threads as resolve_threads
 from .transfer import run_parallel
 
