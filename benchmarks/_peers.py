@@ -5,7 +5,8 @@
   allocator), joined by a TCP rendezvous on a free local port, NCCL on GPUs and gloo on CPU. A rank
   that raises writes its traceback; the parent returns per-rank results or raises :class:`RankFailed`
   with the earliest traceback, and kills ranks still running after a failure or past the timeout.
-* :func:`build_gpt`: ``shardopt.recipes.model.build_model`` on the device (same weights for every system).
+* :func:`build_gpt`: ``shardopt.recipes.model.build_model`` on the device (same weights for every
+  system); ``_common.build_model`` picks it or the Hugging Face Llama by name.
 * ``setup_*``: one function per system, each returning a :class:`System` whose ``step(x, y)`` runs one
   forward/backward/clip/optimizer step and returns the loss. Every system uses the same
   hyperparameters (:class:`Hyper`) and clips the global grad norm at 1.0.
@@ -17,7 +18,8 @@ Precision of each system (what it keeps per parameter besides activations):
   bf16 params (no fp32 main copy: less memory traffic than the others; ZeRO shards the moments).
 * fsdp2: fp32 sharded params (main copy), ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)``. ``fully_shard`` needs one original dtype per group, so every fp32 module
-  (LayerNorms, MoE routers) is its own group with an fp32 policy, then each block, then the root.
+  of the GPT (LayerNorms, MoE routers) is its own group with an fp32 policy, then each block, then
+  the root; the Hugging Face Llama (bf16 throughout) is each decoder layer, then the root.
 * megatron: megatron-core's DDP (fp32 grad buffer, overlapped reduce-scatter) and distributed
   optimizer (fp32 main params + moments sharded; torch AdamW without Transformer Engine).
 """
@@ -334,15 +336,21 @@ def setup_zero(model, hp: Hyper, device: torch.device) -> System:
 
 
 def fsdp2_shard(model, **shard_kwargs) -> None:
-    """``fully_shard`` the GPT in place: fp32 main params, bf16 compute, fp32 grad reduction.
-
-    Norms and routers are fp32 groups of their own; ``shard_kwargs`` (``mesh``,
+    """``fully_shard`` the benchmark model in place: fp32 main params, bf16 compute, fp32 grad
+    reduction. The GPT's norms and routers are fp32 groups of their own; the Hugging Face Llama
+    (all bf16) is a group per decoder layer, then the root. ``shard_kwargs`` (``mesh``,
     ``reshard_after_forward``) go to every ``fully_shard`` call."""
+    from _common import HFLlama
     from shardopt.recipes.model import Norm
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model.to(torch.float32)  # the sharded params are the fp32 main copy
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if isinstance(model, HFLlama):
+        for layer in model.lm.model.layers:
+            fully_shard(layer, mp_policy=bf16, **shard_kwargs)
+        fully_shard(model, mp_policy=bf16, **shard_kwargs)
+        return
     # The fp32 groups must not cast their inputs: a Norm returns its input's dtype (bf16).
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                 cast_forward_inputs=False)
@@ -362,8 +370,8 @@ def setup_fsdp2(model, hp: Hyper, device: torch.device) -> System:
     fsdp2_shard(model, reshard_after_forward=False)
     opt = _adamw(torch_param_groups(model, hp), hp)
     return System("fsdp2", _torch_step(model, model, opt, hp), model, opt,
-                  notes={"precision": "fp32 sharded params, bf16 compute, fp32 reduce; norms and "
-                                      "routers are their own fully_shard groups (fp32)",
+                  notes={"precision": "fp32 sharded params, bf16 compute, fp32 reduce; the GPT's "
+                                      "norms and routers are their own fully_shard groups (fp32)",
                          "reshard_after_forward": False})
 
 

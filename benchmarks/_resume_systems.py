@@ -2,18 +2,18 @@
 
 * :class:`Shardopt`  — shardopt's DistributedOptimizer and ``shardopt.checkpoint`` save/load.
 * :class:`FSDP2`     — ``torch.distributed.fsdp.fully_shard`` (fp32 sharded params, bf16 compute,
-  fp32 reduction, as in train_iter.py) + fused ``torch.optim.AdamW``, and torch.distributed.checkpoint
-  with its standard recipe (``get_state_dict`` -> ``dcp.save``; ``get_state_dict`` -> ``dcp.load``
-  -> ``set_state_dict``). fp32 modules (norms, MoE routers) get their own ``fully_shard`` call
-  because FSDP2 needs one original dtype per group.
+  fp32 reduction, ``_peers.fsdp2_shard`` as in train_iter.py) + fused ``torch.optim.AdamW``, and
+  torch.distributed.checkpoint with its standard recipe (``get_state_dict`` -> ``dcp.save``;
+  ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict``).
 * :class:`Megatron`  — megatron-core's own DDP wrapper and DistributedOptimizer from
   ``get_megatron_optimizer`` (no Transformer Engine, so it wraps ``torch.optim.AdamW``), saved and
   loaded with ``megatron.core.dist_checkpointing`` using the sharded-state-dict metadata of
   Megatron-LM's training loop (``dp_reshardable``).
 
-Every system trains the same :class:`shardopt.recipes.model.GPT` with the same hyperparameters. A system's
-``train_step`` marks ``forward``, ``backward`` and ``step`` on the :class:`_common.MemoryTimeline`;
-``load`` marks its own sub-steps under the phase ``load``.
+Every system trains the same model (the reference GPT, or ``_common.HFLlama``; megatron-core only
+the GPT) with the same hyperparameters. A system's ``train_step`` marks ``forward``, ``backward``
+and ``step`` on the :class:`_common.MemoryTimeline`; ``load`` marks its own sub-steps under the
+phase ``load``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
 class System:
-    """One training stack: optimizer + checkpoint recipe around a GPT on this rank's device."""
+    """One training stack: optimizer + checkpoint recipe around a model on this rank's device."""
 
     name = "?"
 
@@ -69,7 +69,7 @@ def _checked(loss: torch.Tensor, who: str) -> float:
 class Shardopt(System):
     name = "shardopt"
 
-    def __init__(self, model: GPT, low_memory_resume: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, low_memory_resume: bool = False) -> None:
         self.model = model
         self.low_memory_resume = low_memory_resume
         config = OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
@@ -103,7 +103,7 @@ class FSDP2(System):
 
     name = "fsdp2"
 
-    def __init__(self, model: GPT, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from _peers import fsdp2_shard

@@ -6,7 +6,11 @@ Every run is its own process (so allocator state starts clean) with ``--nproc`` 
 * resumed  : build model + optimizer, load that checkpoint, ``--iters`` iterations.
 
 for shardopt (resumed with the default load and with ``low_memory_resume=True``), PyTorch FSDP2 +
-torch.distributed.checkpoint, and megatron-core's DistributedOptimizer (see ``_resume_systems.py``).
+torch.distributed.checkpoint, and megatron-core's DistributedOptimizer (see ``_resume_systems.py``),
+on the ``--preset`` of ``--model``: ``gpt`` (default), the reference GPT of ``shardopt.recipes``,
+or ``hf-llama``, Hugging Face's ``LlamaForCausalLM`` built from a config
+(``_common.HF_LLAMA_PRESETS``; megatron-core runs only the GPT and is skipped, with the reason in
+the result).
 GPU peaks (allocated and reserved) are taken per phase: the load, and each iteration (the
 allocator's peak counters are reset at every event, see ``_common.MemoryTimeline``). Host RSS is
 sampled during the load and the save.
@@ -18,11 +22,14 @@ Targets (allocated and reserved, each rank, 1% allowed for noise):
 * default load: peak over load + iterations <= the fresh run's peak over its iterations;
 * host RSS growth during a default load <= 512 MiB.
 
-Outputs ``resume_memory.json`` and ``resume_memory.png`` under ``--out``.
+Outputs ``resume_memory.json`` and ``resume_memory.png`` under ``--out`` (``resume_memory_hf.*``
+for the Hugging Face model, ``_dp2`` before it at DP 2)::
 
     PYTHONPATH=src python3 benchmarks/resume_memory.py --out benchmarks/results            # 1 GPU
+    PYTHONPATH=src python3 benchmarks/resume_memory.py --model hf-llama --out benchmarks/results
     PYTHONPATH=src python3 benchmarks/resume_memory.py --nproc 2 --out benchmarks/results  # DP 2
     PYTHONPATH=src python3 benchmarks/resume_memory.py --device cpu --preset tiny          # smoke
+    PYTHONPATH=src python3 benchmarks/resume_memory.py --device cpu --preset tiny --model hf-llama
 """
 
 from __future__ import annotations
@@ -76,11 +83,27 @@ def build_gpt(preset: str, seq_len: int | None, device: torch.device, seed: int)
     return model
 
 
-def batch(cfg, micro_batch: int, rank: int, index: int, device: torch.device):
+def build_model(a: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """The run's ``--model`` of ``--preset`` on ``device``."""
+    if a["model"] == "gpt":
+        return build_gpt(a["preset"], a["seq_len"], device, seed=0)
+    return _common.build_model(a["model"], a["preset"], device, seed=0)
+
+
+def batch(model: torch.nn.Module, a: dict[str, Any], rank: int, index: int,
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``index`` of ``rank``: random tokens over the model's vocabulary, as
+    ``(inputs, labels)`` (for ``hf-llama`` the labels are the inputs: the model shifts them)."""
+    if a["model"] == "gpt":
+        vocab_size, seq_len = model.config.vocab_size, model.config.seq_len
+    else:
+        config = model.lm.config
+        vocab_size, seq_len = config.vocab_size, a["seq_len"] or config.max_position_embeddings
     gen = torch.Generator().manual_seed(1_000_003 * index + rank)
-    tokens = torch.randint(cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
+    tokens = torch.randint(vocab_size, (a["micro_batch"], seq_len + 1), generator=gen)
     tokens = tokens.to(device)
-    return tokens[:, :-1], tokens[:, 1:]
+    labels = tokens[:, 1:] if a["model"] == "gpt" else tokens[:, :-1]
+    return tokens[:, :-1], labels
 
 
 def make_system(name: str, mode: str, model, device: torch.device, a: dict[str, Any]):
@@ -120,8 +143,7 @@ def _run(rank: int, world: int, a: dict[str, Any], device: torch.device) -> dict
     system_name, mode = a["system"], a["mode"]
     torch.manual_seed(1234 + rank)
     tl = _common.MemoryTimeline(device)
-    model = build_gpt(a["preset"], a["seq_len"], device, seed=0)
-    cfg = model.config
+    model = build_model(a, device)
     system = make_system(system_name, mode, model, device, a)
     tl.mark("build")
     record: dict[str, Any] = {"rank": rank, "world": world, "system": system_name, "mode": mode,
@@ -138,7 +160,7 @@ def _run(rank: int, world: int, a: dict[str, Any], device: torch.device) -> dict
         first = a["iters"] + 1
     losses = []
     for k in range(1, a["iters"] + 1):
-        x, y = batch(cfg, a["micro_batch"], rank, first + k - 1, device)
+        x, y = batch(model, a, rank, first + k - 1, device)
         losses.append(system.train_step(x, y, tl, f"iter{k}"))
     record["losses"] = losses
     if mode == "fresh":
@@ -177,7 +199,8 @@ def run_one(system: str, mode: str, args, ckpt: Path, scratch: Path, deadline: f
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     a = {"system": system, "mode": mode, "nproc": args.nproc, "device": args.device,
-         "preset": args.preset, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+         "model": args.model, "preset": args.preset, "seq_len": args.seq_len,
+         "micro_batch": args.micro_batch,
          "iters": args.iters, "ckpt": str(ckpt), "result_dir": str(run_dir),
          "store": str(run_dir / "store"), "megatron_mixed_groups": args.megatron_mixed_groups}
     log = run_dir / "log.txt"
@@ -373,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=("cuda", "cpu"))
     ap.add_argument("--nproc", type=int, default=1, help="DP ranks, one GPU each")
-    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--model", choices=_common.MODELS, default="gpt",
+                    help="the reference GPT, or Hugging Face's LlamaForCausalLM from a config "
+                         "(megatron is skipped: it runs only the GPT)")
+    ap.add_argument("--preset", default="1b", help="the model's preset (1b, tiny for smoke runs)")
     ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's (1024 for 1b)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--iters", type=int, default=3)
@@ -405,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.deadline
     scratch = Path(tempfile.mkdtemp(prefix="resume_memory-", dir=args.ckpt_dir or default_scratch()))
     free_gib = shutil.disk_usage(scratch).free / GIB
-    print(f"resume_memory: preset {args.preset}, micro-batch {args.micro_batch}, {args.nproc} rank(s) "
+    print(f"resume_memory: {args.model} {args.preset}, micro-batch {args.micro_batch}, "
+          f"{args.nproc} rank(s) "
           f"on {args.device}; checkpoints under {scratch} ({free_gib:.0f} GiB free)", flush=True)
 
     runs: dict[str, dict] = {}
@@ -415,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
             if system == "megatron":
                 import _resume_systems
 
-                why = _resume_systems.megatron_available()
+                why = (_resume_systems.megatron_available() if args.model == "gpt" else
+                       f"megatron-core runs only the reference GPT here, not --model {args.model}")
                 if why is None and args.device != "cuda" and not args.force_megatron:
                     why = "megatron-core's DDP and DistributedOptimizer allocate on CUDA only"
                 if why is not None:
@@ -438,19 +466,21 @@ def main(argv: list[str] | None = None) -> int:
 
     figures, verdicts = evaluate(runs, args.iters, gpu=args.device == "cuda")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    config = {"preset": args.preset, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+    config = {"model": args.model, "preset": args.preset, "seq_len": args.seq_len,
+              "micro_batch": args.micro_batch,
               "iters": args.iters, "nproc": args.nproc, "systems": systems,
               "hyperparameters": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1,
                                   "max_grad_norm": 1.0},
               "noise_tolerance": NOISE, "rss_limit_bytes": RSS_LIMIT}
     name = "resume_memory" if args.nproc == 1 else f"resume_memory_dp{args.nproc}"
+    name += "" if args.model == "gpt" else "_hf"
     doc = {**_common.run_header(device, config), "benchmark": "resume_memory",
            "runs": runs, "skipped": skipped, **figures}
     _common.write_json(out / f"{name}.json", doc)
     try:
         plot(runs, args.iters, out / f"{name}.png",
-             f"GPU memory per event, rank 0 of {args.nproc}: {args.preset} GPT, micro-batch "
-             f"{args.micro_batch} ({doc['device']['name']})")
+             f"GPU memory per event, rank 0 of {args.nproc}: {args.preset} {args.model}, "
+             f"micro-batch {args.micro_batch} ({doc['device']['name']})")
     except Exception:  # noqa: BLE001 - the JSON is the result; a plot failure must still show
         traceback.print_exc()
         print("!!! plot failed (see above)", flush=True)

@@ -1,28 +1,38 @@
 """Training-iteration throughput and peak memory: shardopt against the systems users pick instead.
 
 Each system (shardopt, DDP + fused AdamW, FSDP2, ZeroRedundancyOptimizer, megatron-core's distributed
-optimizer) runs in fresh processes, one per GPU, on the same model (``shardopt.recipes.model`` ``1b`` preset:
-1.3B params, bf16 with fp32 norms and MoE routers), the same weights and the same micro-batches
-(``--micro-batch`` sequences of the preset's length per GPU, no accumulation). After ``--warmup``
-iterations, ``--iters`` timed iterations each end in a device synchronisation; tokens/s is computed
-from the median iteration time. Peak memory allocated/reserved is the allocator's peak over the
-timed iterations (steady state) and over the whole run (including the first step, which allocates
-the optimizer state). A peer that fails is recorded with its error and the rest still run.
+optimizer) runs in fresh processes, one per GPU, on the same model, the same weights and the same
+micro-batches (``--micro-batch`` sequences of the model's length per GPU, no accumulation). The
+model is the ``--preset`` of ``--model``: ``gpt`` (default), the reference GPT of
+``shardopt.recipes`` (``1b``: 1.3B params, bf16 with fp32 norms and MoE routers), or ``hf-llama``,
+Hugging Face's ``LlamaForCausalLM`` built from a config (``_common.HF_LLAMA_PRESETS``, ``1b``:
+1.35B params, bf16; each forward reads a GPU value on the host, see ``_common.HFLlama``).
+megatron-core runs only the reference GPT: with ``hf-llama`` it is skipped and the result says why.
+After ``--warmup`` iterations, ``--iters`` timed iterations each end in a device synchronisation;
+each system reports the median, min and max iteration time, and tokens/s from the median.
+Peak memory allocated/reserved is the allocator's peak over the timed iterations (steady state)
+and over the whole run (including the first step, which allocates the optimizer state). A peer
+that fails is recorded with its error and the rest still run.
 
 ``--grad-modes torch,buffer`` (default: both) runs each shardopt system once per
 ``OptimizerConfig.grad_mode``, side by side: ``shardopt`` is the default ``"torch"`` (``p.grad``
 after backward, all-reduced at DP > 1), ``shardopt_buffer`` grads only in the grad buffer
 (reduce-scatter); the summary gives the ratio of their median iteration times.
 
-GPU::
+GPU (the GPT; result ``train_iter_1gpu.json``, the Hugging Face model ``train_iter_1gpu_hf.json``)::
 
     PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --out $OUT
+    PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --model hf-llama --out $OUT
     PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --systems shardopt,ddp \
-        --grad-modes torch,buffer --iters 10 --out $OUT --tag _grad_modes
+        --grad-modes torch,buffer --iters 20 --out $OUT --tag _grad_modes
+    PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --model hf-llama \
+        --systems shardopt,ddp --grad-modes torch,buffer --iters 20 --out $OUT --tag _grad_modes
 
 CPU smoke (gloo)::
 
-    PYTHONPATH=src python benchmarks/train_iter.py --device cpu --preset tiny --iters 2 --warmup 1
+    PYTHONPATH=src python benchmarks/train_iter.py --device cpu --preset tiny --iters 5 --warmup 1
+    PYTHONPATH=src python benchmarks/train_iter.py --device cpu --preset tiny --model hf-llama \
+        --iters 5 --warmup 1
 """
 
 from __future__ import annotations
@@ -44,11 +54,13 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
     device = _peers.rank_device(rank, a["device"])
     if device.type == "cpu":
         torch.set_num_threads(max(1, a["cpu_threads"]))
-    batches = _peers.make_batches(a["preset"], rank, world, a["micro_batch"],
-                                  a["warmup"] + a["iters"], device)
+    batches = _common.make_batches(a["model"], a["preset"], rank, world, a["micro_batch"],
+                                   a["warmup"] + a["iters"], device)
     timeline = _common.MemoryTimeline(device)
     t0 = time.perf_counter()
-    model = _peers.build_gpt(a["preset"], device, seed=0, **a["overrides"])
+    model = _common.build_model(a["model"], a["preset"], device, seed=0,
+                                num_layers=a["num_layers"])
+    num_params = _common.param_count(model)
     kwargs = {}
     if system.startswith("shardopt"):
         kwargs.update(a["state_dtypes"], grad_mode=a["grad_mode"])
@@ -77,6 +89,8 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
     return {
         "iter_s": times,
         "losses": losses,
+        "tokens_per_iter": batches[0][0].numel(),
+        "parameters": num_params,
         "setup_s": setup_s,
         "peak_allocated_steady": steady["peak_allocated"],
         "peak_reserved_steady": steady["peak_reserved"],
@@ -88,14 +102,14 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
 
 
 def run_system(system: str, args: argparse.Namespace, grad_mode: str = "torch") -> dict:
-    a = {k: getattr(args, k) for k in ("device", "preset", "micro_batch", "warmup", "iters",
-                                       "cpu_threads", "megatron_overlap_param_gather")}
+    a = {k: getattr(args, k) for k in ("device", "model", "preset", "num_layers", "micro_batch",
+                                       "warmup", "iters", "cpu_threads",
+                                       "megatron_overlap_param_gather")}
     a["grad_mode"] = grad_mode
     if system.startswith("shardopt") and grad_mode != "torch":
         system_name = f"{system}_{grad_mode}"
     else:
         system_name = system
-    a["overrides"] = {"num_layers": args.num_layers} if args.num_layers else {}
     a["state_dtypes"] = {k: getattr(args, k) for k in ("exp_avg_dtype", "exp_avg_sq_dtype",
                                                          "grad_dtype") if getattr(args, k)}
     t0 = time.perf_counter()
@@ -108,7 +122,7 @@ def run_system(system: str, args: argparse.Namespace, grad_mode: str = "torch") 
               flush=True)
         return {"system": system_name, "ok": False, "error": msg[-6000:]}
     r0 = ranks[0]
-    tokens = args.micro_batch * _seq_len(args.preset) * args.nproc
+    tokens = sum(r["tokens_per_iter"] for r in ranks)
     st = _common.stats(r0["iter_s"])
     out = {
         "system": system_name,
@@ -117,6 +131,7 @@ def run_system(system: str, args: argparse.Namespace, grad_mode: str = "torch") 
         "iter_s_all": r0["iter_s"],
         "tokens_per_iter": tokens,
         "tokens_per_s": tokens / st["median"],
+        "parameters": r0["parameters"],
         "losses": r0["losses"],
         "setup_s": r0["setup_s"],
         "wall_s": time.perf_counter() - t0,
@@ -132,13 +147,7 @@ def run_system(system: str, args: argparse.Namespace, grad_mode: str = "torch") 
     return out
 
 
-def _seq_len(preset: str) -> int:
-    from shardopt.recipes.model import model_config
-
-    return model_config(preset).seq_len
-
-
-def summary(results: list[dict], nproc: int) -> str:
+def summary(results: list[dict], nproc: int, model: str, skipped: dict[str, str]) -> str:
     by = {r["system"]: r for r in results if r["ok"]}
     ddp = by.get("ddp")
     rows = []
@@ -153,9 +162,10 @@ def summary(results: list[dict], nproc: int) -> str:
             f"{ms / (ddp['iter_s']['median'] * 1e3):.3f}x" if ddp else None,
             r["peak_allocated_steady"] / _common.GIB, r["peak_reserved_steady"] / _common.GIB,
         ])
-    lines = [f"train_iter: {nproc} rank(s)",
+    lines = [f"train_iter: {model}, {nproc} rank(s)",
              _common.format_table(rows, ["system", "ms/iter med", "min", "max", "tokens/s",
                                          "time vs ddp", "peak alloc GiB", "peak resv GiB"])]
+    lines += [f"{name}: not run: {why}" for name, why in skipped.items()]
     for name in ("shardopt", "shardopt_overlap"):
         ours = by.get(name)
         if ours and ddp:
@@ -185,12 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(_peers.SYSTEMS),
                    help=f"comma-separated subset of {','.join(_peers.SYSTEMS)}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--preset", default="1b")
+    p.add_argument("--model", choices=_common.MODELS, default="gpt",
+                   help="the reference GPT, or Hugging Face's LlamaForCausalLM from a config "
+                        "(megatron is skipped: it runs only the GPT)")
+    p.add_argument("--preset", default="1b", help="the model's preset (1b, tiny for smoke runs)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="override the preset's depth (quick checks at a smaller size)")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per iteration")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10,
+                   help="timed iterations (at least 5): median, min and max of them")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per system")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank on CPU")
     p.add_argument("--megatron-overlap-param-gather", action="store_true",
@@ -209,7 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown systems {sorted(unknown)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("CUDA is not available; use --device cpu for a smoke run")
+    if args.iters < 5:
+        p.error(f"--iters must be at least 5 (a median of repetitions), got {args.iters}")
 
+    skipped = {}
+    if args.model != "gpt" and "megatron" in systems:
+        skipped["megatron"] = (f"megatron-core runs only the reference GPT here (its "
+                               f"TransformerConfig comes from the GPT's config), not --model "
+                               f"{args.model}")
+        systems.remove("megatron")
     grad_modes = [m for m in args.grad_modes.split(",") if m]
     if set(grad_modes) - {"torch", "buffer"} or not grad_modes:
         p.error(f"--grad-modes takes torch and/or buffer, got {args.grad_modes!r}")
@@ -217,11 +239,13 @@ def main(argv: list[str] | None = None) -> int:
                for mode in (grad_modes if s.startswith("shardopt") else ["torch"])]
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     config = {k: v for k, v in vars(args).items() if k not in ("out", "tag")}
-    doc = {**_common.run_header(device, config), "benchmark": "train_iter", "results": results}
-    name = f"train_iter_{args.nproc}gpu{args.tag}.json" if args.device == "cuda" else \
-        f"train_iter_cpu_{args.nproc}rank{args.tag}.json"
+    doc = {**_common.run_header(device, config), "benchmark": "train_iter", "model": args.model,
+           "results": results, "skipped": skipped}
+    model = "" if args.model == "gpt" else "_hf"
+    name = f"train_iter_{args.nproc}gpu{model}{args.tag}.json" if args.device == "cuda" else \
+        f"train_iter_cpu_{args.nproc}rank{model}{args.tag}.json"
     _common.write_json(Path(args.out) / name, doc)
-    print(summary(results, args.nproc))
+    print(summary(results, args.nproc, args.model, skipped))
     failed = [r["system"] for r in results if not r["ok"]]
     if failed:
         print(f"FAILED systems: {', '.join(failed)} (errors in {name})", file=sys.stderr)

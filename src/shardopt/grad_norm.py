@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import comm
+from . import comm, kernels
 
 if TYPE_CHECKING:
     from .buffers import FlatBuffers
@@ -39,7 +39,9 @@ class GradNorm:
                 self.buffers.bucket_step_grads(b).narrow(0, self.dp.rank * b.shard_numel,
                                                        b.shard_numel)
                 for buf in self.layout.buffers for b in buf.buckets]
-        if self._views:
+        if self._views and self.device.type == "cuda" and kernels.available(self.device):
+            sq = kernels.sum_squares(self._views)
+        elif self._views:
             norms = torch._foreach_norm(self._views, 2, dtype=torch.float32)
             sq = torch.stack(norms).square().sum()
         else:
