@@ -82,12 +82,13 @@ class ShardoptCkpt:
         from shardopt import checkpoint
 
         self.path = checkpoint.save(root, self.s.model, self.s.optimizer, step=1,
-                                    io_threads=self.threads)
+                                    config=checkpoint.CheckpointConfig(io_threads=self.threads))
 
     def load(self, root: Path) -> None:
         from shardopt import checkpoint
 
-        checkpoint.load(self.path, self.s.model, self.s.optimizer, io_threads=self.threads)
+        checkpoint.load(self.path, self.s.model, self.s.optimizer,
+                        config=checkpoint.CheckpointConfig(io_threads=self.threads))
 
     def prepare_resume(self) -> None:
         drop_moments(self.s.optimizer)

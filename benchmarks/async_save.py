@@ -153,7 +153,8 @@ class ShardoptSaver:
     def save(self, step: int) -> None:
         self.drain_module.PIECE_BYTES, self.drain_module.IN_FLIGHT = self.drain
         self.handle = self.ckpt.save(self.root / "async", self.model, self.opt, step=step,
-                                     keep_last=1, blocking=False, snapshot=self.snapshot)
+                                     keep_last=1, blocking=False,
+                                     config=self.ckpt.CheckpointConfig(snapshot=self.snapshot))
 
     def before_step(self) -> None:  # step() itself waits for the snapshot copies
         pass

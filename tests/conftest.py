@@ -5,10 +5,12 @@
   ``backend`` fixture, or a fixture of the same values) and a world size (a parameter
   named in :data:`WORLD_SIZE_PARAMS`) needs one GPU per rank, and its skip says so.
 * ``backend`` fixture: ``"gloo"`` everywhere, ``"nccl"`` only with CUDA. A test that
-  takes it runs unchanged on both; ``require_world_size`` (in ``_dist``) skips a
+  takes it runs unchanged on both; ``require_world_size`` (in ``helpers.dist``) skips a
   case that needs more GPUs than the machine has.
 * Without CUDA, Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``).
 * ``gpu``: added here to every case ``make test-gpu`` runs (cuda-marked or Triton).
+* Fixtures several folders use: ``saved3`` (one checkpoint saved at 3 ranks, per module)
+  and ``trained_model`` (``helpers.models.build`` trained 2 steps on one process).
 * Hypothesis: profile ``ci`` (picked when ``CI=true``) runs fewer examples;
   ``dev`` is the default; ``HYPOTHESIS_PROFILE`` overrides both. No deadlines:
   timings on a loaded 2-core machine are noise, not failures.
@@ -36,6 +38,9 @@ settings.register_profile("thorough", max_examples=2000, deadline=None)
 # read when a kernel is defined, so before shardopt is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.dist import run_distributed  # noqa: E402 - imports shardopt, so after the flag
+from helpers.models import Saved, build, save_three_rank, train  # noqa: E402
 
 _ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _ci else "dev"))
@@ -86,3 +91,33 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def backend(request: pytest.FixtureRequest) -> str:
     """Process-group backend: gloo on CPU always, NCCL on GPUs when there are any."""
     return request.param
+
+
+@pytest.fixture(scope="module")
+def saved3(tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    """One checkpoint saved at 3 ranks, with the params and the whole state the ranks held."""
+    base = tmp_path_factory.mktemp("saved3")
+    root = base / "ckpt"
+    results = run_distributed(save_three_rank, 3, str(root), tmp_path=base / "runs")
+    shapes = results[0]["shapes"]
+    state: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    for r in results:
+        for fqn, start, end, tensors in r["state"]:
+            numel = shapes[fqn].numel()
+            for name, t in tensors.items():
+                full = state.setdefault(f"{fqn}.{name}", torch.full((numel,), float("nan")))
+                full[start:end] = t
+            covered[fqn] = covered.get(fqn, 0) + end - start
+    assert covered == {fqn: s.numel() for fqn, s in shapes.items() if fqn != "pos"}
+    state = {k: v.view(shapes[k.rsplit(".", 1)[0]]) for k, v in state.items()}
+    return Saved(root, root / "step_00000002", results[0]["params"], state, shapes)
+
+
+@pytest.fixture
+def trained_model():
+    """``helpers.models.build(0)`` trained 2 steps on one process (no process group)."""
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    return model, opt
+

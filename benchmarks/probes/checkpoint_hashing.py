@@ -104,8 +104,9 @@ def main() -> None:
                         if cold:
                             drop_cache(path)
                         key = f"load {'cold' if cold else 'warm'}, {'' if verify else 'no '}verify"
+                        cfg = checkpoint.CheckpointConfig(verify=verify)
                         times[key].append(timed(lambda: checkpoint.load(path, model, opt,
-                                                                        verify=verify)))
+                                                                        config=cfg)))
             shutil.rmtree(root)
             step += 1
         hashing_first = not hashing_first

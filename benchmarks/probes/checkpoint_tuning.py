@@ -73,14 +73,13 @@ def main(argv: list[str] | None = None) -> int:
                 threads, staging, block, per_file = g
                 storage.FILE_THREADS = ckpt_save.FILE_THREADS = per_file
                 root = base / f"t{threads}-s{staging}-b{block}-f{per_file}"
+                cfg = checkpoint.CheckpointConfig(block_bytes=block << 20,
+                                                  staging_bytes=staging << 20, io_threads=threads)
                 t0 = time.perf_counter()
-                path = checkpoint.save(root, s.model, s.optimizer, step=1,
-                                       block_bytes=block << 20, staging_bytes=staging << 20,
-                                       io_threads=threads)
+                path = checkpoint.save(root, s.model, s.optimizer, step=1, config=cfg)
                 _peers.sync(device)
                 t1 = time.perf_counter()
-                checkpoint.load(path, s.model, s.optimizer, staging_bytes=staging << 20,
-                                io_threads=threads)
+                checkpoint.load(path, s.model, s.optimizer, config=cfg)
                 _peers.sync(device)
                 t2 = time.perf_counter()
                 nbytes = sum(f.stat().st_size for f in Path(path).iterdir())

@@ -110,8 +110,9 @@ def _worker(rank: int, world: int, a: dict) -> dict:
             _peers.barrier()
             try:
                 if name == "shardopt":
+                    cfg = checkpoint.CheckpointConfig(io_threads=threads)
                     secs = _peers.timed(lambda: checkpoint.save(
-                        root, model, s.optimizer, step=1, io_threads=threads), device)
+                        root, model, s.optimizer, step=1, config=cfg), device)
                 else:
                     import torch.distributed.checkpoint as dcp
 

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                 log.clear()
                 t0 = time.perf_counter()
                 h = checkpoint.save(root, model, opt, step=i, keep_last=1, blocking=False,
-                                    snapshot=snap)
+                                    config=checkpoint.CheckpointConfig(snapshot=snap))
                 ts = loop(None, h.done)
                 h.wait()
                 gaps = [b - a for a, b in zip(ts, ts[1:])]

@@ -401,8 +401,8 @@ def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda
     device memory that ``cudaMalloc`` returned soon after memory went back to the driver by
     ``cudaFree`` (an offload's, or an inference engine's ``empty_cache()``), copy-engine
     transfers run slower for their whole length (neither a kernel writing the memory first
-    nor kernel copies first helps), while kernels run at their full rate (docs/offload.md;
-    ``benchmarks/probes/onload_probe.py``, ``benchmarks/offload.py``). With
+    nor kernel copies first helps), while kernels run at their full rate (docs/offload.md,
+    "Why onload copies by kernel"; ``benchmarks/offload.py``). With
     ``sizes``, each device storage is re-allocated to that many bytes (for the current
     stream) just before its copy is queued, so that an allocation returns while the copies
     before it run (with expandable segments an allocation maps its pages: tens of ms for

@@ -323,8 +323,8 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
         first += n
 
 
-# Bytes per program of copy_from_host_: the fastest of the settings benchmarks/probes/onload_probe.py
-# tries (docs/offload.md).
+# Bytes per program of copy_from_host_: the fastest of the settings tried
+# (docs/offload.md, "Why onload copies by kernel").
 COPY_BLOCK_BYTES = 4 << 10
 COPY_WARPS = 4
 
@@ -335,7 +335,7 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
     host memory over PCIe, rather than by a copy engine. Into device memory allocated soon
     after memory went back to the driver (``empty_cache()``), copy-engine transfers run
     slower for their whole length, kernels do not (docs/offload.md,
-    ``benchmarks/probes/onload_probe.py``)."""
+    "Why onload copies by kernel")."""
     assert dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
     n = dst.numel()
     assert src.numel() == n

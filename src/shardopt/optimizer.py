@@ -120,6 +120,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._init_groups(named, param_group_fn)
         self._init_state(model, named)
         self._init_sync(model, named)
+        # Where the layer above that loaded this optimizer's state (checkpoint.load) says
+        # it came from; held here so it lives as long as the optimizer, never read here.
+        self.loaded_from: object | None = None
 
     def _init_layout(self, model: torch.nn.Module, named: Named) -> None:
         """Collective: the ranks agree on params and settings, then lay the params out."""

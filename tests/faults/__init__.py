@@ -1,5 +1,5 @@
-"""Helpers for the checkpoint fault-injection suites (tests/test_reliability.py,
-tests/test_commit_protocol.py, tests/test_rollback.py).
+"""Helpers for the checkpoint fault-injection suites (tests/checkpoint/test_reliability.py,
+tests/checkpoint/test_commit_protocol.py, test_rollback.py).
 
 ``common`` builds small models whose state is a function of a seed and edits
 checkpoints on disk; ``ranks`` holds the functions that run inside spawned

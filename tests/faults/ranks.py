@@ -1,7 +1,7 @@
 """Functions that run inside spawned processes of the fault-injection suite.
 
 Each is module level (so it pickles) and takes ``(rank, world_size, ...)`` as
-``tests/_dist.run_distributed`` calls it, or is a process target that the
+``helpers.dist.run_distributed`` calls it, or is a process target that the
 suite kills with SIGKILL.
 """
 
@@ -240,8 +240,8 @@ def saver_loop(rank: int, world_size: int, root: str, store: str, first_step: in
                 model, opt = trained(step, width=width)
                 f.write(f"{rank} begin {step}\n")
                 saved = checkpoint.save(root, model, opt, step=step, keep_last=2,
-                                        block_bytes=64 << 10, extra={"step": step},
-                                        blocking=blocking)
+                                        extra={"step": step}, blocking=blocking,
+                                        config=checkpoint.CheckpointConfig(block_bytes=64 << 10))
                 if not blocking:
                     train_step(model, opt, step + 1)  # changes what is being written
                     saved.wait()
@@ -287,8 +287,9 @@ def crash_at(root: str, step: int, kill_at: int, blocking: bool = True,
     model, opt = trained(step)
 
     def save() -> None:
-        saved = checkpoint.save(root, model, opt, step=step, keep_last=2, block_bytes=4096,
-                                blocking=blocking, rollback=rollback)
+        saved = checkpoint.save(root, model, opt, step=step, keep_last=2, blocking=blocking,
+                                config=checkpoint.CheckpointConfig(block_bytes=4096,
+                                                                   rollback=rollback))
         if not blocking:
             train_step(model, opt, step + 1)
             saved.wait()
@@ -304,11 +305,13 @@ def concurrent_job(rank: int, world_size: int, root: str, num_saves: int) -> dic
     for i in range(num_saves):
         step = 2 * i + rank
         model, opt = trained(step)
-        checkpoint.save(root, model, opt, step=step, keep_last=4, rollback=True)
+        checkpoint.save(root, model, opt, step=step, keep_last=4,
+                        config=checkpoint.CheckpointConfig(rollback=True))
         committed.append(step)
     model, opt = trained(1000)  # both jobs try the same step
     try:
-        checkpoint.save(root, model, opt, step=1000, rollback=True)
+        checkpoint.save(root, model, opt, step=1000,
+                        config=checkpoint.CheckpointConfig(rollback=True))
         committed.append(1000)
     except checkpoint.CheckpointError as e:
         refused.append(str(e))

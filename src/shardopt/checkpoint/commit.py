@@ -1,44 +1,39 @@
 """Directory transactions under a checkpoint root: lock, stage, commit, retain.
 
-Every function here runs on one process (DP rank 0 of the saving job); none
-communicates. The protocol, and why each step is safe to crash at:
+Every function here runs on one process (DP rank 0 of the saving job); none communicates.
+The protocol, and why each step is safe to crash at:
 
-1. ``begin``: under ``root/.lock`` (``flock``), move stale temporary
-   directories of dead saves to ``.trash-*``, record the committed checkpoints
-   (name and inode: what this save may later remove), then create
-   ``.tmp-step_XXXXXXXX-<id>`` and ``flock`` it for the whole save. A
-   temporary directory whose lock can be taken belongs to nobody alive, so it
-   is stale; one that is locked belongs to a concurrent job and is left alone.
-2. The ranks write their files into it (see :mod:`.save`). Nothing outside
-   ``.tmp-*`` changes, so a crash here costs nothing but the temporary dir.
-3. ``commit``: write ``manifest.json`` (fsynced, atomic), then under the root
-   lock rename the directory to ``step_XXXXXXXX`` (the commit point: a
-   directory is a checkpoint exactly when it has a manifest) and fsync the root.
-4. Still under the lock: point ``latest`` (replaced atomically) at the
-   highest-numbered checkpoint that stays, then move to ``.trash-*`` what this
-   save replaces (below) and the checkpoints beyond ``keep_last`` (never the
-   one just committed). Only checkpoints recorded in step 1, with the same
-   inode, are ever removed: one another job committed while this save ran
-   stays, and if its step is higher, ``latest`` names it. Trash is deleted
-   after the lock is released; a crash leaves it for the next save to delete.
+1. ``begin``: under ``root/.lock`` (``flock``), move stale temporary directories of dead saves
+   to ``.trash-*``, record the committed checkpoints (name and inode: what this save may later
+   remove), then create ``.tmp-step_XXXXXXXX-<id>`` and ``flock`` it for the whole save. A
+   temporary directory whose lock can be taken belongs to nobody alive, so it is stale; one
+   that is locked belongs to a concurrent job and is left alone.
+2. The ranks write their files into it (:mod:`.save`). Nothing outside ``.tmp-*`` changes,
+   so a crash here costs nothing but the temporary directory.
+3. ``commit``: write ``manifest.json`` (fsynced, atomic), then under the root lock rename the
+   directory to ``step_XXXXXXXX`` (the commit point: a directory is a checkpoint exactly when
+   it has a manifest) and fsync the root.
+4. Still under the lock: point ``latest`` (replaced atomically) at the highest-numbered
+   checkpoint that stays, then move to ``.trash-*`` what this save replaces (below) and the
+   checkpoints beyond ``keep_last`` (never the one just committed). Only checkpoints recorded
+   in step 1, with the same inode, are ever removed: one another job committed meanwhile
+   stays, and if its step is higher, ``latest`` names it. Trash is deleted after the lock is
+   released; a crash leaves it for the next save to delete.
 
-Rollback: a job that resumed from an older checkpoint and saves step ``k`` while
-committed checkpoints of steps ``>= k`` exist (the abandoned branch) replaces
-them. Nothing of that branch changes before the commit point, which is then an
-atomic exchange of the temporary directory with ``step_k`` (``renameat2``
-``RENAME_EXCHANGE``; where the file system lacks it, two renames with a crash
-window in which ``step_k`` is missing). After it, ``latest`` names ``step_k``
-(or a higher step another job committed meanwhile), then the branch's steps
-``> k`` and the old ``step_k`` go to trash, so neither the marker nor
-``latest()``'s fallback to the highest step can return them (a crash between
-the exchange and the marker update leaves the marker on the old branch's head,
-whose checkpoints are then still whole).
-Only a ``step_k`` that existed when the save began is replaced: one committed
-by another job during the save is refused (``already exists``).
+Rollback: a job that resumed from an older checkpoint and saves step ``k`` while committed
+checkpoints of steps ``>= k`` exist (the abandoned branch) replaces them. Nothing of that
+branch changes before the commit point, which is then an atomic exchange of the temporary
+directory with ``step_k`` (``renameat2`` ``RENAME_EXCHANGE``; where the file system lacks it,
+two renames with a crash window in which ``step_k`` is missing). After it, ``latest`` names
+``step_k`` (or a higher step another job committed meanwhile), then the branch's steps ``> k``
+and the old ``step_k`` go to trash, so neither the marker nor ``latest()``'s fallback can
+return them (a crash between the exchange and the marker update leaves the marker on the old
+branch's head, whose checkpoints are then still whole). Only a ``step_k`` that existed when
+the save began is replaced: one another job committed during the save is refused.
 
-Without ``flock`` support (some network file systems) saving still works:
-commits still replace only what a rollback abandons, but stale temporary
-directories are not cleaned, since nothing can tell them from live ones.
+Without ``flock`` (some network file systems) saving still works and commits still replace
+only what a rollback abandons, but stale temporary directories are not cleaned, since nothing
+can tell them from live ones.
 """
 
 from __future__ import annotations
@@ -53,7 +48,6 @@ import shutil
 import time
 import uuid
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,12 +105,11 @@ def complete_steps(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("step_*") if is_complete(p)), key=step_of)
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
+def _stat(path: Path) -> os.stat_result | None:
     try:
-        st = os.stat(path, follow_symlinks=False)
+        return os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return None
-    return st.st_dev, st.st_ino
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -182,12 +175,8 @@ class RootLock:
 
 
 def latest(root: str | os.PathLike) -> str | None:
-    """Coordinator-free. Path of the newest committed checkpoint under ``root``, or None.
-
-    Follows the ``latest`` marker when it names a complete checkpoint, otherwise
-    the highest-numbered complete ``step_*`` directory. Temporary directories of
-    unfinished saves are never returned.
-    """
+    """Coordinator-free. The newest committed checkpoint under ``root`` (None if none): the
+    one the ``latest`` marker names if complete, else the highest-numbered complete one."""
     root = Path(root)
     name = _marker(root)
     if STEP_DIR.fullmatch(name) and is_complete(root / name):
@@ -246,14 +235,19 @@ class Staged:
     tmp: Path
     fd: int | None
     committed: bool = False
-    # The committed checkpoints when the save began, by name: (device, inode). Only these
-    # are ever replaced or removed by it, never one another job committed meanwhile.
-    existing: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The committed checkpoints when the save began, by name. Only these are ever replaced
+    # or removed by it (the same device and inode), never one another job committed meanwhile.
+    existing: dict[str, os.stat_result] = field(default_factory=dict)
 
-    def still_existing(self, paths: list[Path]) -> list[Path]:
-        """Those of ``paths`` that are the checkpoints recorded when the save began."""
-        return [p for p in paths if p.name in self.existing
-                and _identity(p) == self.existing[p.name]]
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def began_with(self, path: Path) -> bool:
+        """Whether ``path`` is the checkpoint of its name recorded when the save began."""
+        now, then = _stat(path), self.existing.get(path.name)
+        return now is not None and then is not None and os.path.samestat(now, then)
 
 
 def _trash(root: Path, path: Path) -> Path:
@@ -286,30 +280,28 @@ def _delete(paths: list[Path]) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-# The root and step each optimizer last resumed from with checkpoint.load (by object: this
-# module never looks inside it), which lets its saves roll that root back.
-_RESUMED: weakref.WeakKeyDictionary[object, tuple[Path, int]] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class Resumed:
+    """A checkpoint a run resumed from (``checkpoint.load``): its saves may roll the root
+    back (held by the optimizer as ``loaded_from``)."""
+
+    root: Path  # resolved
+    step: int
 
 
-def note_resume(owner: object, checkpoint_dir: Path, step: int) -> None:
-    """``owner`` (an optimizer) was loaded from ``checkpoint_dir``, a checkpoint of ``step``."""
-    _RESUMED[owner] = (checkpoint_dir.parent.resolve(), step)
-
-
-def resumed_step(owner: object, root: Path) -> int | None:
-    """The step ``owner`` last resumed from in ``root`` (None: not from this root)."""
-    got = _RESUMED.get(owner)
-    return got[1] if got is not None and got[0] == root.resolve() else None
+def resumed_step(resumed: object, root: Path) -> int | None:
+    """The step ``resumed`` (a :class:`Resumed` or None) names in ``root``; None when it is
+    not a resume from this root."""
+    if isinstance(resumed, Resumed) and resumed.root == root.resolve():
+        return resumed.step
+    return None
 
 
 def begin(root: Path, final_name: str, rollback_from: int | None = None) -> Staged:
-    """Create and lock a fresh temporary directory for ``root/final_name``; clean stale ones.
-
-    A save that would replace committed checkpoints of steps ``>= k`` (a rollback: see the
-    module's docstring) is refused unless ``rollback_from`` is at most ``k``: the step this
-    run resumed from in ``root``, or ``0`` when the caller asked for a rollback. A run
-    started afresh into a root that holds a longer run's checkpoints would otherwise
-    replace every one of them from its first save on."""
+    """Step 1: create and lock a temporary directory for ``root/final_name``. A save that
+    would replace committed steps ``>= k`` (a rollback) is refused unless ``rollback_from``
+    (the step this run resumed from in ``root``; 0 for an explicit rollback) is at most ``k``:
+    a run started afresh into a longer run's root would otherwise replace all of it."""
     root.mkdir(parents=True, exist_ok=True)
     with RootLock(root) as lock:
         trash = _collect_stale(root) if lock.supported else []
@@ -324,11 +316,10 @@ def begin(root: Path, final_name: str, rollback_from: int | None = None) -> Stag
                 f"{root} holds committed checkpoints of steps {shown} >= {step}: saving step "
                 f"{step} would replace them (a rollback), but {resumed}. Save into another "
                 "root, resume from the checkpoint to roll back to (checkpoint.load), or pass "
-                "rollback=True to replace them")
+                "config=CheckpointConfig(rollback=True) to replace them")
         if os.path.lexists(final) and not is_complete(final):
             raise FileExistsError(f"{final} exists and is not a committed checkpoint")
-        existing = {p.name: ident for p in complete_steps(root)
-                    if (ident := _identity(p)) is not None}
+        existing = {p.name: st for p in complete_steps(root) if (st := _stat(p)) is not None}
         tmp = root / f"{TMP_PREFIX}{final_name}-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -342,25 +333,13 @@ def abort(staged: Staged) -> None:
     """Remove an uncommitted save's temporary directory (idempotent)."""
     if not staged.committed:
         shutil.rmtree(staged.tmp, ignore_errors=True)
-    release(staged)
-
-
-def release(staged: Staged) -> None:
-    if staged.fd is not None:
-        os.close(staged.fd)
-        staged.fd = None
+    staged.release()
 
 
 def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | None) -> Path:
-    """Write the manifest, rename into place, update ``latest``, apply retention (steps
-    3 and 4 of the protocol).
-
-    Raises ``OSError`` if the checkpoint could not be committed. Once the rename
-    has happened the checkpoint is complete whatever follows; a failure to update
-    ``latest`` is still raised (``latest()`` then falls back to the marker's
-    older checkpoint), a failure to remove the abandoned branch or of retention
-    only warns.
-    """
+    """Steps 3 and 4. ``OSError`` if the checkpoint could not be committed; after the rename
+    it is complete whatever follows: a failure to update ``latest`` is still raised (``latest()``
+    then falls back to the marker's older checkpoint), one to remove old checkpoints warns."""
     root = staged.root
     final = root / final_name
     write_atomic(staged.tmp / MANIFEST, manifest)
@@ -369,7 +348,7 @@ def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | No
         old = _publish(staged, final)
         fsync_dir(root)
         steps = complete_steps(root)
-        abandoned = [p for p in staged.still_existing(steps) if step_of(p) > step_of(final)]
+        abandoned = [p for p in steps if step_of(p) > step_of(final) and staged.began_with(p)]
         kept = [p for p in steps if p not in abandoned]
         try:
             write_atomic(root / LATEST, (kept[-1].name + "\n").encode())
@@ -385,10 +364,10 @@ def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | No
                 log.warning("%s: committed after a rollback; %s of the abandoned branch",
                             final, " and ".join(w for w in (replaced, removed) if w))
             if keep_last is not None:
-                trash += [_trash(root, p) for p in staged.still_existing(kept[:-keep_last])]
+                trash += [_trash(root, p) for p in kept[:-keep_last] if staged.began_with(p)]
         except OSError as e:
             warnings.warn(f"removing old checkpoints in {root} failed: {e}", stacklevel=3)
-    release(staged)
+    staged.release()
     _delete(trash)
     return final
 
@@ -396,12 +375,11 @@ def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | No
 def _publish(staged: Staged, final: Path) -> Path | None:
     """The commit point, under the root lock: ``staged.tmp`` becomes ``final``. Returns the
     replaced checkpoint, moved to trash, if ``final`` existed when the save began."""
-    current = _identity(final)
-    if current is None:
+    if _stat(final) is None:
         os.rename(staged.tmp, final)
         staged.committed = True
         return None
-    if current != staged.existing.get(final.name) or not is_complete(final):
+    if not staged.began_with(final) or not is_complete(final):
         raise FileExistsError(f"checkpoint {final} already exists (saved by another job?)")
     if _exchange(staged.tmp, final):
         staged.committed = True

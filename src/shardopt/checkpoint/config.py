@@ -2,35 +2,33 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from .agree import CheckpointError
-from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES
+from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES, is_int
 
 # What a save does while another of this process is still being written.
 BUSY_POLICIES = ("wait", "error")
 # Where an asynchronous save copies the state (see .snapshot).
 SNAPSHOTS = ("host", "device_staged")
-
 # Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
 STAGING_BYTES = 128 << 20
 
 
-def _is_int(v: Any, minimum: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+def refuse_invalid(checks: dict[str, tuple[bool, str]], values: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointError` naming the first setting whose check failed;
+    ``checks`` maps a name to (valid, what it must be)."""
+    for name, (ok, wanted) in checks.items():
+        if not ok:
+            raise CheckpointError(f"{name} must be {wanted}, got {values[name]!r}")
 
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
-    """How :func:`~shardopt.checkpoint.save` and :func:`~shardopt.checkpoint.load` work.
-    Each field may also be passed to them as a keyword argument of the same name, which
-    overrides the ``config``'s value."""
+    """How :func:`~shardopt.checkpoint.save` and :func:`~shardopt.checkpoint.load` work
+    (passed as ``config=``; the arguments of those functions are not repeated here)."""
 
-    low_memory_resume: bool | None = None
-    """Load: keep the loaded Adam moments in host memory until the first ``step()``;
-    ``None``: the optimizer config's ``low_memory_resume``."""
     hyperparameters: str = "saved"
     """Load: ``"saved"`` restores each param group's ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` as saved (an error if the params are grouped otherwise than when saved);
@@ -42,18 +40,11 @@ class CheckpointConfig:
     of the node's CPUs, 2 to 16."""
     staging_bytes: int = STAGING_BYTES
     """Host memory (pinned for a GPU optimizer) a save or load stages data through at most."""
-    keep_last: int | None = None
-    """Save: delete older committed checkpoints beyond the newest ``keep_last``."""
     rollback: bool = False
-    """Save: replace committed checkpoints of steps at or after this one (the branch a
-    rollback abandons) although this run did not resume from the root at or before this
-    step (with ``checkpoint.load``, which allows it by itself); otherwise such a save is
-    refused and nothing changes."""
+    """Save: replace committed checkpoints of steps at or after this one (an abandoned branch)
+    although this run did not resume from the root at or before it (``checkpoint.load``)."""
     block_bytes: int = DEFAULT_BLOCK_BYTES
     """Save: the hash block size of the data files."""
-    blocking: bool = True
-    """Save: ``False`` copies the state and writes it in the background (``save`` returns a
-    handle; see :mod:`.background`)."""
     if_busy: str = "wait"
     """Save while an asynchronous save is in flight: ``"wait"`` for it, or ``"error"``."""
     snapshot: str = "host"
@@ -63,33 +54,36 @@ class CheckpointConfig:
     (``"device_staged"``: no host copy). See :mod:`.snapshot`."""
 
     def __post_init__(self) -> None:
-        checks = {  # field: (valid, what it must be)
-            "low_memory_resume": (isinstance(self.low_memory_resume, (bool, type(None))),
-                                  "a bool or None"),
+        refuse_invalid({
             "verify": (isinstance(self.verify, bool), "a bool"),
             "hyperparameters": (self.hyperparameters in ("saved", "current"),
                                 "'saved' or 'current'"),
-            "io_threads": (self.io_threads is None or _is_int(self.io_threads, 1),
+            "io_threads": (self.io_threads is None or is_int(self.io_threads, 1),
                            "an int >= 1 or None"),
-            "staging_bytes": (_is_int(self.staging_bytes, 1), "an int >= 1"),
-            "keep_last": (self.keep_last is None or _is_int(self.keep_last, 1),
-                          "an int >= 1 or None"),
-            "block_bytes": (_is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
+            "staging_bytes": (is_int(self.staging_bytes, 1), "an int >= 1"),
+            "block_bytes": (is_int(self.block_bytes, 1) and self.block_bytes <= MAX_BLOCK_BYTES,
                             f"an int in [1, {MAX_BLOCK_BYTES}]"),
-            "blocking": (isinstance(self.blocking, bool), "a bool"),
             "rollback": (isinstance(self.rollback, bool), "a bool"),
             "if_busy": (self.if_busy in BUSY_POLICIES, "'wait' or 'error'"),
             "snapshot": (self.snapshot in SNAPSHOTS, "'host' or 'device_staged'"),
-        }
-        for name, (ok, wanted) in checks.items():
-            if not ok:
-                raise CheckpointError(f"{name} must be {wanted}, got "
-                                      f"{getattr(self, name)!r}")
+        }, vars(self))
 
 
-def resolve_config(config: CheckpointConfig | None, **overrides: Any) -> CheckpointConfig:
-    """``config`` (or the defaults) with the keyword arguments that were passed (not None)."""
-    if config is not None and not isinstance(config, CheckpointConfig):
+# ``save``'s and ``load``'s own arguments: (valid, what each must be).
+_ARGUMENTS = {
+    "blocking": (lambda v: isinstance(v, bool), "a bool"),
+    "keep_last": (lambda v: v is None or is_int(v, 1), "an int >= 1 or None"),
+    "low_memory_resume": (lambda v: isinstance(v, (bool, type(None))), "a bool or None"),
+}
+
+
+def settings(config: CheckpointConfig | None, **arguments: Any) -> CheckpointConfig:
+    """``config`` (the defaults where it is None), after checking the ``arguments`` of
+    ``save`` or ``load`` passed beside it."""
+    refuse_invalid({k: (_ARGUMENTS[k][0](v), _ARGUMENTS[k][1]) for k, v in arguments.items()},
+                   arguments)
+    if config is None:
+        return CheckpointConfig()
+    if not isinstance(config, CheckpointConfig):
         raise CheckpointError(f"config must be a CheckpointConfig, got {type(config).__name__}")
-    given = {k: v for k, v in overrides.items() if v is not None}
-    return dataclasses.replace(config or CheckpointConfig(), **given)
+    return config

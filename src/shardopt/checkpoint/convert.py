@@ -1,15 +1,8 @@
-"""Loading Adam moments stored in another format than the optimizer keeps them in.
-
-A checkpoint stores each moment as the saving optimizer kept it (fp32, bf16, or
-8-bit codes with one fp32 scale per block: :class:`~.manifest.MomentEncoding`).
-When the loading optimizer is configured otherwise, each rank reads its pieces in
-the stored format into temporaries (the codes with the scales of the blocks that
-cover them: a piece need not start on a block boundary in the loader's layout),
-decodes them to fp32 exactly as :meth:`shardopt.quant.Moment.to_fp32` does
-(:meth:`~.manifest.MomentEncoding.decode`), and
-stores each whole local tensor in the target format blockwise
-(:meth:`~shardopt.quant.Moment.store_`), as a step would. This is explicit: one
-log line (logger ``shardopt.checkpoint``) names every conversion of a load.
+"""Loading Adam moments stored otherwise (:class:`~.manifest.MomentEncoding`) than the
+optimizer keeps them: each rank reads its pieces as stored (codes with the scales of the blocks
+covering them), decodes them to fp32 as :meth:`shardopt.quant.Moment.to_fp32` does, and stores
+each local tensor blockwise in the target format (:meth:`~shardopt.quant.Moment.store_`), as a
+step would. One log line (logger ``shardopt.checkpoint``) names every conversion of a load.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def _check_every_scale(files: DataFiles) -> None:
         batch: list[tuple[str, torch.Tensor]] = []
         while keys and sum(t.numel() * 4 for _, t in batch) < SCALE_BATCH_BYTES:
             key = keys.pop()
-            batch.append((key, torch.empty(files.stored[key][0], dtype=torch.float32)))
+            batch.append((key, torch.empty(files.stored[key].numel, dtype=torch.float32)))
         read_verified([r for key, t in batch
                        for r in files.reads(key, Range(0, t.numel()), t, in_place=False)],
                       verify=False, threads=io_threads())
@@ -79,7 +79,7 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
 
     def state_bytes(fqn: str) -> int:
         keys = [f"{fqn}.{n}{scale}" for n in STATE_NAMES for scale in ("", ".scale")]
-        return sum(stored[k][0] * stored[k][1].itemsize for k in keys if k in stored)
+        return sum(stored[k].numel * stored[k].dtype.itemsize for k in keys if k in stored)
 
     rows = [{"fqn": fqn, "shape": list(p.shape), "dtype": dtype_name(p.dtype),
              "trainable": p.trainable, "numel": p.numel,
@@ -146,7 +146,8 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
                 enc = m.moments.get(n)
                 optim_keys.append((f"{fqn}.{n}", p.shape))
                 if enc is not None and enc.block and moments_dtype == "stored":
-                    optim_keys.append((f"{fqn}.{n}.scale", (files.stored[f"{fqn}.{n}.scale"][0],)))
+                    scale = f"{fqn}.{n}.scale"
+                    optim_keys.append((scale, (files.stored[scale].numel,)))
         decode = {} if moments_dtype == "stored" else dict(m.moments)
         needed = sum(_out_bytes(files, k, decode) for k, _ in model_keys + optim_keys)
         names = _write_split(files, tmp, "model", model_keys, verify, max_file_bytes, {})
@@ -217,8 +218,8 @@ def _decoded(decode: dict[str, MomentEncoding], key: str) -> MomentEncoding | No
 
 
 def _out_bytes(files: DataFiles, key: str, decode: dict[str, MomentEncoding]) -> int:
-    numel, dtype = files.stored[key]
-    return numel * (torch.float32 if _decoded(decode, key) else dtype).itemsize
+    stored = files.stored[key]
+    return stored.numel * (torch.float32 if _decoded(decode, key) else stored.dtype).itemsize
 
 
 def _write_split(files: DataFiles, out: Path, stem: str, keys: list[tuple[str, tuple]],
@@ -242,13 +243,13 @@ def _write_split(files: DataFiles, out: Path, stem: str, keys: list[tuple[str, t
     for name, group in zip(names, groups):
         tensors, reads, scales = {}, [], {}
         for key, shape in group:
-            numel, dtype = files.stored[key]
-            tensors[key] = torch.empty(numel, dtype=dtype)
-            reads += files.reads(key, Range(0, numel), tensors[key], in_place=False)
+            stored = files.stored[key]
+            tensors[key] = torch.empty(stored.numel, dtype=stored.dtype)
+            reads += files.reads(key, Range(0, stored.numel), tensors[key], in_place=False)
             enc = _decoded(decode, key)
             if enc is not None and enc.block:
                 scale = f"{key}.scale"
-                scales[key] = torch.empty(files.stored[scale][0], dtype=torch.float32)
+                scales[key] = torch.empty(files.stored[scale].numel, dtype=torch.float32)
                 reads += files.reads(scale, Range(0, scales[key].numel()), scales[key],
                                      in_place=False)
             weight_map[key] = name

@@ -1,11 +1,10 @@
-"""The on-disk pieces of a checkpoint: safetensors headers, block hashes, names.
+"""The on-disk pieces of a checkpoint: names, safetensors headers, checksums.
 
-Data files are plain safetensors. Each holds 1-D chunks; a chunk's position in
-its full tensor is in the header's ``__metadata__`` under ``DCP_SHARDING_INFO``
-(``{"key": {"saved_offsets": [offset]}}``), the convention of
-``torch.distributed.checkpoint``'s Hugging Face storage, so its reader can
-load these files too. Every file is also hashed in fixed-size blocks (xxh3-64)
-so a reader that needs only part of a file can verify just the blocks it reads.
+Data files are plain safetensors of 1-D chunks; a chunk's position in its full tensor is in the
+header's ``__metadata__`` under ``DCP_SHARDING_INFO`` (``{"key": {"saved_offsets": [offset]}}``),
+the convention of ``torch.distributed.checkpoint``'s Hugging Face storage, so its reader loads
+these files too. Every file is hashed in fixed-size blocks (xxh3-64), so a reader that needs
+part of a file verifies just the blocks it reads.
 """
 
 from __future__ import annotations
@@ -13,13 +12,14 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import xxhash
 
 from ..config import dtype_name
-from .agree import CheckpointError
 from ..errors import FormatError
 
 FORMAT_NAME = "shardopt"
@@ -29,37 +29,55 @@ LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # The kinds of data file every rank writes. Each Adam moment has its own file, so that a rank
 # writes its files at once (a file takes one writer at a time); a kind but ``rng`` may continue
-# in further parts (``-pN``) of about equal size.
+# in further parts (``-pN``, N from 1 to 999) of about equal size.
 FILE_KINDS = ("model", "optim", "exp_avg", "exp_avg_sq", "rng")
 DATA_FILE = re.compile(rf"^({'|'.join(FILE_KINDS)})-(\d{{5}})(?:-p([1-9]\d{{0,2}}))?\.safetensors$")
-# Files a kind may have: the first and parts -p1 to -p999.
 MAX_PARTS = 1000
 SHARDING_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024
 MAX_BLOCK_BYTES = 1 << 30  # a reader allocates one block at a time
+# Every integer a checkpoint holds (steps, sizes, offsets, dimensions) fits in int64.
+MAX_INT = 2**63 - 1
 # What the stored optimizer state means: loading it into anything else is refused.
 OPTIMIZER_KIND = "adamw"
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
 }
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 TORCH_DTYPE_NAMES = {dtype_name(v): v for v in DTYPES.values()}
 
 
+def is_int(value: Any, minimum: int = 0) -> bool:
+    """An int (not a bool) in ``[minimum, MAX_INT]``."""
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_INT
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def data_file_name(kind: str, rank: int, part: int = 0) -> str:
+    """``model-00003.safetensors``; later parts of a kind: ``model-00003-p1.safetensors``."""
+    return f"{kind}-{rank:05d}{f'-p{part}' if part else ''}.safetensors"
+
+
+def state_file_kind(name: str) -> str:
+    """The file kind that holds optimizer state ``name``."""
+    return "optim" if name == "master_param" else name
+
+
+@dataclass(frozen=True, order=True)
+class ChunkRecord:
+    """A chunk as the manifest lists it: elements ``[offset, offset + numel)`` of ``key``."""
+
+    key: str
+    offset: int
+    numel: int
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,18 @@ class StoredChunk:
     dtype: torch.dtype
     data_start: int  # byte offset of the chunk's first element in the file
 
+    @property
+    def record(self) -> ChunkRecord:
+        return ChunkRecord(self.key, self.offset, self.numel)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A stored tensor (a key of the checkpoint): its element count and dtype."""
+
+    numel: int
+    dtype: torch.dtype
+
 
 @dataclass(frozen=True)
 class FileRecord:
@@ -83,7 +113,7 @@ class FileRecord:
     size: int
     block_bytes: int
     hashes: tuple[str, ...]
-    chunks: tuple[tuple[str, int, int], ...]  # (key, element offset, numel)
+    chunks: tuple[ChunkRecord, ...]
 
 
 @dataclass(frozen=True)
@@ -92,25 +122,31 @@ class FileHeader:
     chunks: tuple[StoredChunk, ...]
 
 
-def build_header(entries: list[tuple[str, torch.dtype, int, int]]) -> tuple[bytes, list[int]]:
-    """Header for ``(key, dtype, numel, offset)`` entries in order; returns bytes and data starts."""
+class HeaderEntry(Protocol):
+    key: str
+    dtype: torch.dtype
+    numel: int
+    offset: int  # element offset in the full tensor
+
+
+def build_header(entries: Iterable[HeaderEntry]) -> tuple[bytes, list[int]]:
+    """The header of a file of ``entries`` in order; returns it and each entry's data start."""
     header: dict[str, object] = {}
     sharding: dict[str, object] = {}
     pos = 0
-    sizes = []
-    for key, dtype, numel, offset in entries:
-        nbytes = numel * dtype.itemsize
-        header[key] = {"dtype": DTYPE_CODES[dtype], "shape": [numel],
-                       "data_offsets": [pos, pos + nbytes]}
-        sharding[key] = {"saved_offsets": [offset]}
-        sizes.append(pos)
+    starts = []
+    for e in entries:
+        nbytes = e.numel * e.dtype.itemsize
+        header[e.key] = {"dtype": DTYPE_CODES[e.dtype], "shape": [e.numel],
+                         "data_offsets": [pos, pos + nbytes]}
+        sharding[e.key] = {"saved_offsets": [e.offset]}
+        starts.append(pos)
         pos += nbytes
     header["__metadata__"] = {SHARDING_KEY: json.dumps(sharding), "format": "pt",
                               "DCP_VERSION": "1.0"}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(len(raw) + 8) % 8)  # data 8-byte aligned, as safetensors does
-    start = 8 + len(raw)
-    return struct.pack("<Q", len(raw)) + raw, [start + s for s in sizes]
+    return struct.pack("<Q", len(raw)) + raw, [8 + len(raw) + s for s in starts]
 
 
 def parse_json_object(raw: bytes | str, what: str) -> dict:
@@ -124,13 +160,12 @@ def parse_json_object(raw: bytes | str, what: str) -> dict:
     return value
 
 
-def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int,
+def parse_header(raw_len: bytes, read_json: Callable[[int], bytes], file: str, file_size: int,
                  max_bytes: int = MAX_HEADER_BYTES) -> FileHeader:
-    """Parse a safetensors header; ``read_json(n)`` returns the next ``n`` bytes.
-
-    The length is checked against ``max_bytes`` and the file size before
-    anything is read, so a hostile length cannot make us allocate.
-    """
+    """Parse a safetensors header; ``read_json(n)`` returns the next ``n`` bytes. The length
+    is checked against ``max_bytes`` and the file size before anything is read, so a hostile
+    length cannot make us allocate. The rules are the safetensors library's: the tensors'
+    byte ranges, in order, cover the data section exactly, without overlap."""
     if len(raw_len) != 8:
         raise FormatError(f"{file}: truncated safetensors header")
     (n,) = struct.unpack("<Q", raw_len)
@@ -145,7 +180,7 @@ def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int,
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise FormatError(f"{file}: header __metadata__ is not a JSON object of strings")
     sharding = parse_json_object(meta.get(SHARDING_KEY, "{}"), f"{file}: {SHARDING_KEY} metadata")
-    chunks, spans = [], []
+    chunks = []
     for key, info in header.items():
         try:
             dtype = DTYPES[info["dtype"]]
@@ -155,51 +190,28 @@ def parse_header(raw_len: bytes, read_json: callable, file: str, file_size: int,
         except (KeyError, TypeError, ValueError, AttributeError):
             raise FormatError(f"{file}: malformed header entry for {key!r} (one 1-D tensor "
                               "with its dtype, shape and data_offsets)") from None
-        if not all(_natural(x) for x in (numel, begin, end, offset)) or \
+        if not all(is_int(x) for x in (numel, begin, end, offset)) or \
                 end - begin != numel * dtype.itemsize:
             raise FormatError(f"{file}: header entry {key!r} is inconsistent with the file")
         chunks.append(StoredChunk(key, file, offset, numel, dtype, 8 + n + begin))
-        spans.append((begin, end, key))
-    _check_spans(spans, file_size - 8 - n, file)
-    return FileHeader(8 + n, tuple(chunks))
-
-
-def _natural(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _check_spans(spans: list[tuple[int, int, str]], data_bytes: int, file: str) -> None:
-    """The safetensors library's rule: the tensors' byte ranges, in order, are contiguous,
-    do not overlap and cover the data section exactly (no trailing bytes)."""
-    pos = 0
-    for begin, end, key in sorted(spans):
+    pos = 0  # in the data section
+    for c in sorted(chunks, key=lambda c: (c.data_start, c.numel * c.dtype.itemsize)):
+        begin = c.data_start - 8 - n
         if begin != pos:
             what = "overlaps the tensor before it" if begin < pos else \
                 f"leaves bytes [{pos}, {begin}) of the data section uncovered"
-            raise FormatError(f"{file}: header entry {key!r} {what} (not a valid safetensors "
+            raise FormatError(f"{file}: header entry {c.key!r} {what} (not a valid safetensors "
                               "file)")
-        pos = end
-    if pos != data_bytes:
-        raise FormatError(f"{file}: the tensors cover {pos} of the {data_bytes} bytes of the data "
-                          "section (not a valid safetensors file)")
-
-
-def data_file_name(kind: str, rank: int, part: int = 0) -> str:
-    """``model-00003.safetensors``; later parts of a kind: ``model-00003-p1.safetensors``."""
-    return f"{kind}-{rank:05d}{f'-p{part}' if part else ''}.safetensors"
-
-
-def state_file_kind(name: str) -> str:
-    """The file kind that holds optimizer state ``name``."""
-    return "optim" if name == "master_param" else name
+        pos = begin + c.numel * c.dtype.itemsize
+    if pos != file_size - 8 - n:
+        raise FormatError(f"{file}: the tensors cover {pos} of the {file_size - 8 - n} bytes of "
+                          "the data section (not a valid safetensors file)")
+    return FileHeader(8 + n, tuple(chunks))
 
 
 def manifest_checksum(manifest: dict) -> str:
-    """xxh3-64 of the manifest's canonical JSON without its ``checksum`` field.
-
-    Catches accidental damage to the manifest (a flipped digit in a step, size
-    or hash would otherwise go unnoticed); it is not a signature.
-    """
+    """xxh3-64 of the manifest's canonical JSON without its ``checksum`` field: catches
+    accidental damage (a flipped digit in a step, size or hash); it is not a signature."""
     body = {k: v for k, v in manifest.items() if k != "checksum"}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return "xxh3-64:" + xxhash.xxh3_64_hexdigest(canonical.encode())

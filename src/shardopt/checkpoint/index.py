@@ -1,9 +1,7 @@
 """Chunk index: which stored bytes fill which elements of a stored tensor.
 
-Pure overlap arithmetic over 1-D chunks (the model-space analogue of
-``torch.distributed.checkpoint``'s resharding): the same code serves loading
-at the saved DP size and at any other. That the chunks tile each tensor is
-checked where the manifest is parsed (:mod:`.manifest`).
+Pure overlap arithmetic over 1-D chunks (the model-space analogue of DCP's resharding): the same
+code serves loading at the saved DP size and at any other. :mod:`.manifest` checks the tiling.
 """
 
 from __future__ import annotations

@@ -1,41 +1,61 @@
 """load: collective restore of a checkpoint saved at any DP size.
 
-Load schedule (collective): the ranks agree on one checkpoint, DP rank 0 choosing
-what a root's ``latest`` names (:mod:`.choose`: the first exchange). Every rank
-parses and validates its manifest (:mod:`.manifest`), checks that it is rank 0's,
-checks it against the model and optimizer, opens the files
-and cross-checks their headers, plans the reads that cover its own shard, reads
-the Adam moments into newly allocated tensors in one pass that checks each
-block's hash as it reads it, verifies the hashes of every other block it will
-read and reads its RNG state (:mod:`.read`). Exchange: only when every rank
-found everything in order does any rank write into existing model or optimizer
-tensors (or adopt the new moments); otherwise every rank raises and nothing
-has changed.
+Load schedule (collective over the DP group); a rank that fails at any step makes every rank
+raise at the next exchange, so nothing changes until step 6:
+
+1. Coordinator-free (:func:`_propose`): DP rank 0 resolves what it was given (a root: the
+   checkpoint its ``latest`` names) and parses the manifest; every other rank given a
+   checkpoint directory parses that one; a rank given a root looks at nothing yet.
+2. Exchange: every rank's :class:`Choice` (what it was given, what it found, the manifest's
+   checksum). A root resolved by each rank on its own could put the ranks on different steps
+   when another job commits into it meanwhile: rank 0 chooses for all.
+3. Coordinator-free (:func:`_settle`): checkpoints given explicitly whose manifest differs from
+   rank 0's are refused by every rank alike; a rank given rank 0's root parses rank 0's choice,
+   one given another root resolves its own; every manifest must have rank 0's checksum.
+4. Coordinator-free (:func:`_prepare`): check the manifest against the model and optimizer,
+   open the files and cross-check their headers, plan the reads covering this rank's shard,
+   read new tensors (Adam moments, RNG states) in one pass that checks each block's hash, and
+   verify every other block it will read (:mod:`.read`).
+5. Exchange: every rank found everything in order, or every rank raises.
+6. Read into the existing tensors, convert moments stored otherwise (:mod:`.convert`);
+   exchange; adopt the state, the hyperparameters and the RNG states.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import moments as moments_
+from ..config import GROUP_KEYS, dtype_name
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
-from . import background, choose, commit, convert, state
+from . import background, commit, convert, state
 from .agree import CheckpointError, agree
-from ..config import GROUP_KEYS, dtype_name
-from .config import CheckpointConfig, resolve_config
+from .config import CheckpointConfig, settings
 from .format import FormatError, data_file_name
-from .manifest import Manifest
+from .manifest import Manifest, parse
 from .read import DataFiles, Read, read_verified
 from .transfer import io_threads as resolve_threads
 
 log = logging.getLogger("shardopt.checkpoint")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one rank was asked to load and what it found there (sent to every rank)."""
+
+    given: str  # the argument, a path
+    root: bool  # a root (load its latest checkpoint), not a checkpoint directory
+    path: str | None  # the checkpoint found: DP rank 0 always, others when given one
+    checksum: str | None  # of its manifest
 
 
 @dataclass(frozen=True)
@@ -55,7 +75,7 @@ class _Plan:
     manifest: Manifest
     files: DataFiles
     read_in_place: Callable[[], None]
-    steps: dict[str, int]  # per param FQN
+    steps: dict[str, int]  # by param FQN
     hparams: list[dict[str, Any]]
     rng: dict[str, torch.Tensor]
     moments: Moments
@@ -67,24 +87,17 @@ def load(
     model: torch.nn.Module,
     optimizer: DistributedOptimizer,
     low_memory_resume: bool | None = None,
-    verify: bool | None = None,
-    staging_bytes: int | None = None,
-    io_threads: int | None = None,
     *,
-    hyperparameters: str | None = None,
     config: CheckpointConfig | None = None,
 ) -> LoadInfo:
     """Collective. Restore ``model`` and ``optimizer`` from a checkpoint saved at any DP size.
 
     ``low_memory_resume`` (default: the optimizer config's) keeps the Adam moments
-    in host memory until the first ``step()``. ``verify`` checks the content hash
-    of every block read (and of the header blocks of every file read from).
-    ``io_threads`` (default as for :func:`~.save.save`) is how many blocks a rank
-    reads at once. ``hyperparameters="current"`` keeps the param groups' values instead of
-    the saved ones (the default, refused when the params are grouped otherwise than when
-    saved). On any error every rank raises a :class:`CheckpointError` and
-    model and optimizer are left as they were. ``config`` holds these settings in one
-    object; a keyword argument that is not None overrides its field.
+    in host memory until the first ``step()``; ``config`` sets the rest (verification,
+    threads, staging, hyperparameters: :class:`~.config.CheckpointConfig`). On any error
+    every rank raises a :class:`CheckpointError` and model and optimizer are left as they
+    were. The optimizer records where it resumed from (``loaded_from``): its saves may roll
+    that root back.
     """
     background.wait_pending(optimizer)  # it may write what this reads, and read what this writes
     dp = optimizer.dp
@@ -93,20 +106,18 @@ def load(
     mine, found, error = None, None, None
     try:
         optimizer.check_model(model)
-        cfg = resolve_config(config, low_memory_resume=low_memory_resume, verify=verify,
-                             staging_bytes=staging_bytes, io_threads=io_threads,
-                             hyperparameters=hyperparameters)
-        host = bool(optimizer.config.low_memory_resume if cfg.low_memory_resume is None
-                    else cfg.low_memory_resume)
+        cfg = settings(config, low_memory_resume=low_memory_resume)
+        host = bool(optimizer.config.low_memory_resume if low_memory_resume is None
+                    else low_memory_resume)
         threads = resolve_threads(cfg.io_threads)
-        mine, found = choose.propose(root_or_path, dp.rank)
+        mine, found = _propose(root_or_path, dp.rank)
     except Exception as e:  # noqa: BLE001 - reported to every rank by agree
         error = e
-    choices = agree(dp, error, what, mine)  # one checkpoint for all ranks: rank 0's choice
+    choices = agree(dp, error, what, mine)
 
     plan, error = None, None
     try:
-        m = choose.settle(mine, found, choices, dp.rank)
+        m = _settle(mine, found, choices)
         plan = _prepare(m, model, optimizer, cfg.verify, host, cfg.staging_bytes, threads,
                         cfg.hyperparameters == "current")
     except Exception as e:  # noqa: BLE001 - reported to every rank by agree
@@ -141,13 +152,52 @@ def load(
     if "torch_cuda" in plan.rng:
         torch.cuda.set_rng_state(plan.rng["torch_cuda"])
     m = plan.manifest
-    commit.note_resume(optimizer, m.path, m.step)  # its saves may roll this root back
+    optimizer.loaded_from = commit.Resumed(m.path.parent.resolve(), m.step)
     return LoadInfo(m.step, dict(m.extra), str(m.path), m.dp_size)
+
+
+def _propose(root_or_path: str | os.PathLike, rank: int) -> tuple[Choice, Manifest | None]:
+    """Coordinator-free. Step 1: this rank's :class:`Choice` and the manifest it parsed."""
+    given = Path(root_or_path)
+    root = not commit.is_checkpoint_dir(given)
+    if root and rank != 0:
+        return Choice(str(given), True, None, None), None
+    m = parse(commit.resolve(given))
+    return Choice(str(given), root, str(m.path), m.checksum), m
+
+
+def _settle(mine: Choice, found: Manifest | None, choices: list[Choice]) -> Manifest:
+    """Coordinator-free. Step 3: the manifest this rank loads; :class:`CheckpointError`
+    naming both checkpoints where it is not the one DP rank 0 chose."""
+    first = choices[0]
+    differ = [r for r, c in enumerate(choices) if c.checksum not in (None, first.checksum)]
+    if differ:
+        shown = "; ".join(f"dp rank {r}: {choices[r].path} (manifest {choices[r].checksum})"
+                          for r in [0, *differ])
+        raise CheckpointError(f"the ranks were given different checkpoints ({shown}); every "
+                              "rank must load the same one: give every rank the same path, or "
+                              "the root, whose latest checkpoint dp rank 0 then chooses for all")
+    if found is None:
+        same_root = first.root and _same_dir(first.given, mine.given)
+        found = parse(Path(first.path) if same_root else commit.resolve(mine.given))
+    if found.checksum != first.checksum:
+        raise CheckpointError(
+            f"dp rank 0 chose {first.path} (manifest {first.checksum}), but this rank found "
+            f"{found.path} (manifest {found.checksum}): every rank must load the same checkpoint "
+            "(was it replaced meanwhile, or another root given?)")
+    return found
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # rank 0's path may not exist on this rank's node
+        return False
 
 
 def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, verify: bool,
              host: bool, staging_bytes: int, threads: int, keep_hyper: bool) -> _Plan:
-    """Coordinator-free. Every check of a load of ``m``, and everything it reads before
+    """Coordinator-free. Step 4: every check of a load of ``m``, and what it reads before
     writing."""
     opt.check_onloaded("checkpoint.load")
     _check_compatible(m, model, opt)
@@ -158,26 +208,28 @@ def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, ver
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
     try:
         reads: list[Read] = []
-        scales: list[tuple[str, int, torch.Tensor]] = []  # checked before the ranks agree
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copied to after)
+        checks: list[Callable[[], None]] = []  # of the scales, before the ranks agree
+        copies: list[Callable[[], None]] = []  # of scales read early into existing moments
         for d in state.destinations(model, opt, dict(m.moments)):
             out, in_place = d.resolve(moments), d.tensor is not None or not fresh
             if d.part == "scales":
                 if in_place:  # existing moments: read into a host copy now, copy in later
-                    staged.append((torch.empty(out.numel(), dtype=out.dtype), out))
-                    out, in_place = staged[-1][0], False
-                scales.append((d.key, d.want.start, out))
+                    early = torch.empty(out.numel(), dtype=out.dtype)
+                    copies.append(functools.partial(out.copy_, early))
+                    out, in_place = early, False
+                checks.append(functools.partial(files.check_scales, d.key, d.want.start, out))
             reads += files.reads(d.key, d.want, out, in_place=in_place)
         pieces, conversion_reads = convert.plan(opt, dict(m.moments), files)
         reads += conversion_reads
-        scales += [(p.scale_key, p.scale_start, p.scales) for p in pieces if p.scales is not None]
+        checks += [functools.partial(files.check_scales, p.scale_key, p.scale_start, p.scales)
+                   for p in pieces if p.scales is not None]
         rng_reads = _rng_reads(files, rng_file) if rng_file else {}
         reads += rng_reads.values()
         files.keep_only(reads)
         read_rest = read_verified(reads, verify=verify, threads=threads,
                                   staging_bytes=staging_bytes)
-        for key, first, values in scales:
-            files.check_scales(key, first, values)
+        for check in checks:
+            check()
         rng = {key: r.out for key, r in rng_reads.items()}
         _check_rng(rng, f"{m.path / rng_file}" if rng_file else "")
     except BaseException:
@@ -186,8 +238,8 @@ def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, ver
 
     def read_in_place() -> None:
         read_rest()
-        for source, target in staged:
-            target.copy_(source)
+        for copy in copies:
+            copy()
     return _Plan(m, files, read_in_place, steps, hparams, rng, moments, pieces)
 
 

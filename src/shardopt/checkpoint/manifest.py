@@ -1,11 +1,10 @@
 """``manifest.json``: parsed once, validated, into frozen records nothing else re-checks.
 
-A manifest comes from disk and may be damaged or hostile: it is size-limited,
-read without following symlinks, parsed as plain JSON and checked against its
-own checksum. :func:`parse` then checks every field that ``load``, ``verify``,
-``export`` and ``inspect`` use (one validation for all of them) and returns a
-:class:`Manifest`. Data file names are fixed patterns
-(``model-00000.safetensors``), so none can leave the directory.
+A manifest comes from disk and may be damaged or hostile: it is size-limited, read without
+following symlinks, parsed as plain JSON and checked against its own checksum. :func:`parse`
+then checks every field that ``load``, ``verify``, ``export`` and ``inspect`` use and returns
+a :class:`Manifest`. Data file names are fixed patterns (``model-00000.safetensors``), so none
+can leave the directory.
 """
 
 from __future__ import annotations
@@ -26,14 +25,11 @@ from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
 from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                      MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES,
-                     FileRecord, FormatError, data_file_name, dtype_name, manifest_checksum,
-                     parse_json_object)
+                     ChunkRecord, FileRecord, FormatError, StoredTensor, data_file_name,
+                     dtype_name, is_int, manifest_checksum, parse_json_object)
 from .storage import open_regular
 
 _HASH = re.compile(r"^[0-9a-f]{16}$")
-# Every integer field (steps, sizes, offsets, dimensions) fits in int64, as the tensors and
-# step counts it becomes must.
-MAX_INT = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -64,14 +60,9 @@ class MomentEncoding:
     sqrt: bool = False
     code_max: int = 0
 
-    @property
-    def kind(self) -> torch.dtype | str:
-        """The config value (``exp_avg_dtype`` & co.) that stores a moment this way."""
-        return INT8 if self.block else self.dtype
-
     @classmethod
     def of(cls, kind: torch.dtype | str, name: str) -> MomentEncoding:
-        """The encoding of moment ``name`` stored as ``kind`` by this shardopt."""
+        """The encoding of moment ``name`` stored as ``kind`` (``exp_avg_dtype`` & co.)."""
         if kind != INT8:
             return cls(kind)  # type: ignore[arg-type]
         sqrt = name == MOMENT_NAMES[1]
@@ -105,7 +96,9 @@ class MomentEncoding:
         return out
 
 
-FP32 = MomentEncoding(torch.float32)
+# The encodings this shardopt writes, and so reads.
+ENCODINGS = (MomentEncoding(torch.float32), MomentEncoding(torch.bfloat16),
+             *(MomentEncoding.of(INT8, n) for n in MOMENT_NAMES))
 
 
 @dataclass(frozen=True)
@@ -127,19 +120,19 @@ class Manifest:
     def file(self) -> Path:
         return self.path / MANIFEST
 
-    def stored(self) -> dict[str, tuple[int, torch.dtype]]:
-        """Every stored key: its element count and dtype."""
-        out: dict[str, tuple[int, torch.dtype]] = {}
+    def stored(self) -> dict[str, StoredTensor]:
+        """Every stored key."""
+        out: dict[str, StoredTensor] = {}
         for fqn, p in self.params.items():
-            out[fqn] = (p.numel, p.dtype)
+            out[fqn] = StoredTensor(p.numel, p.dtype)
             if not p.trainable:
                 continue
-            out[f"{fqn}.master_param"] = (p.numel, torch.float32)
+            out[f"{fqn}.master_param"] = StoredTensor(p.numel, torch.float32)
             for name, enc in self.moments.items():
-                out[f"{fqn}.{name}"] = (p.numel, enc.dtype)
+                out[f"{fqn}.{name}"] = StoredTensor(p.numel, enc.dtype)
                 if enc.block:
-                    out[f"{fqn}.{name}.scale"] = (Range(0, p.numel).blocks(enc.block).size,
-                                                  torch.float32)
+                    out[f"{fqn}.{name}.scale"] = StoredTensor(
+                        Range(0, p.numel).blocks(enc.block).size, torch.float32)
         return out
 
     def scale_keys(self) -> list[str]:
@@ -159,52 +152,62 @@ class Manifest:
         return sorted(n for n in os.listdir(self.path) if n != MANIFEST and n not in self.files)
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut short: a forged field may be a 400-digit number or a long list."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def parse(path: Path) -> Manifest:
     """Coordinator-free. Read and validate ``path/manifest.json``; raise :class:`FormatError`
     naming the file and the field."""
     file = path / MANIFEST
-    m = _read(path)
+    m = _read(file)
     try:
         checksum = manifest_checksum(m)
     except RecursionError:
         raise FormatError(f"{file}: nested too deeply") from None
     if m.get("format") != FORMAT_NAME:
         raise FormatError(f"{file}: not a {FORMAT_NAME} checkpoint manifest")
-    version = m.get("version")
-    if version != FORMAT_VERSION:
-        raise FormatError(f"{file}: format version {version!r}; this shardopt reads version "
-                          f"{FORMAT_VERSION} only")
+    if m.get("version") != FORMAT_VERSION:
+        raise FormatError(f"{file}: format version {m.get('version')!r}; this shardopt reads "
+                          f"version {FORMAT_VERSION} only")
     if m.get("checksum") != checksum:
         raise FormatError(f"{file}: checksum mismatch (the manifest is damaged or was edited)")
     dp_size = _int(m.get("dp_size"), "dp_size", file, 1)
-    moments = _check_optimizer(m.get("optimizer"), file)
+    moments = _moments(m.get("optimizer"), file)
     for key in ("config", "extra", "aliases"):
         if not isinstance(m.get(key, {}), dict):
             raise FormatError(f"{file}: {key} must be a JSON object")
-    raw_params = m.get("params")
-    if not isinstance(raw_params, dict):
+    if not isinstance(m.get("params"), dict):
         raise FormatError(f"{file}: params must be a JSON object")
-    params = {fqn: _param(fqn, info, file) for fqn, info in raw_params.items()}
-    _check_aliases(m.get("aliases", {}), params, file)
-    raw_files = m.get("files")
-    if not isinstance(raw_files, dict) or not raw_files:
+    params = {fqn: _param(fqn, info, file) for fqn, info in m["params"].items()}
+    aliases = m.get("aliases", {})
+    for alias, target in aliases.items():  # another name of a tied param
+        if not isinstance(target, str) or target not in params:
+            raise FormatError(f"{file}: alias {alias!r} names {shown(target)}, which is not a "
+                              "stored param")
+        if not alias or alias in params:
+            raise FormatError(f"{file}: alias {alias!r} of {target!r} is empty or also a "
+                              "stored param")
+    if not isinstance(m.get("files"), dict) or not m["files"]:
         raise FormatError(f"{file}: files must be a non-empty JSON object")
-    files = {name: _file(name, rec, dp_size, file) for name, rec in raw_files.items()}
+    files = {name: _file(name, rec, dp_size, file) for name, rec in m["files"].items()}
     _check_file_set(dp_size, files, file)
-    manifest = Manifest(path, version, _int(m.get("step"), "step", file), dp_size,
-                        m.get("created") if isinstance(m.get("created"), str) else None,
+    created = m.get("created")
+    manifest = Manifest(path, FORMAT_VERSION, _int(m.get("step"), "step", file), dp_size,
+                        created if isinstance(created, str) else None,
                         MappingProxyType(m.get("config", {})), MappingProxyType(params),
-                        MappingProxyType(m.get("aliases", {})), MappingProxyType(files),
+                        MappingProxyType(aliases), MappingProxyType(files),
                         MappingProxyType(m.get("extra", {})), MappingProxyType(moments),
                         checksum)
     _check_tiling(manifest)
     return manifest
 
 
-def _read(path: Path) -> dict[str, Any]:
-    file = path / MANIFEST
+def _read(file: Path) -> dict[str, Any]:
     if not os.path.lexists(file):
-        raise FormatError(f"{path} is not a checkpoint: {MANIFEST} is missing")
+        raise FormatError(f"{file.parent} is not a checkpoint: {MANIFEST} is missing")
     fd = open_regular(file)
     try:
         size = os.fstat(fd).st_size
@@ -217,21 +220,15 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _int(value: Any, what: str, file: Path, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_INT:
+    if not is_int(value, minimum):
         raise FormatError(f"{file}: {what} must be an int in [{minimum}, 2**63 - 1], got "
                           f"{shown(value)}")
     return value
 
 
-def shown(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut short: a forged field may be a 400-digit number or a long list."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _check_optimizer(saved: Any, file: Path) -> dict[str, MomentEncoding]:
-    """The stored state must mean what this optimizer's does; returns how each moment is
-    stored (fp32 where the manifest does not say)."""
+def _moments(saved: Any, file: Path) -> dict[str, MomentEncoding]:
+    """How each moment is stored (fp32 where the manifest does not say), once the stored
+    state is known to mean what this optimizer's does."""
     if not (isinstance(saved, dict) and isinstance(saved.get("kind"), str)
             and isinstance(saved.get("state"), list)):
         raise FormatError(f"{file}: optimizer must be an object with 'kind' and 'state'")
@@ -243,20 +240,15 @@ def _check_optimizer(saved: Any, file: Path) -> dict[str, MomentEncoding]:
     if not isinstance(moments, dict) or set(moments) - set(MOMENT_NAMES):
         raise FormatError(f"{file}: optimizer.moments must map {list(MOMENT_NAMES)} to their "
                           f"encodings, got {moments!r}")
-    return {name: _encoding(name, moments.get(name), file) for name in MOMENT_NAMES}
-
-
-def _encoding(name: str, raw: Any, file: Path) -> MomentEncoding:
-    """One moment's encoding; only the ones this shardopt writes are accepted."""
-    if raw is None:
-        return FP32
-    known = [MomentEncoding(torch.float32), MomentEncoding(torch.bfloat16)] + [
-        MomentEncoding.of(INT8, n) for n in MOMENT_NAMES]
-    for enc in known:
-        if raw == enc.to_json():
-            return enc
-    raise FormatError(f"{file}: unsupported encoding of {name}: {raw!r}; this shardopt reads "
-                      f"{[e.to_json() for e in known]}")
+    out = {}
+    for name in MOMENT_NAMES:
+        raw = moments.get(name)
+        out[name] = ENCODINGS[0] if raw is None else next(
+            (e for e in ENCODINGS if raw == e.to_json()), None)
+        if out[name] is None:
+            raise FormatError(f"{file}: unsupported encoding of {name}: {raw!r}; this shardopt "
+                              f"reads {[e.to_json() for e in ENCODINGS]}")
+    return out
 
 
 def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
@@ -272,35 +264,18 @@ def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
     trainable = info.get("trainable")
     if not isinstance(trainable, bool):
         raise FormatError(f"{file}: param {fqn!r} lacks 'trainable'")
-    step, hyper = 0, {}
-    if trainable:
-        step = _int(info.get("step"), f"step of {fqn!r}", file)
-        hyper = _hyper(fqn, info.get("group"), file)
-    return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], trainable, step,
-                       MappingProxyType(hyper))
-
-
-def _check_aliases(aliases: dict[str, Any], params: dict[str, ParamRecord], file: Path) -> None:
-    """Each alias (another name of a tied param) names a stored param and is not one."""
-    for alias, target in aliases.items():
-        if not isinstance(target, str) or target not in params:
-            raise FormatError(f"{file}: alias {alias!r} names {shown(target)}, which is not a "
-                              "stored param")
-        if not alias or alias in params:
-            raise FormatError(f"{file}: alias {alias!r} of {target!r} is empty or also a "
-                              "stored param")
-
-
-def _hyper(fqn: str, group: Any, file: Path) -> dict[str, Any]:
-    """A trainable param's saved hyperparameters, each in the range AdamW accepts."""
+    if not trainable:
+        return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], False, 0, MappingProxyType({}))
+    step = _int(info.get("step"), f"step of {fqn!r}", file)
+    group = info.get("group")
     if not isinstance(group, dict):
         raise FormatError(f"{file}: param {fqn!r} lacks its hyperparameters ('group')")
-    out = {key: group_value(key, group.get(key)) for key in GROUP_KEYS}
-    for key, v in out.items():
+    hyper = {key: group_value(key, group.get(key)) for key in GROUP_KEYS}  # in AdamW's range
+    for key, v in hyper.items():
         if v is None:
             raise FormatError(f"{file}: param group value {key}={shown(group.get(key))} of "
                               f"{fqn!r} is malformed")
-    return out
+    return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], True, step, MappingProxyType(hyper))
 
 
 def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
@@ -326,16 +301,15 @@ def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
     if len(hashes) != Range(0, size).blocks(block_bytes).size:
         raise FormatError(f"{file}: {name} has {len(hashes)} block hashes for {size} bytes "
                           f"in blocks of {block_bytes}")
-    chunks: list[tuple[str, int, int]] = []
-    if kind != "rng":
-        raw = rec.get("chunks")
-        if not isinstance(raw, list):
-            raise FormatError(f"{file}: chunks of {name} must be a list")
-        for c in raw:
-            if not (isinstance(c, list) and len(c) == 3 and isinstance(c[0], str)):
-                raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
-            chunks.append((c[0], _int(c[1], f"chunk offset in {name}", file),
-                           _int(c[2], f"chunk length in {name}", file)))
+    chunks = []
+    raw = rec.get("chunks") if kind != "rng" else []
+    if not isinstance(raw, list):
+        raise FormatError(f"{file}: chunks of {name} must be a list")
+    for c in raw:
+        if not (isinstance(c, list) and len(c) == 3 and isinstance(c[0], str)):
+            raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
+        chunks.append(ChunkRecord(c[0], _int(c[1], f"chunk offset in {name}", file),
+                                  _int(c[2], f"chunk length in {name}", file)))
     return FileRecord(name, kind, size, block_bytes, tuple(hashes), tuple(chunks))
 
 
@@ -346,14 +320,14 @@ def _check_file_set(dp_size: int, files: dict[str, FileRecord], file: Path) -> N
             f"least {least} ({', '.join(FILE_KINDS)} per rank)")
     if len(files) < least:  # before building the set of names: dp_size may be absurd
         raise FormatError(what)
-    parts: dict[tuple[str, int], set[int]] = {}
-    for name in files:
-        kind, rank, part = DATA_FILE.fullmatch(name).groups()
-        parts.setdefault((kind, int(rank)), set()).add(int(part or 0))
     missing = sorted({data_file_name(k, r) for r in range(dp_size) for k in FILE_KINDS}
                      - set(files))
     if missing:
         raise FormatError(f"{what}; missing {', '.join(missing[:4])}")
+    parts: dict[tuple[str, int], set[int]] = {}  # by kind and rank
+    for name in files:
+        kind, rank, part = DATA_FILE.fullmatch(name).groups()
+        parts.setdefault((kind, int(rank)), set()).add(int(part or 0))
     for (kind, rank), got in sorted(parts.items()):
         gap = min(set(range(len(got) + 1)) - got)
         if gap < len(got):
@@ -366,23 +340,23 @@ def _check_tiling(m: Manifest) -> None:
     """The files' chunks of every stored tensor tile it exactly: the stored bytes agree
     with the params' shapes, and no key is stored that no param describes."""
     stored = m.stored()
-    by_key: dict[str, list[tuple[int, int, str]]] = {}
+    by_key: dict[str, list[tuple[ChunkRecord, str]]] = {key: [] for key in stored}
     for f in m.data_files():
-        for key, offset, numel in f.chunks:
-            if key not in stored:
-                raise FormatError(f"{m.file}: {f.name} stores {key!r}, which no param describes")
-            by_key.setdefault(key, []).append((offset, numel, f.name))
-    for key, (numel, _) in stored.items():
+        for c in f.chunks:
+            if c.key not in stored:
+                raise FormatError(f"{m.file}: {f.name} stores {c.key!r}, which no param describes")
+            by_key[c.key].append((c, f.name))
+    for key, chunks in by_key.items():
         pos = 0
-        for offset, n, name in sorted(by_key.get(key, [])):
-            if offset != pos:
-                what = "overlap" if offset < pos else "gap"
+        for c, name in sorted(chunks):
+            if c.offset != pos:
+                what = "overlap" if c.offset < pos else "gap"
                 raise FormatError(f"{m.file}: stored chunks of {key!r} have a {what} at element "
                                   f"{pos} (file {name})")
-            pos += n
-        if pos != numel:
-            raise FormatError(f"{m.file}: stored chunks of {key!r} cover {pos} of {numel} "
-                              "elements")
+            pos += c.numel
+        if pos != stored[key].numel:
+            raise FormatError(f"{m.file}: stored chunks of {key!r} cover {pos} of "
+                              f"{stored[key].numel} elements")
 
 
 __all__ = ["FileRecord", "Manifest", "MomentEncoding", "ParamRecord", "parse"]

@@ -63,7 +63,7 @@ class DataFiles:
 
     def reads(self, key: str, want: Range, out: torch.Tensor, in_place: bool) -> list[Read]:
         """What fills ``out`` (1-D) with elements ``want`` of stored tensor ``key``."""
-        dtype = self.stored[key][1]
+        dtype = self.stored[key].dtype
         return [Read(self.readers[r.file], r.file_start, out.narrow(0, r.dest_start, r.numel),
                      dtype, in_place) for r in self.index.plan(key, want)]
 

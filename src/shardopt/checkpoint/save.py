@@ -40,7 +40,7 @@ from ..optimizer import DistributedOptimizer
 from . import background, commit, state, writer_process
 from .background import SaveHandle
 from .agree import CheckpointError, agree
-from .config import CheckpointConfig, resolve_config
+from .config import CheckpointConfig, settings
 from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, data_file_name,
                      manifest_checksum, state_file_kind, step_dir_name)
 from .storage import (FILE_THREADS, WriteEntry, entry_bytes, part_counts, split_entries,
@@ -100,15 +100,9 @@ def save(
     optimizer: DistributedOptimizer,
     step: int,
     extra: dict[str, Any] | None = None,
-    keep_last: int | None = None,
-    block_bytes: int | None = None,
-    staging_bytes: int | None = None,
-    io_threads: int | None = None,
     *,
-    blocking: bool | None = None,
-    if_busy: str | None = None,
-    snapshot: str | None = None,
-    rollback: bool | None = None,
+    blocking: bool = True,
+    keep_last: int | None = None,
     config: CheckpointConfig | None = None,
 ) -> str | SaveHandle:
     """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.
@@ -118,20 +112,17 @@ def save(
     (never the one just saved). Committed checkpoints of steps ``>= step`` (left by a run
     this one rolled back from) are replaced when this one commits, never before (see
     :mod:`.commit`); a run that did not resume from ``root`` (``checkpoint.load``) at or
-    before ``step`` is refused such a save unless ``rollback=True``. ``io_threads`` (default:
-    this process's share of
-    the node's CPUs, 2-16) is how many files of about equal size each rank's data
-    is split into and written at once. On any failure of any rank every rank
-    raises :class:`CheckpointError` and nothing is committed. ``config`` holds these
-    settings in one object; a keyword argument that is not None overrides its field.
+    before ``step`` is refused such a save unless ``config.rollback``. ``config`` sets the
+    rest (threads, block size, staging, snapshot: :class:`~.config.CheckpointConfig`). On
+    any failure of any rank every rank raises :class:`CheckpointError` and nothing is
+    committed.
 
     ``blocking=False``: return a :class:`~.background.SaveHandle` at once; the state is
     copied (:mod:`.snapshot`), written and committed in the background (:mod:`.background`)
     and the files hold exactly the state at the call. A save while an asynchronous one of
-    the optimizer is in flight waits for it (``if_busy="wait"``) or fails on every rank
-    (``"error"``); an error of that earlier save nobody has seen fails this one.
-    ``snapshot`` (GPU only): where the copy goes, ``"host"`` or ``"device_staged"``
-    (:mod:`.snapshot`).
+    the optimizer is in flight waits for it (``config.if_busy="wait"``) or fails on every
+    rank (``"error"``); an error of that earlier save nobody has seen fails this one.
+    ``config.snapshot`` (GPU only): where the copy goes, ``"host"`` or ``"device_staged"``.
     """
     dp = optimizer.dp
     optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
@@ -143,17 +134,14 @@ def save(
         error, extra_obj, threads, cfg, contents, drain = None, None, 1, CheckpointConfig(), [], None
         base: Callable[[], dict[str, Any]] = dict
         try:
-            cfg = resolve_config(config, keep_last=keep_last, block_bytes=block_bytes,
-                                 staging_bytes=staging_bytes, io_threads=io_threads,
-                                 blocking=blocking, if_busy=if_busy, snapshot=snapshot,
-                                 rollback=rollback)
+            cfg = settings(config, blocking=blocking, keep_last=keep_last)
             error = saves.settle(cfg.if_busy)
             if error is None:
                 frozen = state.frozen_tensors(model, optimizer, check_model=True)
                 optimizer.reseed_written()  # saved main params are the weights written since
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
-                if cfg.blocking:
+                if blocking:
                     contents = _rank_contents(optimizer, frozen)
                 else:  # split into files later, in the background
                     contents, drain = _take_snapshot(saves, optimizer, frozen,
@@ -161,21 +149,21 @@ def save(
                 if dp.rank == 0:
                     base = _manifest_base(optimizer, step, extra_obj, frozen)
                     staged = commit.begin(root, step_dir_name(step), 0 if cfg.rollback else
-                                          commit.resumed_step(optimizer, root))
+                                          commit.resumed_step(optimizer.loaded_from, root))
         except Exception as e:  # noqa: BLE001 - reported to every rank by agree
             error = e
-        payloads = agree(dp, error, what, (step if error is None else None, cfg.blocking,
+        payloads = agree(dp, error, what, (step if error is None else None, blocking,
                                            staged.tmp.name if staged else None))
         # A rank that blocks and one that does not would wait in different collectives.
-        if any((s, b) != (step, cfg.blocking) for s, b, _ in payloads):
+        if any((s, b) != (step, blocking) for s, b, _ in payloads):
             raise CheckpointError(f"saving to {root} failed: ranks disagree on the step or on "
                                   f"blocking ({[(s, b) for s, b, _ in payloads]})")
         tmp = root / payloads[0][2]
         path = str(root / step_dir_name(step))
         rank = dp.rank
-        if cfg.blocking:
+        if blocking:
             _write_and_commit(tmp, staged, _split(contents, rank, threads), base, dp, cfg,
-                              threads, optimizer.device, step, what)
+                              keep_last, threads, optimizer.device, step, what)
             return path
         try:
             group = saves.coordination_group(dp)
@@ -207,7 +195,8 @@ def save(
                                                 process=saves.writer)
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     _write_and_commit(tmp, owned, _split(contents, rank, threads), base,
-                                      group, cfg, threads, device, step, what, through)
+                                      group, cfg, keep_last, threads, device, step, what,
+                                      through)
             finally:
                 if owned is not None:
                     commit.abort(owned)
@@ -229,7 +218,7 @@ Through = Callable[[Path, list[tuple[str, list[WriteEntry]]], int], "dict[str, d
 
 def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
                       base: Callable[[], dict[str, Any]], dp: comm.DPGroup,
-                      cfg: CheckpointConfig,
+                      cfg: CheckpointConfig, keep_last: int | None,
                       threads: int, device: torch.device, step: int, what: str,
                       through: Through | None = None) -> None:
     """Collective over ``dp``. Phases 2 and 3: write this rank's files (``through`` the
@@ -247,7 +236,7 @@ def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
         try:
             files = {name: rec for recs in all_records for name, rec in recs.items()}
             commit.commit(staged, step_dir_name(step), _manifest_text(base(), files),
-                          cfg.keep_last)
+                          keep_last)
         except Exception as e:  # noqa: BLE001
             error = e
     agree(dp, error, f"committing {tmp.parent / step_dir_name(step)}")

@@ -15,7 +15,7 @@ coordination group (gloo, :meth:`.background.Saves.coordination_group`) and writ
    still has (a job that never called ``destroy_process_group``).
 
 Why (a gloo group alive when the interpreter finalises aborts a finished job with SIGABRT):
-docs/reliability.md, Shutdown; ``tests/test_exit.py`` checks it.
+docs/reliability.md, Shutdown; ``tests/checkpoint/test_exit.py`` checks it.
 """
 
 from __future__ import annotations

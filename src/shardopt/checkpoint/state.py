@@ -1,11 +1,9 @@
 """Model-space view of one rank's state: what it saves and where what it loads goes.
 
-Everything is keyed by the param's fully qualified name (FQN): model weights
-as ``"{fqn}"`` in the model dtype, optimizer state as ``"{fqn}.master_param"``
-in fp32 and ``"{fqn}.exp_avg"``, ``"{fqn}.exp_avg_sq"`` in the moments' storage
-dtype (8-bit codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.), all flat 1-D.
-A rank's chunks are exactly its :class:`~shardopt.layout.ParamShard` records,
-so no rank ever holds more than its own shard.
+Keyed by FQN, all flat 1-D: model weights as ``"{fqn}"`` in the model dtype, optimizer state
+as ``"{fqn}.master_param"`` (fp32) and ``"{fqn}.exp_avg"``, ``"{fqn}.exp_avg_sq"`` in the
+moments' storage dtype (8-bit codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.). A rank's
+chunks are exactly its :class:`~shardopt.layout.ParamShard` records.
 """
 
 from __future__ import annotations
@@ -28,13 +26,9 @@ from .storage import WriteEntry
 
 @dataclass(frozen=True)
 class Destination:
-    """Elements ``want`` of stored tensor ``key`` go into a 1-D tensor.
-
-    That tensor is ``tensor`` (written in place) or, for Adam moments, which
-    are allocated only once every check has passed, the slice ``range_local``
-    of the ``part`` (``"values"`` or ``"scales"``) of moment ``moment``
-    (``"exp_avg"`` or ``"exp_avg_sq"``) of buffer ``buffer_index``.
-    """
+    """Elements ``want`` of stored tensor ``key`` go into ``tensor`` (in place) or, for Adam
+    moments (allocated once every check has passed), into slice ``range_local`` of the
+    ``part`` (``"values"`` or ``"scales"``) of moment ``moment`` of buffer ``buffer_index``."""
 
     key: str
     want: Range
@@ -79,19 +73,20 @@ def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer,
 @dataclass(frozen=True)
 class ParamFacts:
     """What the manifest's ``params`` table says that can change after a save's call (step
-    counts, hyperparameters, frozen tensors), copied at the call: cheap, so an asynchronous
-    save's call stays short, while :func:`describe` builds the table later from it."""
+    counts, hyperparameters, frozen tensors), copied at the call, which stays short;
+    :func:`describe` builds the table from it later."""
 
     steps: dict[str, int]
     groups: list[dict]
-    frozen: list[tuple[str, list[int], str]]
+    frozen: dict[str, dict]  # the table's rows of the frozen tensors
 
     @classmethod
     def capture(cls, opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> ParamFacts:
         return cls(dict(opt.param_steps),
                    [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                      if k in GROUP_KEYS} for g in opt.param_groups],
-                   [(fqn, list(t.shape), dtype_name(t.dtype)) for fqn, t in frozen.items()])
+                   {fqn: {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                          "trainable": False} for fqn, t in frozen.items()})
 
 
 def describe(opt: DistributedOptimizer, facts: ParamFacts) -> dict[str, dict]:
@@ -105,9 +100,7 @@ def describe(opt: DistributedOptimizer, facts: ParamFacts) -> dict[str, dict]:
             "step": facts.steps[fqn],
             "group": dict(facts.groups[opt.group_of[fqn]]),
         }
-    for fqn, shape, dtype in facts.frozen:
-        table[fqn] = {"shape": shape, "dtype": dtype, "trainable": False}
-    return table
+    return table | facts.frozen
 
 
 def sources(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
@@ -165,11 +158,9 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
 
 def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
                  saved: dict[str, MomentEncoding]) -> list[Destination]:
-    """Where this rank's loaded data goes: master params and frozen tensors in
-    place, moments into tensors allocated later. Trainable model weights are not
-    read: they are rebuilt from the master params and all-gathered. Moments stored
-    as ``opt`` stores them (``saved``) are read as they are, scales included; the
-    others are left to :func:`conversions`."""
+    """Where this rank's loaded data goes: master params and frozen tensors in place, moments
+    into tensors allocated later (those stored as ``opt`` stores them; the others are for
+    :mod:`.convert`). Trainable weights are not read: the master params rebuild them."""
     out = []
     mine = encodings(opt)
     for s in opt.shards:

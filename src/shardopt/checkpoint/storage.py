@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .format import FileHeader, FileRecord, FormatError, StoredChunk, build_header, parse_header
+from .format import (FileHeader, FileRecord, FormatError, StoredChunk, StoredTensor, build_header,
+                     parse_header)
 from .transfer import Part, Scratch, write_blocks
 
 
@@ -121,7 +122,7 @@ def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
 def file_parts(entries: Sequence[WriteEntry]) -> list[Part]:
     """The parts of the safetensors file holding ``entries``: its header, then each entry's
     bytes (1-D uint8 views of its source in the stored dtype; None for zeros)."""
-    header, starts = build_header([(e.key, e.dtype, e.numel, e.offset) for e in entries])
+    header, starts = build_header(entries)
     parts = [Part(0, len(header), torch.frombuffer(bytearray(header), dtype=torch.uint8))]
     for e, start in zip(entries, starts):
         data = None
@@ -170,10 +171,9 @@ def open_regular(path: Path) -> int:
 
 def _header_bound(record: FileRecord) -> int:
     """Generous bound on the header of a file holding the manifest's chunks."""
-    chunks = record.chunks if record.kind != "rng" else (("torch_cpu", 0, 0),
-                                                         ("torch_cuda", 0, 0))
+    keys = ["torch_cpu", "torch_cuda"] if record.kind == "rng" else [c.key for c in record.chunks]
     return HEADER_FIXED_BYTES + sum(HEADER_CHUNK_BYTES + HEADER_KEY_CHAR_BYTES * len(key)
-                                    for key, _, _ in chunks)
+                                    for key in keys)
 
 
 class FileReader:
@@ -205,18 +205,18 @@ class FileReader:
         self.header_bytes = header.header_bytes
         return header
 
-    def chunks(self, stored: dict[str, tuple[int, torch.dtype]]) -> list[StoredChunk]:
+    def chunks(self, stored: dict[str, StoredTensor]) -> list[StoredChunk]:
         """The file's chunks, after checking its header against the manifest: the same
         chunks as its record lists (RNG files: any), each of the dtype ``stored`` gives."""
         header = self.header()
         if self.record.kind == "rng":
             return list(header.chunks)
-        found = sorted((c.key, c.offset, c.numel) for c in header.chunks)
+        found = sorted(c.record for c in header.chunks)
         if found != sorted(self.record.chunks):
             raise FormatError(f"{self.path}: header disagrees with the manifest's chunk list")
         for c in header.chunks:
-            if c.dtype != stored[c.key][1]:
+            if c.dtype != stored[c.key].dtype:
                 raise FormatError(f"{self.path}: {c.key!r} is stored as {c.dtype}, "
-                                  f"the manifest says {stored[c.key][1]}")
+                                  f"the manifest says {stored[c.key].dtype}")
         return [StoredChunk(c.key, self.name, c.offset, c.numel, c.dtype, c.data_start)
                 for c in header.chunks]

@@ -5,6 +5,7 @@ in place of the state."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ def save(root: Path, model: torch.nn.Module, opt: DistributedOptimizer, step: in
     """Collective. Save ``model`` and ``opt`` as the only checkpoint under ``root`` (a save
     of the same name replaces the one before it, as the frameworks' files are replaced);
     return the marker for the framework's file."""
-    checkpoint.save(root, model, opt, step=step, keep_last=1, rollback=True, config=config)
+    rollback = dataclasses.replace(config or checkpoint.CheckpointConfig(), rollback=True)
+    checkpoint.save(root, model, opt, step=step, keep_last=1, config=rollback)
     return {MARKER: {"dir": root.name, "step": step}}
 
 

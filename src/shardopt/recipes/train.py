@@ -335,8 +335,9 @@ def _save(cfg, model, opt, sched, step, next_sample, out: Rank0) -> checkpoint.S
         "train": {"preset": cfg.preset, "steps": cfg.steps, "lr": cfg.lr,
                   "warmup_steps": cfg.num_warmup_steps},
     }
-    saved = checkpoint.save(cfg.ckpt_dir, model, opt, step=step, extra=extra, keep_last=cfg.keep_last,
-                            blocking=not cfg.async_save, snapshot=cfg.async_snapshot)
+    saved = checkpoint.save(cfg.ckpt_dir, model, opt, step=step, extra=extra,
+                            blocking=not cfg.async_save, keep_last=cfg.keep_last,
+                            config=checkpoint.CheckpointConfig(snapshot=cfg.async_snapshot))
     out.status("train")
     if isinstance(saved, checkpoint.SaveHandle):
         out.log(f"saving step {step} in the background (training paused {time.perf_counter() - t0:.2f}s)")

@@ -1,0 +1,309 @@
+"""The writer process of asynchronous saves (``shardopt.checkpoint.writer_process``): one
+process serves every save of an optimizer, maps each snapshot once and unmaps it when it is
+released or collected, reports its errors as the save's, ends with its optimizer, and a
+killed or forked-off process costs only the save it was writing."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from helpers.checks import checkpoint_bytes
+from helpers.models import build, train
+from shardopt import checkpoint
+from shardopt.checkpoint import CheckpointError, background
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                reason="the writer process needs memfd")
+
+
+def test_one_writer_process_outlives_the_save_threads_that_use_it(trained_model, tmp_path):
+    """Each asynchronous save runs on a thread of its own; the writer process started by
+    the first stays up for the next ones (it once died with the thread that started it,
+    failing every other save with 'Connection reset by peer')."""
+    model, opt = trained_model
+    writer = background.of(opt).writer
+    pids = []
+    for step in range(1, 4):
+        checkpoint.save(tmp_path, model, opt, step=step, blocking=False).wait()
+        pids.append(writer._proc.pid)
+        time.sleep(0.3)  # time for a signal at the save thread's end to land
+        assert writer._proc.poll() is None
+    assert len(set(pids)) == 1
+
+
+def _snapshot_maps(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("shardopt-snapshot" in line for line in f)
+
+
+def _until(cond, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
+    """A snapshot's shared memory is unmapped in the writer process when the snapshot is
+    released (the mapping would keep gigabytes alive for the rest of the run), and the process
+    ends when its optimizer is garbage-collected."""
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    saves = background.of(opt)
+    checkpoint.save(tmp_path / "a", model, opt, step=1, blocking=False).wait()
+    proc = saves.writer._proc
+    before = _snapshot_maps(proc.pid)
+    checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
+    mine = len(saves.snapshot.host_buffers())
+    assert mine > 0 and _snapshot_maps(proc.pid) == before == mine  # reused, not mapped again
+    saves.snapshot.release()
+    assert _until(lambda: _snapshot_maps(proc.pid) == 0)
+    checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
+    assert saves.writer._proc is proc and _snapshot_maps(proc.pid) == mine
+    del model, opt, saves
+    gc.collect()
+    assert _until(lambda: proc.poll() is not None) and proc.returncode == 0
+
+
+def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
+    """A child forked after the writer process started (a data loader worker) that drops a
+    snapshot or exits sends nothing down the parent's socket: the parent's mappings and
+    saves are intact."""
+    model, opt = build(0)
+    train(model, opt, range(2), 0, 1)
+    saves = background.of(opt)
+    checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
+    proc = saves.writer._proc
+    before = _snapshot_maps(proc.pid)
+    child = os.fork()
+    if child == 0:
+        try:
+            saves.snapshot.release()  # would queue unmaps of the parent's buffers
+            saves.writer.close()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    time.sleep(0.2)
+    assert proc.poll() is None and _snapshot_maps(proc.pid) >= before
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    path = checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
+    assert saves.writer._proc is proc
+    assert checkpoint_bytes(Path(path)) == checkpoint_bytes(Path(reference))
+
+
+def test_a_buffer_the_writer_process_cannot_map_fails_the_write_that_needs_it(tmp_path):
+    """A mapping that fails in the process (here: a descriptor of a directory) is answered
+    at the write that needs the buffer, as that write's error; the process lives on."""
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    proc = writer.WriterProcess()
+    try:
+        sock = proc._start()
+        fd = os.open(str(tmp_path), os.O_RDONLY)
+        try:
+            writer.protocol.send(sock, ["map", 7, 4096])
+            socket.send_fds(sock, [b"F"], [fd])
+        finally:
+            os.close(fd)
+        part = [0, 4, [7, 0]]
+        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "files": [["x", [part], 4]],
+                                              "block_bytes": 4, "buffers": [7]}])
+        (status, answer), _ = writer.protocol.recv(sock)
+        assert status == "error" and "mapping 4096 bytes of the snapshot failed" in answer
+        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
+                                              "files": [["y", [[0, 3, {"blob": 0}]], 3]],
+                                              "block_bytes": 4}], [b"abc"])
+        (status, answer), _ = writer.protocol.recv(sock)
+        assert status == "ok" and (tmp_path / "y").read_bytes() == b"abc"
+        assert not (tmp_path / "x").exists()
+    finally:
+        proc.close()
+
+
+def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, monkeypatch):
+    """The writer process is SIGKILLed in the middle of a save: that save fails on wait()
+    naming the process, nothing is committed, and the next save starts a new one."""
+    model, opt = trained_model
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    checkpoint.save(tmp_path, model, opt, step=1, blocking=False).wait()
+    proc = background.of(opt).writer._proc
+    assert proc is not None and proc.poll() is None
+    real = writer.protocol.recv
+
+    def killed_while_writing(sock):  # the request is sent; the answer never comes
+        os.kill(proc.pid, signal.SIGKILL)
+        return real(sock)
+
+    monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    with pytest.raises(CheckpointError, match="writer process failed"):
+        handle.wait()
+    monkeypatch.undo()
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "step_00000001")
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    path = checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
+    assert background.of(opt).writer._proc.pid != proc.pid
+    assert checkpoint_bytes(Path(path)) == checkpoint_bytes(Path(reference))
+
+
+def test_the_writer_process_names_the_file_it_could_not_write(trained_model, tmp_path,
+                                                              monkeypatch):
+    """An error inside the writer process (here: the file exists already) comes back as
+    the save's error, naming the file."""
+    model, opt = trained_model
+    save_module = importlib.import_module("shardopt.checkpoint.save")
+    real = save_module._write_rank_files
+
+    def clash(tmp, jobs, *args, **kwargs):
+        (tmp / jobs[0].name).write_bytes(b"in the way")
+        return real(tmp, jobs, *args, **kwargs)
+
+    monkeypatch.setattr(save_module, "_write_rank_files", clash)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
+    with pytest.raises(CheckpointError, match=r"FileExistsError.*\.safetensors"):
+        handle.wait()
+    assert checkpoint.latest(tmp_path) is None
+
+
+def test_a_block_of_more_pieces_than_one_write_call_takes(tmp_path):
+    """1,500 params of 8 elements: one 8 MiB block of the model file holds 1,500 pieces, more
+    than a vectored write takes at once (IOV_MAX, 1,024 on Linux). The writer process writes
+    it in several calls, and the checkpoint is the synchronous save's."""
+    import torch
+    from torch import nn
+
+    from shardopt import DistributedOptimizer, OptimizerConfig
+
+    torch.manual_seed(0)
+    model = nn.ParameterList(nn.Parameter(torch.randn(8)) for _ in range(1500))
+    opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-2))
+    sum((p * p).sum() for p in model).backward()
+    opt.step()
+    sync = checkpoint.save(tmp_path / "sync", model, opt, step=1)
+    asyn = checkpoint.save(tmp_path / "async", model, opt, step=1, blocking=False).wait()
+    a, b = checkpoint_bytes(Path(sync)), checkpoint_bytes(Path(asyn))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name] == b[name], name
+
+
+def _stream_jobs():
+    """Three files of host entries (bf16 and fp32 values, zeros), one far larger."""
+    import torch
+
+    from shardopt.checkpoint.storage import WriteEntry
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(30_000, generator=g)
+    return [("a.safetensors", [WriteEntry("w", torch.float32, 30_000, 0, big),
+                               WriteEntry("z", torch.float32, 5_000, 0, None),
+                               WriteEntry("b", torch.bfloat16, 777, 3,
+                                          torch.randn(777, generator=g).bfloat16())]),
+            ("b.safetensors", [WriteEntry("v", torch.float32, 1_234, 0,
+                                          torch.randn(1_234, generator=g))]),
+            ("c.safetensors", [])]
+
+
+def test_a_streamed_write_is_the_direct_write(tmp_path):
+    """Files streamed through a staging buffer of three 4 KiB slots, blocks of 10,000 bytes
+    (pieces never cross a block; a block takes three pieces): the same bytes and block
+    digests as each file written directly, and the buffer serves the next write too."""
+    import torch
+
+    from shardopt.checkpoint.storage import write_file
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    jobs = _stream_jobs()
+    (tmp_path / "direct").mkdir()
+    direct = {name: write_file(str(tmp_path / "direct" / name), entries, 10_000, None)
+              for name, entries in jobs}
+    staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
+    process = writer.WriterProcess()
+    try:
+        for run in ("one", "two"):
+            (tmp_path / run).mkdir()
+            records = writer.stream_files(tmp_path / run, jobs, 10_000, staging, 4096, process)
+            assert records == direct
+            for name, _ in jobs:
+                assert (tmp_path / run / name).read_bytes() == \
+                    (tmp_path / "direct" / name).read_bytes(), name
+    finally:
+        process.close()
+
+
+def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_path,
+                                                                          monkeypatch):
+    """A file in the way fails the streamed write naming it, after every slot came back (the
+    process keeps serving: the next write works); a process killed in the middle fails its
+    write saying so, and the next write starts a new process."""
+    import torch
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    jobs = _stream_jobs()
+    staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
+    process = writer.WriterProcess()
+    try:
+        (tmp_path / "x").mkdir()
+        (tmp_path / "x" / "b.safetensors").write_bytes(b"in the way")
+        with pytest.raises(OSError, match=r"b\.safetensors: FileExistsError"):
+            writer.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096, process)
+        proc = process._proc
+        (tmp_path / "y").mkdir()
+        assert set(writer.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096,
+                                       process)) == {name for name, _ in jobs}
+        assert process._proc is proc
+
+        real = writer.protocol.recv
+
+        def killed_while_writing(sock):
+            os.kill(proc.pid, signal.SIGKILL)
+            return real(sock)
+
+        monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+        (tmp_path / "z").mkdir()
+        with pytest.raises(OSError, match="writer process failed"):
+            writer.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096, process)
+        monkeypatch.undo()
+        (tmp_path / "w").mkdir()
+        assert set(writer.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096,
+                                       process)) == {name for name, _ in jobs}
+        assert process._proc.pid != proc.pid
+    finally:
+        process.close()
+
+
+def test_a_streamed_write_from_a_buffer_the_process_lacks_fails_saying_so(tmp_path):
+    """A stream naming a staging buffer the process never mapped (or failed to map) is
+    answered with that reason, its pieces are handed back unwritten, and the process lives
+    on."""
+    writer = importlib.import_module("shardopt.checkpoint.writer_process")
+    proc = writer.WriterProcess()
+    try:
+        sock = proc._start()
+        writer.protocol.send(sock, ["stream", {"dir": str(tmp_path), "files": [["x", 4]],
+                                               "block_bytes": 4, "slot_bytes": 4,
+                                               "buffer": 99}])
+        writer.protocol.send(sock, ["pieces", [[0, 0, 4, 0]]])
+        writer.protocol.send(sock, ["end"])
+        answers = []
+        while not answers or answers[-1][0] != "done":
+            answers.append(writer.protocol.recv(sock)[0])
+        assert answers[0] == ["failed", "the staging buffer 99 is not mapped"]
+        assert ["free", 0] in answers
+        assert answers[-1] == ["done", "error", "the staging buffer 99 is not mapped"]
+        assert not (tmp_path / "x").exists()
+        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
+                                              "files": [["y", [[0, 3, {"blob": 0}]], 3]],
+                                              "block_bytes": 4}], [b"abc"])
+        digest = xxhash.xxh3_64(b"abc").hexdigest()
+        assert writer.protocol.recv(sock)[0] == \
+            ["ok", {"y": {"size": 3, "block_bytes": 4, "hashes": [digest]}}]
+    finally:
+        proc.close()
