@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     where = v.split("_")[0]
                     scratch = [write_scratch(block, staging, device if where == "device"
-                                             else torch.device("cpu"), threads=1)
+                                             else torch.device("cpu"))
                                for _ in range(args.files)]
                     jobs = list(range(args.files))
                     hasher = mock.patch.object(transfer.xxhash, "xxh3_64", _NoHash) \
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                         transfer.run_parallel(jobs, lambda i, slot: write_file(
                             str(d / f"f{i}.safetensors"),
                             [WriteEntry("x", torch.float32, numel, 0, sources[where][i])],
-                            block, scratch[i], 1), len(jobs))
+                            block, scratch[i]), len(jobs))
                         times[v].append(time.perf_counter() - t0)
                 shutil.rmtree(d)
                 print(f"rep {rep} {v}: {times[v][-1]:.3f} s, "

@@ -504,8 +504,8 @@ _CHILD = textwrap.dedent("""
     real = save_module._write_rank_files
     def write_files(tmp, *args, **kwargs):
         out = real(tmp, *args, **kwargs)
-        proc = background.of(opt).writer._proc
-        sys.stdout.write(f"wrote {{tmp}} writer {{proc.pid if proc else None}}\\n")
+        pid = background.of(opt).writer.pid
+        sys.stdout.write(f"wrote {{tmp}} writer {{pid}}\\n")
         sys.stdout.flush()
         {after_write}
         return out

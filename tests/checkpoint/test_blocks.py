@@ -1,4 +1,4 @@
-"""One-pass verified block reads (checkpoint.blocks) against the stored bytes."""
+"""The read engine's verified block reads (checkpoint.read) against the stored bytes."""
 
 import os
 from pathlib import Path
@@ -7,115 +7,112 @@ import pytest
 import torch
 import xxhash
 
-from shardopt.checkpoint import blocks
-from shardopt.checkpoint.format import FormatError
+from shardopt.checkpoint import read
+from shardopt.checkpoint.format import FileRecord, FormatError
+from shardopt.checkpoint.storage import FileReader
 
 
-def _file(tmp_path, data: torch.Tensor, block_bytes: int):
+def _file(tmp_path, data: torch.Tensor, block_bytes: int) -> FileReader:
+    """``data``'s bytes as a file hashed in ``block_bytes`` blocks, open for reading."""
     raw = data.view(torch.uint8).numpy().tobytes()
     path = tmp_path / "f.bin"
     path.write_bytes(raw)
-    hashes = [xxhash.xxh3_64_hexdigest(raw[i:i + block_bytes])
-              for i in range(0, len(raw), block_bytes)]
-    return str(path), hashes, len(raw)
+    hashes = tuple(xxhash.xxh3_64_hexdigest(raw[i:i + block_bytes])
+                   for i in range(0, len(raw), block_bytes))
+    return FileReader(tmp_path, FileRecord("f.bin", "model", len(raw), block_bytes, hashes, ()))
+
+
+def _blocks(f: FileReader) -> range:
+    return range(len(f.record.hashes))
 
 
 @pytest.mark.parametrize("block_bytes", [64, 4096, 1 << 20])
-def test_read_blocks_places_direct_and_staged_segments(tmp_path, block_bytes):
+def test_read_blocks_places_direct_and_staged_reads(tmp_path, block_bytes):
     data = torch.randn(10_000)
-    path, hashes, size = _file(tmp_path, data, block_bytes)
+    f = _file(tmp_path, data, block_bytes)
     direct = torch.zeros(3000)
     cast = torch.zeros(2500, dtype=torch.float64)  # staged through the scratch buffer
-    segs = [blocks.Segment(4 * 100, direct, torch.float32),          # gap before it
-            blocks.Segment(4 * 5000, cast, torch.float32)]           # gap between
-    assert blocks.one_pass_ok(segs, block_bytes, 1 << 20)
-    fd = os.open(path, os.O_RDONLY)
+    reads = [read.Read(f, 4 * 100, direct, torch.float32),          # gap before it
+             read.Read(f, 4 * 5000, cast, torch.float32)]           # gap between
+    assert read.one_pass_ok(reads, block_bytes, 1 << 20)
     try:
-        [done] = blocks.read_blocks([(blocks.BlockFile(fd, path, hashes, block_bytes, size),
-                                      segs)], threads=3)
+        done = read.read_blocks(reads, threads=3)
     finally:
-        os.close(fd)
+        f.close()
     assert torch.equal(direct, data[100:3100])
     assert torch.equal(cast, data[5000:7500].double())
-    assert done == {b for s in segs for b in range(s.file_start // block_bytes,
-                                                      (s.file_end - 1) // block_bytes + 1)}
+    assert done == {f.path: {b for r in reads for b in range(r.file_start // block_bytes,
+                                                              (r.file_end - 1) // block_bytes + 1)}}
 
 
-def test_staged_segment_after_an_odd_sized_int8_chunk(tmp_path):
+def test_staged_read_after_an_odd_sized_int8_chunk(tmp_path):
     """int8 codes of odd length followed by fp32 scales (a low-precision checkpoint's file):
     the scales start off their alignment and are staged (a casting destination here, a GPU
     tensor in real loads), which once failed to view the staged bytes as float32."""
     codes = torch.randint(-127, 128, (5,), dtype=torch.int8)
     scales = torch.randn(7)
-    data = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)])
-    path, hashes, size = _file(tmp_path, data, 4096)
+    f = _file(tmp_path, torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)]), 4096)
     out_codes, out_scales = torch.zeros(5, dtype=torch.int8), torch.zeros(7, dtype=torch.float64)
-    fd = os.open(path, os.O_RDONLY)
     try:
-        blocks.read_blocks([(blocks.BlockFile(fd, path, hashes, 4096, size),
-                             [blocks.Segment(0, out_codes, torch.int8),
-                              blocks.Segment(5, out_scales, torch.float32)])], threads=2)
+        read.read_blocks([read.Read(f, 0, out_codes, torch.int8),
+                          read.Read(f, 5, out_scales, torch.float32)], threads=2)
     finally:
-        os.close(fd)
+        f.close()
     assert torch.equal(out_codes, codes) and torch.equal(out_scales, scales.double())
 
 
 def test_one_pass_and_verify_take_several_files_at_once(tmp_path):
     """Blocks of several files (different block sizes) in one call: each file's bytes land
-    in its own segments, and damage is reported with the damaged file's name."""
+    in its own reads, and damage is reported with the damaged file's name."""
     datas = [torch.randn(5000), torch.randn(7000)]
-    files, fds = [], []
+    files = []
     for i, (data, bb) in enumerate(zip(datas, [256, 4096])):
         d = tmp_path / str(i)
         d.mkdir()
-        path, hashes, size = _file(d, data, bb)
-        fds.append(os.open(path, os.O_RDONLY))
-        files.append(blocks.BlockFile(fds[-1], path, hashes, bb, size))
+        files.append(_file(d, data, bb))
     try:
         outs = [torch.zeros(4000), torch.zeros(6000, dtype=torch.float64)]
-        done = blocks.read_blocks([(f, [blocks.Segment(400, out, torch.float32)])
-                                   for f, out in zip(files, outs)], threads=4)
+        done = read.read_blocks([read.Read(f, 400, out, torch.float32)
+                                 for f, out in zip(files, outs)], threads=4)
         assert torch.equal(outs[0], datas[0][100:4100])
         assert torch.equal(outs[1], datas[1][100:6100].double())
-        assert done == [set(range(1, 64 + 1)), set(range(0, 5 + 1))]
-        blocks.verify_blocks([(f, range(len(f.hashes))) for f in files], threads=4)
-        with open(files[1].path, "r+b") as f:
-            f.seek(27_000)
-            f.write(b"\xff")
+        assert done == {files[0].path: set(range(1, 64 + 1)), files[1].path: set(range(0, 5 + 1))}
+        verify = [(f, _blocks(f)) for f in files]
+        read.verify_blocks(verify, threads=4)
+        with open(files[1].path, "r+b") as fh:
+            fh.seek(27_000)
+            fh.write(b"\xff")
         with pytest.raises(FormatError, match=f"{files[1].path}: content hash mismatch"):
-            blocks.verify_blocks([(f, range(len(f.hashes))) for f in files], threads=4)
+            read.verify_blocks(verify, threads=4)
     finally:
-        for fd in fds:
-            os.close(fd)
+        for f in files:
+            f.close()
 
 
 def test_read_blocks_detects_damage_and_verify_blocks_too(tmp_path):
-    data = torch.randn(10_000)
-    path, hashes, size = _file(tmp_path, data, 4096)
-    with open(path, "r+b") as f:
-        f.seek(20_000)
-        f.write(b"\xff")
-    fd = os.open(path, os.O_RDONLY)
-    f = blocks.BlockFile(fd, path, hashes, 4096, size)
+    f = _file(tmp_path, torch.randn(10_000), 4096)
+    with open(f.path, "r+b") as fh:
+        fh.seek(20_000)
+        fh.write(b"\xff")
     try:
         with pytest.raises(FormatError, match="hash mismatch in bytes \\[16384, 20480\\)"):
-            blocks.read_blocks([(f, [blocks.Segment(0, torch.zeros(10_000), torch.float32)])],
-                               threads=2)
+            read.read_blocks([read.Read(f, 0, torch.zeros(10_000), torch.float32)], threads=2)
         with pytest.raises(FormatError, match="hash mismatch"):
-            blocks.verify_blocks([(f, range(len(hashes)))], threads=2)
-        blocks.verify_blocks([(f, [0, 1, 2])], threads=2)  # undamaged blocks
+            read.verify_blocks([(f, _blocks(f))], threads=2)
+        read.verify_blocks([(f, [0, 1, 2])], threads=2)  # undamaged blocks
     finally:
-        os.close(fd)
+        f.close()
 
 
-def test_one_pass_refuses_odd_or_large_blocks_and_overlaps():
-    seg = [blocks.Segment(0, torch.zeros(4), torch.float32)]
-    assert not blocks.one_pass_ok(seg, 12, 1 << 20)  # edges could split an element
-    assert not blocks.one_pass_ok(seg, 2 << 20, 1 << 20)  # larger than the staging
-    two = [blocks.Segment(0, torch.zeros(4), torch.float32),
-           blocks.Segment(8, torch.zeros(4), torch.float32)]
-    assert not blocks.one_pass_ok(two, 64, 1 << 20)
-
+def test_one_pass_refuses_odd_or_large_blocks_and_overlaps(tmp_path):
+    f = _file(tmp_path, torch.zeros(8), 64)
+    one = [read.Read(f, 0, torch.zeros(4), torch.float32)]
+    assert not read.one_pass_ok(one, 12, 1 << 20)  # edges could split an element
+    assert not read.one_pass_ok(one, 2 << 20, 1 << 20)  # larger than the staging
+    two = [read.Read(f, 0, torch.zeros(4), torch.float32),
+           read.Read(f, 8, torch.zeros(4), torch.float32)]
+    assert not read.one_pass_ok(two, 64, 1 << 20)
+    f.close()
 
 
 def test_an_in_place_read_is_verified_in_a_file_that_also_had_a_one_pass_read(tmp_path):

@@ -19,8 +19,9 @@ import xxhash
 from helpers.checks import checkpoint_bytes
 from helpers.models import build, train
 from shardopt import checkpoint
-from shardopt.checkpoint import CheckpointError, background
+from shardopt.checkpoint import CheckpointError, background, transfer
 
+SAVE_MODULE = "shardopt.checkpoint.save"
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="the writer process needs memfd")
 
@@ -30,19 +31,36 @@ def test_one_writer_process_outlives_the_save_threads_that_use_it(trained_model,
     the first stays up for the next ones (it once died with the thread that started it,
     failing every other save with 'Connection reset by peer')."""
     model, opt = trained_model
-    writer = background.of(opt).writer
     pids = []
     for step in range(1, 4):
         checkpoint.save(tmp_path, model, opt, step=step, blocking=False).wait()
-        pids.append(writer._proc.pid)
+        pids.append(_writer(opt).pid)
         time.sleep(0.3)  # time for a signal at the save thread's end to land
-        assert writer._proc.poll() is None
+        assert _running(pids[-1])
     assert len(set(pids)) == 1
 
 
+def _writer(opt):
+    """The writer process of ``opt``'s asynchronous saves."""
+    return background.of(opt).writer
+
+
+def _running(pid: int | None) -> bool:
+    """Whether child process ``pid`` runs (neither gone nor a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _snapshot_maps(pid: int) -> int:
-    with open(f"/proc/{pid}/maps") as f:
-        return sum("shardopt-snapshot" in line for line in f)
+    """Snapshot buffers process ``pid`` maps (none once it has ended)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return sum("shardopt-snapshot" in line for line in f)
+    except FileNotFoundError:
+        return 0
 
 
 def _until(cond, seconds: float = 10.0) -> bool:
@@ -62,15 +80,16 @@ def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
     train(model, opt, range(2), 0, 1)
     saves = background.of(opt)
     checkpoint.save(tmp_path / "a", model, opt, step=1, blocking=False).wait()
-    proc = saves.writer._proc
-    before = _snapshot_maps(proc.pid)
+    pid = saves.writer.pid
+    before = _snapshot_maps(pid)
     checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
     mine = len(saves.snapshot.host_buffers())
-    assert mine > 0 and _snapshot_maps(proc.pid) == before == mine  # reused, not mapped again
+    assert mine > 0 and _snapshot_maps(pid) == before == mine  # reused, not mapped again
     saves.snapshot.release()
-    assert _until(lambda: _snapshot_maps(proc.pid) == 0)
+    assert _until(lambda: _snapshot_maps(pid) == 0)
     checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
-    assert saves.writer._proc is proc and _snapshot_maps(proc.pid) == mine
+    assert saves.writer.pid == pid and _snapshot_maps(pid) == mine
+    proc = saves.writer._link.proc
     del model, opt, saves
     gc.collect()
     assert _until(lambda: proc.poll() is not None) and proc.returncode == 0
@@ -82,23 +101,22 @@ def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
     saves are intact."""
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
-    saves = background.of(opt)
     checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
-    proc = saves.writer._proc
-    before = _snapshot_maps(proc.pid)
+    pid = _writer(opt).pid
+    before = _snapshot_maps(pid)
     child = os.fork()
     if child == 0:
         try:
-            saves.snapshot.release()  # would queue unmaps of the parent's buffers
-            saves.writer.close()
+            background.of(opt).snapshot.release()  # would queue unmaps of the parent's buffers
+            _writer(opt).close()
         finally:
             os._exit(0)
     os.waitpid(child, 0)
     time.sleep(0.2)
-    assert proc.poll() is None and _snapshot_maps(proc.pid) >= before
+    assert _running(pid) and _snapshot_maps(pid) >= before
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
     path = checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
-    assert saves.writer._proc is proc
+    assert _writer(opt).pid == pid
     assert checkpoint_bytes(Path(path)) == checkpoint_bytes(Path(reference))
 
 
@@ -111,19 +129,19 @@ def test_a_buffer_the_writer_process_cannot_map_fails_the_write_that_needs_it(tm
         sock = proc._start()
         fd = os.open(str(tmp_path), os.O_RDONLY)
         try:
-            writer.protocol.send(sock, ["map", 7, 4096])
+            transfer.send(sock, ["map", 7, 4096])
             socket.send_fds(sock, [b"F"], [fd])
         finally:
             os.close(fd)
         part = [0, 4, [7, 0]]
-        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "files": [["x", [part], 4]],
-                                              "block_bytes": 4, "buffers": [7]}])
-        (status, answer), _ = writer.protocol.recv(sock)
+        transfer.send(sock, ["write", {"dir": str(tmp_path), "files": [["x", [part], 4]],
+                                       "block_bytes": 4, "buffers": [7]}])
+        (status, answer), _ = transfer.recv(sock)
         assert status == "error" and "mapping 4096 bytes of the snapshot failed" in answer
-        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
-                                              "files": [["y", [[0, 3, {"blob": 0}]], 3]],
-                                              "block_bytes": 4}], [b"abc"])
-        (status, answer), _ = writer.protocol.recv(sock)
+        transfer.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
+                                       "files": [["y", [[0, 3, {"blob": 0}]], 3]],
+                                       "block_bytes": 4}], [b"abc"])
+        (status, answer), _ = transfer.recv(sock)
         assert status == "ok" and (tmp_path / "y").read_bytes() == b"abc"
         assert not (tmp_path / "x").exists()
     finally:
@@ -134,17 +152,16 @@ def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, m
     """The writer process is SIGKILLed in the middle of a save: that save fails on wait()
     naming the process, nothing is committed, and the next save starts a new one."""
     model, opt = trained_model
-    writer = importlib.import_module("shardopt.checkpoint.writer_process")
     checkpoint.save(tmp_path, model, opt, step=1, blocking=False).wait()
-    proc = background.of(opt).writer._proc
-    assert proc is not None and proc.poll() is None
-    real = writer.protocol.recv
+    pid = _writer(opt).pid
+    assert pid is not None and _running(pid)
+    real = transfer.recv
 
     def killed_while_writing(sock):  # the request is sent; the answer never comes
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         return real(sock)
 
-    monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+    monkeypatch.setattr(transfer, "recv", killed_while_writing)
     handle = checkpoint.save(tmp_path, model, opt, step=2, blocking=False)
     with pytest.raises(CheckpointError, match="writer process failed"):
         handle.wait()
@@ -152,7 +169,7 @@ def test_a_killed_writer_process_fails_that_save_only(trained_model, tmp_path, m
     assert checkpoint.latest(tmp_path) == str(tmp_path / "step_00000001")
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
     path = checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
-    assert background.of(opt).writer._proc.pid != proc.pid
+    assert _writer(opt).pid != pid
     assert checkpoint_bytes(Path(path)) == checkpoint_bytes(Path(reference))
 
 
@@ -161,7 +178,7 @@ def test_the_writer_process_names_the_file_it_could_not_write(trained_model, tmp
     """An error inside the writer process (here: the file exists already) comes back as
     the save's error, naming the file."""
     model, opt = trained_model
-    save_module = importlib.import_module("shardopt.checkpoint.save")
+    save_module = importlib.import_module(SAVE_MODULE)
     real = save_module._write_rank_files
 
     def clash(tmp, jobs, *args, **kwargs):
@@ -215,8 +232,8 @@ def _stream_jobs():
 
 def test_a_streamed_write_is_the_direct_write(tmp_path):
     """Files streamed through a staging buffer of three 4 KiB slots, blocks of 10,000 bytes
-    (pieces never cross a block; a block takes three pieces): the same bytes and block
-    digests as each file written directly, and the buffer serves the next write too."""
+    (pieces cross blocks): the same bytes and block digests as each file written directly,
+    and the buffer serves the next write too."""
     import torch
 
     from shardopt.checkpoint.storage import write_file
@@ -230,7 +247,7 @@ def test_a_streamed_write_is_the_direct_write(tmp_path):
     try:
         for run in ("one", "two"):
             (tmp_path / run).mkdir()
-            records = writer.stream_files(tmp_path / run, jobs, 10_000, staging, 4096, process)
+            records = process.stream_files(tmp_path / run, jobs, 10_000, staging, 4096)
             assert records == direct
             for name, _ in jobs:
                 assert (tmp_path / run / name).read_bytes() == \
@@ -253,28 +270,30 @@ def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_pa
         (tmp_path / "x").mkdir()
         (tmp_path / "x" / "b.safetensors").write_bytes(b"in the way")
         with pytest.raises(OSError, match=r"b\.safetensors: FileExistsError"):
-            writer.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096, process)
-        proc = process._proc
+            process.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096)
+        pid = process.pid
         (tmp_path / "y").mkdir()
-        assert set(writer.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096,
-                                       process)) == {name for name, _ in jobs}
-        assert process._proc is proc
+        assert set(process.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096)) == \
+            {name for name, _ in jobs}
+        assert process.pid == pid
 
-        real = writer.protocol.recv
+        real = transfer.recv
 
         def killed_while_writing(sock):
-            os.kill(proc.pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             return real(sock)
 
-        monkeypatch.setattr(writer.protocol, "recv", killed_while_writing)
+        monkeypatch.setattr(transfer, "recv", killed_while_writing)
         (tmp_path / "z").mkdir()
         with pytest.raises(OSError, match="writer process failed"):
-            writer.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096, process)
+            process.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096)
         monkeypatch.undo()
         (tmp_path / "w").mkdir()
-        assert set(writer.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096,
-                                       process)) == {name for name, _ in jobs}
-        assert process._proc.pid != proc.pid
+        assert set(process.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096)) == \
+            {name for name, _ in jobs}
+        assert process.pid != pid
+        process.close()
+        assert not _running(pid)
     finally:
         process.close()
 
@@ -287,23 +306,22 @@ def test_a_streamed_write_from_a_buffer_the_process_lacks_fails_saying_so(tmp_pa
     proc = writer.WriterProcess()
     try:
         sock = proc._start()
-        writer.protocol.send(sock, ["stream", {"dir": str(tmp_path), "files": [["x", 4]],
-                                               "block_bytes": 4, "slot_bytes": 4,
-                                               "buffer": 99}])
-        writer.protocol.send(sock, ["pieces", [[0, 0, 4, 0]]])
-        writer.protocol.send(sock, ["end"])
+        transfer.send(sock, ["stream", {"dir": str(tmp_path), "files": [["x", 4]],
+                                        "block_bytes": 4, "slot_bytes": 4, "buffer": 99}])
+        transfer.send(sock, ["pieces", [[0, 0, 4, 0]]])
+        transfer.send(sock, ["end"])
         answers = []
         while not answers or answers[-1][0] != "done":
-            answers.append(writer.protocol.recv(sock)[0])
+            answers.append(transfer.recv(sock)[0])
         assert answers[0] == ["failed", "the staging buffer 99 is not mapped"]
         assert ["free", 0] in answers
         assert answers[-1] == ["done", "error", "the staging buffer 99 is not mapped"]
         assert not (tmp_path / "x").exists()
-        writer.protocol.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
-                                              "files": [["y", [[0, 3, {"blob": 0}]], 3]],
-                                              "block_bytes": 4}], [b"abc"])
+        transfer.send(sock, ["write", {"dir": str(tmp_path), "buffers": [],
+                                       "files": [["y", [[0, 3, {"blob": 0}]], 3]],
+                                       "block_bytes": 4}], [b"abc"])
         digest = xxhash.xxh3_64(b"abc").hexdigest()
-        assert writer.protocol.recv(sock)[0] == \
+        assert transfer.recv(sock)[0] == \
             ["ok", {"y": {"size": 3, "block_bytes": 4, "hashes": [digest]}}]
     finally:
         proc.close()

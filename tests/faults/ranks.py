@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardopt import checkpoint
 from shardopt.checkpoint import commit
-from shardopt.checkpoint import transfer
+from shardopt.checkpoint import read as ckpt_read
 
 from .common import (data_offset, differences, flip_byte, listing, rehash_file, snapshot,
                      train_step, trained)
@@ -75,6 +75,22 @@ def failing_call(module: Any, name: str, when: Callable[..., bool], exc: BaseExc
         return real(*args, **kwargs)
 
     with mock.patch.object(module, name, fake):
+        yield
+
+
+@contextlib.contextmanager
+def failing_in_place_reads(exc: BaseException):
+    """Every read of the bytes of in-place reads (those made once every check has passed)
+    raises ``exc``, in the reader threads."""
+    real = ckpt_read.read_plain
+
+    def fake(reads, *args, **kwargs):
+        if not any(r.in_place for r in reads):
+            return real(reads, *args, **kwargs)
+        with failing_call(ckpt_read, "preadv_exact", lambda *a: True, exc):
+            return real(reads, *args, **kwargs)
+
+    with mock.patch.object(ckpt_read, "read_plain", fake):
         yield
 
 
@@ -208,7 +224,7 @@ def failed_loads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # An I/O error after every check passed (the medium fails mid-read, in a reader
     # thread): every rank raises.
     read_error = None
-    with (failing_call(transfer, "preadv_exact", lambda *a: True, OSError(errno.EIO, "I/O error"))
+    with (failing_in_place_reads(OSError(errno.EIO, "I/O error"))
           if rank == 1 else contextlib.nullcontext()):
         try:
             checkpoint.load(good, model, opt)

@@ -105,7 +105,7 @@ class Saves:
 
     def __init__(self, device: torch.device) -> None:
         self.writer = writer_process.WriterProcess()
-        self.snapshot = Snapshot(device, writer_process.available(), self.writer.forget)
+        self.snapshot = Snapshot(device, self.writer.available, self.writer.forget)
         self.pending: SaveHandle | None = None
         # ranks -> weak references to (the default group it was made under, the group), and
         # the process that made it. Weak: torch's registry keeps the group while the job's

@@ -1,9 +1,8 @@
 """Single-process tools over a committed checkpoint: export, inspect, verify.
 
-None of these needs a GPU or a process group, and all read through :mod:`.read`.
-Export assembles full tensors from their chunks one output file at a time, so
-host memory stays near ``max_file_bytes``, and writes plain safetensors (split
-Hugging Face style past ``max_file_bytes``).
+None needs a GPU or a process group; all read through :mod:`.read`. Export assembles full
+tensors one output file at a time (host memory near ``max_file_bytes``) and writes plain
+safetensors through the block writer, split Hugging Face style past ``max_file_bytes``.
 """
 
 from __future__ import annotations
@@ -11,23 +10,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import uuid
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
-from ..layout import Range
-from ..layout import STATE_NAMES
+from ..layout import STATE_NAMES, Range
 from . import commit
 from .agree import CheckpointError
-from .format import MANIFEST, FormatError, dtype_name
+from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, FormatError, dtype_name
 from .manifest import Manifest, MomentEncoding, parse
 from .read import DataFiles, read_verified
-from .transfer import io_threads
+from .storage import write_parts
+from .transfer import Part, io_threads
 
 EXPORT_MOMENTS = ("float32", "stored")
 
@@ -118,11 +116,9 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
     (``moments_dtype="stored"``): bf16, or 8-bit codes with their fp32 scales as
     ``"{fqn}.exp_avg.scale"`` (1-D, one per block of the flattened param).
 
-    Returns the written file paths. Tensors are read and written one file's
-    worth at a time, so memory stays near ``max_file_bytes``. ``out_dir`` must not
-    exist or be empty, and must not hold a checkpoint or lie inside this one. The
-    files are written into a temporary sibling renamed to ``out_dir`` at the end, so
-    a failed export leaves no partial output.
+    Returns the written file paths. ``out_dir`` must not exist or be empty, nor hold a
+    checkpoint or lie inside this one; the files go into a temporary sibling renamed to
+    ``out_dir`` at the end, so a failed export leaves no partial output.
     """
     if moments_dtype not in EXPORT_MOMENTS:
         raise ValueError(f"moments_dtype must be one of {list(EXPORT_MOMENTS)}, "
@@ -139,19 +135,18 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
         if verify:  # the data files' blocks are checked as they are read
             read_verified([], verify=True, threads=io_threads(),
                           whole=[f for f in files.readers.values() if f.record.kind == "rng"])
-        model_keys = [(fqn, p.shape) for fqn, p in m.params.items()]
-        optim_keys = []
+        model_shapes = {fqn: p.shape for fqn, p in m.params.items()}
+        optim_shapes = {}
         for fqn, p in m.params.items():
             for n in ("exp_avg", "exp_avg_sq", "master_param") if p.trainable else ():
                 enc = m.moments.get(n)
-                optim_keys.append((f"{fqn}.{n}", p.shape))
+                optim_shapes[f"{fqn}.{n}"] = p.shape
                 if enc is not None and enc.block and moments_dtype == "stored":
-                    scale = f"{fqn}.{n}.scale"
-                    optim_keys.append((scale, (files.stored[scale].numel,)))
+                    optim_shapes[f"{fqn}.{n}.scale"] = (files.stored[f"{fqn}.{n}.scale"].numel,)
         decode = {} if moments_dtype == "stored" else dict(m.moments)
-        needed = sum(_out_bytes(files, k, decode) for k, _ in model_keys + optim_keys)
-        names = _write_split(files, tmp, "model", model_keys, verify, max_file_bytes, {})
-        names += _write_split(files, tmp, "optimizer", optim_keys, verify, max_file_bytes,
+        needed = sum(_out_bytes(files, k, decode) for k in [*model_shapes, *optim_shapes])
+        names = _write_split(files, tmp, "model", model_shapes, verify, max_file_bytes, {})
+        names += _write_split(files, tmp, "optimizer", optim_shapes, verify, max_file_bytes,
                               decode)
         os.rename(tmp, out)  # replaces an empty directory; fails on anything else
     except BaseException as e:
@@ -184,16 +179,15 @@ def _check_output_dir(ckpt: Path, out: Path) -> None:
 class _WriteFailed(Exception):
     """Writing export file ``name`` failed (a full disk, a read-only file system, ...)."""
 
-    def __init__(self, name: str, cause: BaseException) -> None:
+    def __init__(self, name: str, cause: OSError) -> None:
         super().__init__(name)
-        self.name = name
-        self.reason = (cause.strerror or str(cause)) if isinstance(cause, OSError) else str(cause)
+        self.name, self.reason = name, cause.strerror or str(cause)
 
 
 def _writing(out: Path, name: str, write: Callable[[str], object]) -> None:
     try:
         write(str(out / name))
-    except (OSError, SafetensorError) as e:
+    except OSError as e:
         raise _WriteFailed(name, e) from e
 
 
@@ -211,6 +205,27 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.1f} MiB ({num_bytes} bytes)"
 
 
+def save_file(tensors: dict[str, torch.Tensor], filename: str,
+              metadata: dict[str, str] | None = None) -> None:
+    """Write host ``tensors`` as a plain safetensors file through the block writer, laid out
+    as the safetensors library does (widest dtypes first, then by name)."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    data = [tensors[k].contiguous().view(-1).view(torch.uint8) for k in order]
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    pos = 0
+    for key, d in zip(order, data):
+        header[key] = {"dtype": DTYPE_CODES[tensors[key].dtype],
+                       "shape": list(tensors[key].shape), "data_offsets": [pos, pos + d.numel()]}
+        pos += d.numel()
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # data 8-byte aligned, as safetensors does
+    raw = struct.pack("<Q", len(raw)) + raw
+    parts = [Part(0, len(raw), torch.frombuffer(bytearray(raw), dtype=torch.uint8))]
+    for d in data:
+        parts.append(Part(parts[-1].end, d.numel(), d))
+    write_parts(filename, parts, DEFAULT_BLOCK_BYTES, None)
+
+
 def _decoded(decode: dict[str, MomentEncoding], key: str) -> MomentEncoding | None:
     """How moment ``key`` is stored, if the export writes it decoded to fp32."""
     enc = decode.get(key.rsplit(".", 1)[-1])
@@ -222,49 +237,48 @@ def _out_bytes(files: DataFiles, key: str, decode: dict[str, MomentEncoding]) ->
     return stored.numel * (torch.float32 if _decoded(decode, key) else stored.dtype).itemsize
 
 
-def _write_split(files: DataFiles, out: Path, stem: str, keys: list[tuple[str, tuple]],
+def _write_split(files: DataFiles, out: Path, stem: str, shapes: dict[str, tuple],
                  verify: bool, max_file_bytes: int,
                  decode: dict[str, MomentEncoding]) -> list[str]:
-    """Write ``keys`` as ``stem`` files under ``out`` (split past ``max_file_bytes``), each
-    file's tensors read in one call; return the file names. Moments named in ``decode``
-    (by moment name) are written in fp32."""
-    groups: list[list[tuple[str, tuple]]] = [[]]
+    """Write the tensors of ``shapes`` (key: full shape) as ``stem`` files under ``out``
+    (split past ``max_file_bytes``), each file's tensors read in one call; return the file
+    names. Moments named in ``decode`` (by moment name) are written in fp32."""
+    groups: list[list[str]] = [[]]
     size = 0
-    for key, shape in keys:
+    for key in shapes:
         nbytes = _out_bytes(files, key, decode)
         if groups[-1] and size + nbytes > max_file_bytes:
             groups.append([])
             size = 0
-        groups[-1].append((key, shape))
+        groups[-1].append(key)
         size += nbytes
     names = ([f"{stem}.safetensors"] if len(groups) == 1 else
              [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map, total = {}, 0
     for name, group in zip(names, groups):
-        tensors, reads, scales = {}, [], {}
-        for key, shape in group:
+        tensors, scales = {}, {}
+        for key in group:
             stored = files.stored[key]
             tensors[key] = torch.empty(stored.numel, dtype=stored.dtype)
-            reads += files.reads(key, Range(0, stored.numel), tensors[key], in_place=False)
             enc = _decoded(decode, key)
             if enc is not None and enc.block:
-                scale = f"{key}.scale"
-                scales[key] = torch.empty(files.stored[scale].numel, dtype=torch.float32)
-                reads += files.reads(scale, Range(0, scales[key].numel()), scales[key],
-                                     in_place=False)
+                scales[f"{key}.scale"] = torch.empty(files.stored[f"{key}.scale"].numel,
+                                                     dtype=torch.float32)
             weight_map[key] = name
-        read_verified(reads, verify=verify, threads=io_threads())
-        for key, t in [*tensors.items(), *((f"{k}.scale", v) for k, v in scales.items())]:
+        read_verified([r for k, t in (tensors | scales).items()
+                       for r in files.reads(k, Range(0, t.numel()), t, in_place=False)],
+                      verify=verify, threads=io_threads())
+        for key, t in (tensors | scales).items():
             if key in files.scale_keys:
                 files.check_scales(key, 0, t)
-        for key, shape in group:
+        for key in group:
             enc = _decoded(decode, key)
             if enc is not None:
-                tensors[key] = enc.decode(tensors[key], scales.pop(key, None), 0)
-            tensors[key] = tensors[key].view(shape)
+                tensors[key] = enc.decode(tensors[key], scales.get(f"{key}.scale"), 0)
+            tensors[key] = tensors[key].view(shapes[key])
             total += tensors[key].numel() * tensors[key].element_size()
         _writing(out, name, lambda file: save_file(tensors, file, metadata={"format": "pt"}))
-        del tensors, reads
+        del tensors, scales
     if len(names) > 1:
         index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                            indent=2)

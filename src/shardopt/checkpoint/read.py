@@ -1,28 +1,28 @@
 """The one read engine of checkpoints: ``load``, ``verify`` and ``export`` all read through it.
 
-:class:`DataFiles` opens a checkpoint's data files, cross-checks their headers with the
-manifest and says which stored bytes fill a destination. :func:`read_verified` fills fresh
-destinations (new Adam moments, RNG states, export buffers) at once, in one pass that
-hash-checks each block as it reads it where the block layout allows (else verify, then
-read); in-place destinations (existing tensors) are only verified, and filled by the
-function it returns, which ``load`` runs once every rank found everything in order.
+:class:`DataFiles` opens a checkpoint's data files and says which stored bytes fill a
+destination (:class:`Read`); :func:`read_verified` reads and hash-checks them. Every read
+is a list of :class:`_Job`\\ s (a byte span, the destinations in it, the digest it must
+have) that one function runs on several threads (:func:`_run`); docs/format.md says what
+is verified when.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from ..layout import Range
-from .blocks import BlockFile, one_pass_ok, read_blocks, verify_blocks
-from .index import ChunkIndex
-from .manifest import Manifest
 from .config import STAGING_BYTES
 from .format import FormatError
-from .storage import FileReader, read_scratch
-from .transfer import FileSegment, Segment, read_segments
+from .index import ChunkIndex
+from .manifest import Manifest
+from .storage import FileReader, Scratch, host_bytes, scratch_for
+from .transfer import PIECE_BYTES, run_parallel, vectored
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,151 @@ class Read:
     file_start: int
     out: torch.Tensor
     dtype: torch.dtype
-    in_place: bool
+    in_place: bool = False
 
-    def segment(self) -> Segment:
-        return Segment(self.file_start, self.out, self.dtype)
+    @property
+    def file_end(self) -> int:
+        return self.file_start + self.out.numel() * self.dtype.itemsize
+
+    @property
+    def direct(self) -> bool:
+        """Whether the bytes can be read straight into ``out``."""
+        o = self.out
+        return not o.is_cuda and o.dtype == self.dtype and o.is_contiguous()
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Bytes ``[start, end)`` of ``file`` into the parts of ``reads`` they hold (the rest to
+    scratch); ``digest``: the xxh3-64 the bytes must have (a whole block), or None."""
+
+    file: FileReader
+    start: int
+    end: int
+    reads: tuple[Read, ...]
+    digest: str | None
+
+
+def preadv_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``views`` (in order) from consecutive bytes of ``fd`` at ``offset``."""
+    vectored(os.preadv, fd, views, offset, FormatError(f"{path}: unexpected end of file"))
+
+
+def _layout(job: _Job, raw: torch.Tensor | None, lo: int, hi: int):
+    """The views that cover ``[lo, hi)`` of ``job`` and the staged copies to make after."""
+    views, copies, pos = [], [], lo
+    for r in job.reads:
+        a, b = max(r.file_start, lo), min(r.file_end, hi)
+        if a > pos:
+            views.append(host_bytes(raw[pos - lo:a - lo]))
+        if r.direct:
+            views.append(host_bytes(r.out)[a - r.file_start:b - r.file_start])
+        else:
+            first = (a - r.file_start) // r.dtype.itemsize
+            copies.append((r.out.narrow(0, first, (b - a) // r.dtype.itemsize),
+                           raw[a - lo:b - lo], r.dtype))
+            views.append(host_bytes(raw[a - lo:b - lo]))
+        pos = b
+    if hi > pos:
+        views.append(host_bytes(raw[pos - lo:hi - lo]))
+    return views, copies
+
+
+def _typed(staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Staged bytes as ``dtype``. After an odd-sized int8 chunk a wider one starts off its
+    alignment in the file, and so in the scratch buffer: such bytes are realigned first."""
+    if staged.storage_offset() % dtype.itemsize:
+        staged = staged.clone()
+    return staged.view(dtype)
+
+
+def _run(jobs: list[_Job], threads: int, scratch: Scratch | None) -> None:
+    """Every job on ``threads`` threads: ``preadv`` into host destinations of the stored
+    dtype, the rest (gaps, device or casting destinations) into the thread's scratch, then
+    copied on. A job without reads goes in pieces of the scratch. ``FormatError`` when a
+    digest differs; returns once every device copy is done."""
+    def work(job: _Job, slot: int) -> None:
+        raw = scratch.take(slot) if scratch is not None else None
+        step = scratch.nbytes if scratch is not None and not job.reads else job.end - job.start
+        h, copies = xxhash.xxh3_64(), []
+        for lo in range(job.start, job.end, step):
+            views, copies = _layout(job, raw, lo, min(lo + step, job.end))
+            preadv_exact(job.file.fd, views, lo, job.file.path)
+            if job.digest is not None:
+                for v in views:
+                    h.update(v)
+        if job.digest is not None and h.hexdigest() != job.digest:
+            raise FormatError(f"{job.file.path}: content hash mismatch in bytes [{job.start}, "
+                              f"{job.end}) (the file is damaged)")
+        if copies:
+            scratch.copy(slot, [(out, _typed(staged, dtype)) for out, staged, dtype in copies])
+
+    run_parallel(jobs, work, threads, scratch.drain if scratch is not None else None)
+
+
+def _block_job(f: FileReader, b: int, reads: tuple[Read, ...] = ()) -> _Job:
+    bb = f.record.block_bytes
+    return _Job(f, b * bb, min((b + 1) * bb, f.record.size), reads, f.record.hashes[b])
+
+
+def verify_blocks(items: Iterable[tuple[FileReader, Iterable[int]]], threads: int) -> None:
+    """Hash-check the given blocks of each file, reading each once, ``threads`` at a time."""
+    jobs = [_block_job(f, b) for f, blocks in items for b in blocks]
+    if jobs:
+        # Half a piece: hashed right after it is read, it is still in the CPU cache.
+        piece = min(PIECE_BYTES // 2, max(j.end - j.start for j in jobs))
+        _run(jobs, threads, Scratch(min(threads, len(jobs)), piece))
+
+
+def one_pass_ok(reads: list[Read], block_bytes: int, max_block_bytes: int) -> bool:
+    """Whether :func:`read_blocks` can take these reads of one file: bounded blocks whose
+    edges fall between elements (data is 8-byte aligned) and reads that do not overlap."""
+    if block_bytes % 8 or block_bytes > max_block_bytes:
+        return False
+    spans = sorted((r.file_start, r.file_end) for r in reads)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def read_blocks(reads: list[Read], threads: int) -> dict[str, set[int]]:
+    """Read, hash-check and place every block the reads touch, ``threads`` blocks at a
+    time; return, per file path, those blocks. Check :func:`one_pass_ok` first. On a
+    mismatch ``FormatError`` is raised and the destinations hold partial data."""
+    by_block: dict[tuple[str, int], list[Read]] = {}
+    files = {}
+    for r in sorted((r for r in reads if r.out.numel()), key=lambda r: r.file_start):
+        files[r.file.path] = r.file
+        blocks = Range(r.file_start, r.file_end).blocks(r.file.record.block_bytes)
+        for b in range(blocks.start, blocks.end):
+            by_block.setdefault((r.file.path, b), []).append(r)
+    touched: dict[str, set[int]] = {r.file.path: set() for r in reads}
+    jobs = []
+    for (path, b), rs in sorted(by_block.items()):
+        touched[path].add(b)
+        jobs.append(_block_job(files[path], b, tuple(rs)))
+    if jobs:
+        device = next((r.out.device for r in reads if r.out.is_cuda), None)
+        block = max(f.record.block_bytes for f in files.values())
+        _run(jobs, threads, Scratch(min(threads, len(jobs)), block, device))
+    return touched
+
+
+def read_plain(reads: list[Read], staging_bytes: int, threads: int) -> None:
+    """Fill every read's ``out`` unchecked, in pieces of at most a scratch buffer
+    (``staging_bytes`` over the threads)."""
+    device = next((r.out.device for r in reads if r.out.is_cuda), torch.device("cpu"))
+    scratch = None
+    if device.type == "cuda" or not all(r.direct for r in reads):
+        scratch = scratch_for(staging_bytes, device, threads)
+    piece = scratch.nbytes if scratch is not None else PIECE_BYTES
+    jobs = []
+    for r in reads:
+        per = max(1, piece // r.dtype.itemsize)
+        for first in range(0, r.out.numel(), per):
+            n = min(per, r.out.numel() - first)
+            start = r.file_start + first * r.dtype.itemsize
+            part = Read(r.file, start, r.out.narrow(0, first, n), r.dtype)
+            jobs.append(_Job(r.file, start, part.file_end, (part,), None))
+    _run(jobs, threads, scratch)
 
 
 class DataFiles:
@@ -69,9 +210,7 @@ class DataFiles:
 
     def check_scales(self, key: str, first: int, scales: torch.Tensor) -> None:
         """Raise :class:`FormatError`, naming the file, unless every scale of ``scales``
-        (elements ``first`` on of the stored 8-bit moment scales ``key``) is finite and
-        >= 0: a scale is its block's absolute maximum over the largest code, and a NaN,
-        infinite or negative one makes the weights NaN one step after the load."""
+        (elements ``first`` on of stored 8-bit moment scales ``key``) is finite and >= 0."""
         bad = (~torch.isfinite(scales) | (scales < 0)).nonzero()
         if not bad.numel():
             return
@@ -102,76 +241,56 @@ class DataFiles:
         self.readers = {}
 
 
-def _blocks(f: FileReader) -> BlockFile:
-    r = f.record
-    return BlockFile(f.fd, f.path, list(r.hashes), r.block_bytes, r.size)
-
-
-def _touched(f: FileReader, spans: Iterable[tuple[int, int]]) -> set[int]:
-    """Blocks of ``f`` that byte spans ``[start, end)`` touch, and those of its header."""
-    bb = f.record.block_bytes
+def _touched(r: Read) -> set[int]:
+    """Blocks of the read's file that it touches, and those of the file's header."""
+    bb = r.file.record.block_bytes
     out: set[int] = set()
-    for start, end in [(0, f.header_bytes), *spans]:
+    for start, end in [(0, r.file.header_bytes), (r.file_start, r.file_end)]:
         blocks = Range(start, end).blocks(bb)
         out.update(range(blocks.start, blocks.end))
     return out
 
 
-def _read(reads: list[Read], staging_bytes: int, threads: int) -> None:
-    if not reads:
-        return
-    device = next((r.out.device for r in reads if r.out.is_cuda), torch.device("cpu"))
-    casts = any(r.out.dtype != r.dtype for r in reads)
-    read_segments([FileSegment(r.file.fd, r.file.path, r.segment()) for r in reads],
-                  read_scratch(staging_bytes, device, casts, threads), threads)
-
-
 def read_verified(reads: list[Read], *, verify: bool, threads: int,
                   staging_bytes: int = STAGING_BYTES,
                   whole: Iterable[FileReader] = ()) -> Callable[[], None]:
-    """Fill the fresh reads now and verify every block the in-place ones need; return the
-    function that then fills the in-place reads. Raises ``FormatError`` on a damaged block
-    (fresh destinations may then hold partial data; in-place ones are untouched).
-
-    With ``verify`` False nothing is hash-checked (sizes and headers still are).
-    """
+    """Fill the fresh reads now (in one verifying pass where the blocks allow) and verify
+    every block the in-place ones need and every block of the files ``whole``; return the
+    function that then fills the in-place reads. ``FormatError`` on a damaged block leaves
+    in-place destinations untouched. ``verify`` False: no hash is checked."""
     fresh = [r for r in reads if not r.in_place]
     in_place = [r for r in reads if r.in_place]
     if verify:
         checked = _one_pass(fresh, staging_bytes, threads)
-        fresh = [r for r in fresh if r.file.name not in checked]
+        fresh = [r for r in fresh if r.file.path not in checked]
         wanted: dict[str, tuple[FileReader, set[int]]] = {}
         for r in reads:
             # Blocks the one-pass read already checked are taken off below, so an in-place
             # read of a file that also had one is still verified.
-            blocks = _touched(r.file, [(r.file_start, r.segment().file_end)])
-            wanted.setdefault(r.file.name, (r.file, set()))[1].update(blocks)
+            wanted.setdefault(r.file.name, (r.file, set()))[1].update(_touched(r))
         for f in whole:
             wanted[f.name] = (f, set(range(len(f.record.hashes))))
-        verify_blocks([(_blocks(f), sorted(blocks - checked.get(name, set())))
-                       for name, (f, blocks) in wanted.items()], threads)
-    _read(fresh, staging_bytes, threads)
-    return lambda: _read(in_place, staging_bytes, threads)
+        verify_blocks([(f, sorted(blocks - checked.get(f.path, set())))
+                       for f, blocks in wanted.values()], threads)
+    if fresh:
+        read_plain(fresh, staging_bytes, threads)
+    return lambda: read_plain(in_place, staging_bytes, threads) if in_place else None
 
 
 def _one_pass(fresh: list[Read], staging_bytes: int, threads: int) -> dict[str, set[int]]:
     """Read the fresh reads of every file whose blocks allow it in one verifying pass;
-    return, per file so read, the blocks checked."""
+    return, per file (path) so read, the blocks checked."""
     by_file: dict[str, list[Read]] = {}
     for r in fresh:
         by_file.setdefault(r.file.name, []).append(r)
-    items, names = [], []
-    for name, rs in by_file.items():
-        f, segments = _blocks(rs[0].file), [r.segment() for r in rs]
-        if one_pass_ok(segments, f.block_bytes, max(8, staging_bytes // 2)):
-            items.append((f, segments))
-            names.append(name)
-    if not items:
+    chosen = [rs for rs in by_file.values()
+              if one_pass_ok(rs, rs[0].file.record.block_bytes, max(8, staging_bytes // 2))]
+    if not chosen:
         return {}
     # One block per thread is staged: at most ``staging_bytes`` in all.
-    block = max(f.block_bytes for f, _ in items)
-    done = read_blocks(items, max(1, min(threads, staging_bytes // block)))
-    return dict(zip(names, done))
+    block = max(rs[0].file.record.block_bytes for rs in chosen)
+    return read_blocks([r for rs in chosen for r in rs],
+                       max(1, min(threads, staging_bytes // block)))
 
 
 __all__ = ["DataFiles", "Read", "read_verified"]

@@ -43,8 +43,8 @@ from .agree import CheckpointError, agree
 from .config import CheckpointConfig, settings
 from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, data_file_name,
                      manifest_checksum, state_file_kind, step_dir_name)
-from .storage import (FILE_THREADS, WriteEntry, entry_bytes, part_counts, split_entries,
-                      write_file, write_scratch)
+from .storage import (WriteEntry, entry_bytes, part_counts, split_entries, write_file,
+                      write_scratch)
 from .drain import Drain
 from .snapshot import Job
 from .transfer import io_threads as resolve_threads
@@ -186,13 +186,12 @@ def save(
                 if staged_out:  # through one small page-locked buffer
                     slot_bytes, slots = writer_process.stream_slots(cfg.staging_bytes,
                                                                     cfg.block_bytes)
-                    through = functools.partial(writer_process.stream_files,
+                    through = functools.partial(saves.writer.stream_files,
                                                 staging=snap.staging(slot_bytes * slots),
-                                                slot_bytes=slot_bytes, process=saves.writer)
+                                                slot_bytes=slot_bytes)
                 else:  # from the host copy
-                    through = functools.partial(writer_process.write_files,
-                                                buffers=snap.host_buffers(),
-                                                process=saves.writer)
+                    through = functools.partial(saves.writer.write_files,
+                                                buffers=snap.host_buffers())
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     _write_and_commit(tmp, owned, _split(contents, rank, threads), base,
                                       group, cfg, keep_last, threads, device, step, what,
@@ -297,18 +296,17 @@ def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_byte
 
     The files are written side by side: ``through`` the writer process
     (:mod:`.writer_process`: it returns None where it cannot), else each by
-    ``FILE_THREADS`` thread(s) that copy blocks from ``device``, hash and write them.
+    one thread each that copies blocks from ``device``, hashes and writes them.
     """
     records = None if through is None else \
         through(tmp, [(job.name, job.entries) for job in jobs], block_bytes)
     if records is None:
-        scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device,
-                                 threads=FILE_THREADS) for _ in jobs]
+        scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device) for _ in jobs]
         records = {}
 
         def write(job: Job, slot: int) -> None:
             records[job.name] = write_file(str(tmp / job.name), job.entries, block_bytes,
-                                           scratch[slot], FILE_THREADS)
+                                           scratch[slot])
 
         run_parallel(jobs, write, len(jobs))
     for job in jobs:

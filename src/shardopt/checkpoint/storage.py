@@ -1,13 +1,9 @@
-"""Checkpoint data files: writing them with block hashes, opening and checking them for reads.
+"""Checkpoint data files on the torch side: what a file holds, writing it, opening it to read.
 
-Writes place each tensor's bytes at its offset in the file, several hash blocks
-at a time (:func:`~.transfer.write_blocks`); device tensors go through small
-pinned per-thread buffers, so nothing is serialised whole in memory. Reads are
-:mod:`.read`'s.
-
-Files are opened for reading only if they are regular files reached without
-following a symlink, and a header is trusted only after its length is bounded
-(before anything is allocated) and its chunks match the manifest's.
+:func:`write_parts` writes a file's parts through the one block writer (:mod:`.transfer`),
+device bytes through a small page-locked :class:`Scratch`. A file is read only if it is a
+regular file reached without a symlink, its header only once its length is bounded and its
+chunks match the manifest's.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import torch
 
 from .format import (FileHeader, FileRecord, FormatError, StoredChunk, StoredTensor, build_header,
                      parse_header)
-from .transfer import Part, Scratch, write_blocks
+from .transfer import PIECE_BYTES, Part, Parts, write_file as write_pieces
 
 
 @dataclass(frozen=True)
@@ -39,6 +35,13 @@ class WriteEntry:
 # A save splits a kind's bytes over several files (to write them side by side) only into
 # files of at least this size.
 MIN_PART_BYTES = 64 << 20
+# The smallest per-thread staging buffer: below it a copy's fixed cost dominates.
+MIN_SCRATCH_BYTES = 64 << 10
+# Bound on a safetensors header: a fixed part, and per chunk its JSON record plus its key,
+# which appears twice, the second time JSON-escaped twice (one character can take 26 bytes).
+HEADER_FIXED_BYTES = 4096
+HEADER_CHUNK_BYTES = 256
+HEADER_KEY_CHAR_BYTES = 32
 
 
 def entry_bytes(entries: Sequence[WriteEntry]) -> int:
@@ -88,35 +91,62 @@ def split_entries(entries: Sequence[WriteEntry], parts: int) -> list[list[WriteE
     return [run for run in out if run]
 
 
-# Threads per file of a save: one thread copies, hashes and writes each block in turn. The
-# kernel serialises writes to one file, so a second thread per file only adds contention
-# (measured in benchmarks/probes/checkpoint_tuning.py).
-FILE_THREADS = 1
-# The smallest per-thread staging buffer: below it a copy's fixed cost dominates.
-MIN_SCRATCH_BYTES = 64 << 10
-# Bound on a safetensors header: a fixed part, and per chunk its JSON record plus its key,
-# which appears twice, the second time JSON-escaped twice (one character can take 26 bytes).
-HEADER_FIXED_BYTES = 4096
-HEADER_CHUNK_BYTES = 256
-HEADER_KEY_CHAR_BYTES = 32
+def host_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
-               scratch: Scratch | None, threads: int = FILE_THREADS) -> dict:
-    """Write ``entries`` as one safetensors file at ``path`` and fsync it.
+class Scratch:
+    """One host buffer of ``nbytes`` per thread, pinned when ``device`` is a GPU, and the
+    event of the last device copy into or out of each (on the stream current when the
+    scratch is made; blocking events: a waiting thread sleeps, it does not spin)."""
 
-    Blocks are written and hashed ``threads`` at a time; device tensors go
-    through ``scratch`` (pinned, one buffer per thread).
-    Returns ``{"size", "block_bytes", "hashes"}`` for the manifest.
-    """
-    parts = file_parts(entries)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        hashes = write_blocks(fd, path, parts, block_bytes, scratch, threads)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return {"size": parts[-1].end, "block_bytes": block_bytes, "hashes": hashes}
+    def __init__(self, threads: int, nbytes: int, device: torch.device | None = None) -> None:
+        self.cuda = device is not None and device.type == "cuda"
+        self.threads = threads
+        self.nbytes = nbytes
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+                        for _ in range(threads)]
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
+        self._events: list[torch.cuda.Event | None] = [None] * threads
+
+    def take(self, slot: int) -> torch.Tensor:
+        """The thread's buffer, once no device copy uses it any more."""
+        self.wait(slot)
+        return self.buffers[slot]
+
+    def copy(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``dst.copy_(src)`` for each pair; device copies are queued, not waited for."""
+        if not self.cuda or not any(d.is_cuda or s.is_cuda for d, s in pairs):
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(self.stream)
+        self._events[slot] = ev
+
+    def wait(self, slot: int) -> None:
+        ev = self._events[slot]
+        if ev is not None:
+            ev.synchronize()
+            self._events[slot] = None
+
+    def drain(self) -> None:
+        for slot in range(self.threads):
+            self.wait(slot)
+
+
+def scratch_for(staging_bytes: int, device: torch.device, threads: int = 1) -> Scratch:
+    """``threads`` buffers sharing ``staging_bytes`` (each at least
+    :data:`MIN_SCRATCH_BYTES`) for moving bytes to or from ``device``."""
+    return Scratch(threads, max(MIN_SCRATCH_BYTES, staging_bytes // threads), device)
+
+
+def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device) -> Scratch | None:
+    """The pinned buffer a file's writes from ``device`` stage through (None on the host)."""
+    return scratch_for(min(block_bytes, staging_bytes), device) if device.type == "cuda" else None
 
 
 def file_parts(entries: Sequence[WriteEntry]) -> list[Part]:
@@ -135,22 +165,42 @@ def file_parts(entries: Sequence[WriteEntry]) -> list[Part]:
     return parts
 
 
-def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device,
-                  threads: int = FILE_THREADS) -> Scratch | None:
-    """The pinned per-thread buffers (``staging_bytes`` in all) that the writes of one file
-    from ``device`` stage through (None on the host)."""
-    if device.type != "cuda":
-        return None
-    return Scratch(threads, max(MIN_SCRATCH_BYTES, min(block_bytes, staging_bytes // threads)), device)
+def write_parts(path: str, parts: Sequence[Part], block_bytes: int,
+                scratch: Scratch | None) -> dict:
+    """Write a new file of ``parts`` (host or device tensors, zeros; sorted and contiguous
+    from byte 0) at ``path`` and fsync it; return ``{"size", "block_bytes", "hashes"}``.
+    Host bytes are written from where they lie, device bytes through ``scratch``."""
+    layout = Parts(parts)
+    piece = min(block_bytes, scratch.nbytes if scratch is not None else PIECE_BYTES)
+    if any(p.data is not None and p.data.is_cuda for p in layout.parts) and (
+            scratch is None or not scratch.cuda):
+        raise AssertionError("device parts need a pinned scratch")
+    zeros = memoryview(bytes(piece if any(p.data is None for p in layout.parts) else 0))
+
+    def take(lo: int, hi: int) -> list[memoryview]:
+        views, copies = [], []
+        for cut in layout.cuts(lo, hi):
+            data = cut.part.data
+            if data is None:
+                views.append(zeros[:cut.end - cut.start])
+            elif data.is_cuda:
+                dst = scratch.take(0)[cut.start - lo:cut.end - lo]
+                copies.append((dst, data[cut.within]))
+                views.append(host_bytes(dst))
+            else:
+                views.append(host_bytes(data)[cut.within])
+        if copies:
+            scratch.copy(0, copies)
+            scratch.wait(0)
+        return views
+
+    return write_pieces(path, layout.size, block_bytes, piece, take)
 
 
-def read_scratch(staging_bytes: int, device: torch.device, casts: bool,
-                 threads: int) -> Scratch | None:
-    """The per-thread buffers (``staging_bytes`` in all) that reads into ``device`` tensors
-    (or casting reads) on ``threads`` threads need."""
-    if device.type != "cuda" and not casts:
-        return None
-    return Scratch(threads, max(MIN_SCRATCH_BYTES, staging_bytes // threads), device)
+def write_file(path: str, entries: Sequence[WriteEntry], block_bytes: int,
+               scratch: Scratch | None) -> dict:
+    """Write ``entries`` as one safetensors data file at ``path`` (:func:`write_parts`)."""
+    return write_parts(path, file_parts(entries), block_bytes, scratch)
 
 
 def open_regular(path: Path) -> int:

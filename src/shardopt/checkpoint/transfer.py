@@ -1,49 +1,37 @@
-"""Threaded data movement between one rank's checkpoint files and its tensors.
+"""The one block writer of checkpoint files (:class:`FileWriter`), and the byte-level pieces
+around it: the threads data moves on and the writer process's messages.
 
-Reads and writes are cut into pieces that several threads move at once
-(:func:`io_threads`): ``preadv``/``pwritev`` and xxhash release the GIL, and one
-thread cannot keep tmpfs or NVMe busy. Each thread owns one host scratch buffer (pinned when
-device tensors are involved); a device piece is copied between it and the
-device on the stream that was current when the :class:`Scratch` was made, so the
-copies are ordered after the work that produced the tensors, and the thread waits
-for that copy before it uses or reuses the buffer. Host memory is bounded: one
-piece per thread.
-
-* :func:`write_blocks` writes a file's parts (header bytes, host or device
-  tensors, zeros) at their offsets, one hash block per job, and returns the
-  blocks' xxh3-64 digests: the same as hashing the file front to back in blocks.
-* :func:`read_segments` fills tensors from stored bytes: straight into host
-  tensors of the stored dtype, through the scratch otherwise. It checks nothing;
-  callers verify blocks first (see :mod:`.blocks`).
+Standard library and xxhash only: the writer process (:mod:`._writer_main`) loads this file
+without torch. Blocking saves, the writer process and export all write through it.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import os
+import socket
+import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import torch
 import xxhash
-
-from ..layout import Range
-from ._writer_main import vectored
-from .format import FormatError
 
 # Most threads a rank moves checkpoint data on by default (io_threads()).
 MAX_IO_THREADS = 16
 # Largest piece one thread moves at a time (and the size of its scratch buffer).
 PIECE_BYTES = 8 << 20
+# The most views one preadv/pwritev call takes: the system's, or the limit POSIX guarantees.
+POSIX_IOV_MAX = 1024
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else POSIX_IOV_MAX
 
 
 def io_threads(requested: int | None = None) -> int:
-    """Threads a rank reads on, and files it writes at once: ``requested`` (validated by
-    :class:`~.config.CheckpointConfig`), or by default the CPUs this process may run on
-    shared among the node's ranks (``LOCAL_WORLD_SIZE``, as torchrun sets it), between 2
-    and :data:`MAX_IO_THREADS`. On tmpfs the bandwidth grows with every thread up to 16
-    (``benchmarks/probes/storage_scaling.py``); a disk saturates with a few, and more cost little."""
+    """Threads a rank reads on, and files it writes at once: ``requested``, or the CPUs this
+    process may run on shared among the node's ranks (``LOCAL_WORLD_SIZE``), between 2 and
+    :data:`MAX_IO_THREADS` (docs/format.md: tmpfs bandwidth grows up to 16 writers)."""
     if requested is not None:
         return requested
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -54,26 +42,34 @@ def io_threads(requested: int | None = None) -> int:
     return max(2, min(MAX_IO_THREADS, (cpus or 1) // local))
 
 
-def host_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+def vectored(call: Callable, fd: int, views: list, offset: int, stuck: Exception) -> None:
+    """``call(fd, views, pos)`` (``os.preadv`` or ``os.pwritev``) until every view is done, at
+    most :data:`IOV_MAX` views at a time; ``stuck`` (with the byte position added) when a
+    call moves nothing."""
+    views = [v for v in views if len(v)]
+    pos = offset
+    while views:
+        n = call(fd, views[:IOV_MAX], pos)
+        if n <= 0:
+            raise type(stuck)(f"{stuck} at byte {pos}")
+        pos += n
+        while views and n >= len(views[0]):  # drop what was moved (a short call: part)
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
-def preadv_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``views`` (in order) from consecutive bytes of ``fd`` at ``offset``."""
-    vectored(os.preadv, fd, views, offset, FormatError(f"{path}: unexpected end of file"))
-
-
-def pwritev_exact(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+def pwritev_exact(fd: int, views: list, offset: int, path: str) -> None:
     """Write ``views`` (in order) as consecutive bytes of ``fd`` at ``offset``."""
     vectored(os.pwritev, fd, views, offset, OSError(f"{path}: nothing written"))
 
 
-def run_parallel(jobs: list, work: Callable, threads: int, scratch: Scratch | None = None) -> None:
-    """``work(job, slot)`` for every job, on ``threads`` threads; ``slot`` is the thread's
-    index (its own scratch). Jobs are dealt round-robin, so the threads move neighbouring
-    pieces at the same time. After a failure the threads stop taking jobs; the error of the
-    earliest failed job is raised once every thread has stopped and the device copies of
-    ``scratch`` are done."""
+def run_parallel(jobs: list, work: Callable[[Any, int], None], threads: int,
+                 finish: Callable[[], None] | None = None) -> None:
+    """``work(job, slot)`` for every job on ``threads`` threads (``slot``: the thread's index),
+    dealt round-robin. After a failure the threads take no more jobs; the earliest failed
+    job's error is raised once every thread has stopped and ``finish`` has run."""
     threads = max(1, min(threads, len(jobs)))
     errors: dict[int, BaseException] = {}
 
@@ -100,186 +96,137 @@ def run_parallel(jobs: list, work: Callable, threads: int, scratch: Scratch | No
             for t in pool:
                 t.join()
     finally:
-        if scratch is not None:
-            scratch.drain()
+        if finish is not None:
+            finish()
     if errors:
         raise errors[min(errors)]
 
 
-class Scratch:
-    """One host buffer of ``nbytes`` per thread, pinned when ``device`` is a GPU, and the
-    event of the last device copy that used each. Copies run on the stream current (in
-    the calling thread) when the scratch is made. The events are blocking: a thread that
-    waits for its copy sleeps instead of spinning on a core (16 spinning writers of a
-    background save took the cores the training loop launches its kernels from)."""
-
-    def __init__(self, threads: int, nbytes: int, device: torch.device | None = None) -> None:
-        self.cuda = device is not None and device.type == "cuda"
-        self.threads = threads
-        self.nbytes = nbytes
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-                        for _ in range(threads)]
-        self.stream = torch.cuda.current_stream(device) if self.cuda else None
-        self._events: list[torch.cuda.Event | None] = [None] * threads
-
-    def take(self, slot: int) -> torch.Tensor:
-        """The thread's buffer, once no device copy uses it any more."""
-        self.wait(slot)
-        return self.buffers[slot]
-
-    def copy(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``dst.copy_(src)`` for each pair; device copies are queued, not waited for."""
-        if not self.cuda or not any(d.is_cuda or s.is_cuda for d, s in pairs):
-            for dst, src in pairs:
-                dst.copy_(src)
-            return
-        with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, not spins
-            ev.record(self.stream)
-        self._events[slot] = ev
-
-    def wait(self, slot: int) -> None:
-        ev = self._events[slot]
-        if ev is not None:
-            ev.synchronize()
-            self._events[slot] = None
-
-    def drain(self) -> None:
-        for slot in range(self.threads):
-            self.wait(slot)
-
-
 @dataclass(frozen=True)
 class Part:
-    """``nbytes`` of a file from byte ``start``: ``data`` (1-D uint8, host or device) or
-    zeros when ``data`` is None."""
+    """``nbytes`` of a file from byte ``start``: ``data`` (bytes sliced by byte: a memoryview,
+    a 1-D uint8 tensor) or zeros when ``data`` is None."""
 
     start: int
     nbytes: int
-    data: torch.Tensor | None
+    data: Any
 
     @property
     def end(self) -> int:
         return self.start + self.nbytes
 
 
-def block_ranges(blocks: Iterable[int], block_bytes: int, size: int) -> list[tuple[int, int, int]]:
-    """``(block, first byte, end byte)`` of each of ``blocks`` of a ``size``-byte file."""
-    return [(b, b * block_bytes, min((b + 1) * block_bytes, size)) for b in blocks]
-
-
-def overlapping(parts: list[Part], starts: list[int], lo: int, hi: int
-                ) -> list[tuple[Part, int, int]]:
-    """``(part, first byte, end byte)`` of each of ``parts`` (sorted and contiguous;
-    ``starts``: their starts) that holds bytes of ``[lo, hi)``, clipped to it."""
-    out = []
-    for p in parts[max(0, bisect.bisect_right(starts, lo) - 1):]:
-        if p.start >= hi:
-            break
-        if p.end > lo:
-            out.append((p, max(p.start, lo), min(p.end, hi)))
-    return out
-
-
-def write_blocks(fd: int, path: str, parts: list[Part], block_bytes: int,
-                 scratch: Scratch | None, threads: int) -> list[str]:
-    """Write ``parts`` (sorted, contiguous from byte 0) and return the xxh3-64 digest of
-    each ``block_bytes`` block. Each job is one block: its pieces are gathered (device
-    parts through the thread's scratch), hashed in order and written with ``pwritev``."""
-    parts = [p for p in parts if p.nbytes]
-    size = parts[-1].end if parts else 0
-    starts = [p.start for p in parts]
-    piece = min(block_bytes, scratch.nbytes if scratch is not None else PIECE_BYTES)
-    zeros = torch.zeros(piece if any(p.data is None for p in parts) else 0, dtype=torch.uint8)
-    if any(p.data is not None and p.data.is_cuda for p in parts) and (
-            scratch is None or not scratch.cuda):
-        raise AssertionError("device parts need a pinned scratch")
-    jobs = block_ranges(range(Range(0, size).blocks(block_bytes).size), block_bytes, size)
-    digests = [""] * len(jobs)
-
-    def work(job, slot):
-        b, start, end = job
-        h = xxhash.xxh3_64()
-        for pos in range(start, end, piece):
-            stop = min(pos + piece, end)
-            views, copies = [], []
-            buf = scratch.take(slot) if scratch is not None else None
-            for p, lo, hi in overlapping(parts, starts, pos, stop):
-                if p.data is None:
-                    views.append(host_bytes(zeros[:hi - lo]))
-                elif p.data.is_cuda:
-                    dst = buf[lo - pos:hi - pos]
-                    copies.append((dst, p.data[lo - p.start:hi - p.start]))
-                    views.append(host_bytes(dst))
-                else:
-                    views.append(host_bytes(p.data)[lo - p.start:hi - p.start])
-            if copies:
-                scratch.copy(slot, copies)
-                scratch.wait(slot)
-            for v in views:
-                h.update(v)
-            pwritev_exact(fd, views, pos, path)
-        digests[b] = h.hexdigest()
-
-    run_parallel(jobs, work, threads, scratch)
-    return digests
-
-
 @dataclass(frozen=True)
-class Segment:
-    """Stored bytes at ``file_start`` (``out.numel()`` elements of ``dtype``) fill ``out`` (1-D)."""
+class Cut:
+    """Bytes ``[start, end)`` of a file, all in ``part``; ``within``: where in its ``data``."""
 
-    file_start: int
-    out: torch.Tensor
-    dtype: torch.dtype
+    part: Part
+    start: int
+    end: int
 
     @property
-    def file_end(self) -> int:
-        return self.file_start + self.out.numel() * self.dtype.itemsize
-
-    @property
-    def direct(self) -> bool:
-        o = self.out
-        return not o.is_cuda and o.dtype == self.dtype and o.is_contiguous()
+    def within(self) -> slice:
+        return slice(self.start - self.part.start, self.end - self.part.start)
 
 
-@dataclass(frozen=True)
-class FileSegment:
-    """A :class:`Segment` of the file open as ``fd`` (``path`` names it in errors)."""
+class Parts:
+    """A file's parts, sorted and contiguous from byte 0 (empty ones dropped)."""
 
-    fd: int
-    path: str
-    segment: Segment
+    def __init__(self, parts: Sequence[Part]) -> None:
+        self.parts = [p for p in parts if p.nbytes]
+        self.starts = [p.start for p in self.parts]
+        self.size = self.parts[-1].end if self.parts else 0
+
+    def cuts(self, lo: int, hi: int) -> list[Cut]:
+        """The parts' bytes in ``[lo, hi)``, in order."""
+        out = []
+        for p in self.parts[max(0, bisect.bisect_right(self.starts, lo) - 1):]:
+            if p.start >= hi:
+                break
+            if p.end > lo:
+                out.append(Cut(p, max(p.start, lo), min(p.end, hi)))
+        return out
 
 
-def read_segments(items: list[FileSegment], scratch: Scratch | None, threads: int) -> None:
-    """Fill every segment's ``out`` from its file, ``threads`` pieces at a time.
+class FileWriter:
+    """A new file of ``size`` bytes at ``path``, written front to back: :meth:`write` takes
+    the next bytes and hashes each ``block_bytes`` block as they pass; :meth:`finish`
+    fsyncs and returns the manifest's record ``{"size", "block_bytes", "hashes"}``."""
 
-    Direct segments are read straight into their tensors; the others (device or
-    casting destinations) need ``scratch``. Returns once every device copy is done.
-    """
-    piece = scratch.nbytes if scratch is not None else PIECE_BYTES
-    jobs = []
-    for it in items:
-        s = it.segment
-        size = s.dtype.itemsize
-        per = max(1, piece // size)
-        for first in range(0, s.out.numel(), per):
-            n = min(per, s.out.numel() - first)
-            jobs.append((it, s.file_start + first * size, s.out.narrow(0, first, n)))
-    if scratch is None and any(not it.segment.direct for it in items):
-        raise AssertionError("device or casting reads need a scratch")
+    def __init__(self, path: str, size: int, block_bytes: int) -> None:
+        self.path, self.size, self.block_bytes = path, size, block_bytes
+        self.hashes: list[str] = []
+        self.at = 0  # the next byte expected
+        self._hash = xxhash.xxh3_64()  # of the block being written
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
-    def work(job, slot):
-        it, file_start, out = job
-        dtype = it.segment.dtype
-        if not out.is_cuda and out.dtype == dtype and out.is_contiguous():
-            preadv_exact(it.fd, [host_bytes(out)], file_start, it.path)
-            return
-        buf = scratch.take(slot)[:out.numel() * dtype.itemsize]
-        preadv_exact(it.fd, [host_bytes(buf)], file_start, it.path)
-        scratch.copy(slot, [(out, buf.view(dtype))])
+    def write(self, start: int, views: Sequence[memoryview]) -> None:
+        end = start + sum(len(v) for v in views)
+        if start != self.at or end > self.size:
+            raise ValueError(f"bytes [{start}, {end}) out of order (expected byte {self.at} "
+                             f"of {self.size})")
+        for v in views:
+            while len(v):
+                take = v[:self.block_bytes - self.at % self.block_bytes]
+                self._hash.update(take)
+                self.at += len(take)
+                v = v[len(take):]
+                if self.at % self.block_bytes == 0 or self.at == self.size:
+                    self.hashes.append(self._hash.hexdigest())
+                    self._hash.reset()
+        pwritev_exact(self._fd, list(views), start, self.path)
 
-    run_parallel(jobs, work, threads, scratch)
+    def finish(self) -> dict:
+        if self.at != self.size:
+            raise ValueError(f"{self.path}: {self.at} of {self.size} bytes came")
+        os.fsync(self._fd)
+        return {"size": self.size, "block_bytes": self.block_bytes, "hashes": self.hashes}
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def write_file(path: str, size: int, block_bytes: int, piece_bytes: int,
+               take: Callable[[int, int], list[memoryview]]) -> dict:
+    """Write the file whose bytes ``[lo, hi)`` ``take(lo, hi)`` gives, in pieces of at most
+    ``piece_bytes``, through a :class:`FileWriter`; return its record."""
+    writer = FileWriter(path, size, block_bytes)
+    try:
+        for lo in range(0, size, piece_bytes):
+            writer.write(lo, take(lo, min(lo + piece_bytes, size)))
+        return writer.finish()
+    finally:
+        writer.close()
+
+
+# Messages to and from the writer process, both ways: a JSON value and binary blobs (8-byte
+# little-endian lengths of the JSON and of each blob, then the bytes); nothing executable.
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError
+        out += chunk
+    return bytes(out)
+
+
+def recv(sock: socket.socket) -> tuple[Any, list[bytes]]:
+    """A message: its JSON value and its blobs."""
+    n, count = struct.unpack("<QQ", _recv_exact(sock, 16))
+    obj = json.loads(_recv_exact(sock, n))
+    blobs = []
+    for _ in range(count):
+        (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
+        blobs.append(_recv_exact(sock, size))
+    return obj, blobs
+
+
+def send(sock: socket.socket, obj: Any, blobs: Sequence[bytes] = ()) -> None:
+    data = json.dumps(obj).encode()
+    out = [struct.pack("<QQ", len(data), len(blobs)), data]
+    for b in blobs:
+        out += [struct.pack("<Q", len(b)), b]
+    sock.sendall(b"".join(out))
