@@ -324,10 +324,10 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
         first += n
 
 
-# Bytes per program of copy_from_host_: the fastest of the settings tried
-# (docs/offload.md, "Why onload copies by kernel").
+# Bytes and warps per program of copy_from_host_: the fastest of the settings
+# benchmarks/probes/offload_phases.py tries (docs/offload.md, "Why onload copies by kernel").
 COPY_BLOCK_BYTES = 4 << 10
-COPY_WARPS = 4
+COPY_WARPS = 8
 
 
 def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
