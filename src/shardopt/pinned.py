@@ -1,25 +1,16 @@
 """Page-locked host memory of exactly the size asked for, locked at once or piece by piece.
 
-``torch.empty(..., pin_memory=True)`` goes through torch's caching host
-allocator, which rounds every block up to a power of two: a 4.9 GiB moment
-tensor locks 8 GiB of host memory, and the cache keeps the blocks after the
-tensor is gone. For the few large, long-lived host tensors of a
-``low_memory_resume`` load, of ``offload()`` (:mod:`.host_state`) and of an asynchronous
-save's snapshot (:mod:`.checkpoint.snapshot`) this module
-allocates ordinary host memory and page-locks exactly its pages with
-``cudaHostRegister`` instead: all at construction, or (``lock=False``, then
-:meth:`PinnedBuffer.lock_to`) in segments of :data:`SEGMENT_BYTES` just ahead of their
-first use, so that locking gigabytes (about half a second per GiB) happens where it
-stalls nothing.
+``pin_memory=True`` goes through torch's caching host allocator, which rounds every block up
+to a power of two (a 4.9 GiB tensor locks 8 GiB) and keeps the blocks after the tensor is
+gone; for the large, long-lived host tensors of ``low_memory_resume``, ``offload()`` and
+asynchronous saves this module page-locks exactly the pages of ordinary host memory with
+``cudaHostRegister``: at construction, or (:meth:`PinnedBuffer.lock_to`) in segments of
+:data:`SEGMENT_BYTES` just ahead of their first use, where locking stalls nothing.
 
-Rules that keep this safe (all enforced here or by the callers):
-
-* :meth:`PinnedBuffer.release` unregisters before the last reference to the
-  memory can go away (``__del__`` calls it too), so memory is never freed while
-  registered; views that outlive it just become ordinary pageable memory.
-* Whoever issues asynchronous copies from or to the buffer waits for them (an
-  event) before releasing it.
-* A copy from or to a buffer locked in segments stays within one segment.
+Rules: :meth:`PinnedBuffer.release` unregisters before the memory can go (``__del__`` calls
+it), so memory is never freed while registered; whoever issues asynchronous copies from or to
+a buffer waits for them before releasing it; a copy into a buffer locked in segments stays
+within one segment.
 """
 
 from __future__ import annotations

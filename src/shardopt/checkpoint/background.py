@@ -1,19 +1,12 @@
-"""The background half of asynchronous saves: one optimizer's saves (:class:`Saves`), the
-handle of the save in flight, and the coordination group their exchanges run on.
+"""The background half of asynchronous saves: one optimizer's saves (:class:`Saves`, in
+``opt.attachments`` from its first asynchronous save, closed by :mod:`.shutdown`), the
+handle of the save in flight, and the gloo coordination group their exchanges run on.
 
-An optimizer's :class:`Saves` lives as long as the optimizer (in ``opt.attachments``, made
-at its first asynchronous save by :func:`of`, closed by :mod:`.shutdown`) and holds the
-snapshot its saves reuse, the writer process that writes their files, the save in flight
-and the coordination groups. One save of an optimizer is in flight at a time: its next
-``save`` (either kind), a ``checkpoint.load`` into it and the interpreter's exit wait for it.
-Its error is kept until someone sees it: :meth:`SaveHandle.wait`, the next ``save`` (which
-then fails on every rank, before it starts anything) or a log record at :meth:`Saves.close`.
-
-The save's exchanges (:func:`~.agree.agree`) run from the background thread while training
-issues its own collectives on the DP group; on one group the two would interleave and
-deadlock or mix up data. They run on a gloo group over the same ranks, created collectively
-at the first asynchronous save on that DP group, with the DP group's timeout (a rank that
-dies before joining makes the others raise after that long), held weakly; DP size 1 needs none.
+One save of an optimizer is in flight at a time: its next ``save``, a ``checkpoint.load``
+into it and the interpreter's exit wait for it. Its error is kept until someone sees it:
+:meth:`SaveHandle.wait`, the next ``save`` (which fails on every rank) or a log record at
+:meth:`Saves.close`. Why the exchanges need a group of their own, and its timeout:
+docs/async_save.md, Collectives from the background.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""The drain: how an asynchronous save's snapshot is copied while training goes on, and
-the state-write hook that keeps the copy the state at the call.
+"""The drain: an asynchronous save's snapshot copied while training goes on, and the
+state-write hook that keeps the copy the state at the call (docs/async_save.md, The drain).
 
-Adam state and params change only inside ``step()`` (and ``load_state_dict``,
-``offload()``, ``reload_model_params()``, re-seeding written params), and each of those
-first runs the optimizer's state-write hooks
-(:meth:`~shardopt.optimizer.DistributedOptimizer.register_state_write_hook`). A
-:class:`Drain` is one until the state is no longer read:
-
-* the background thread (:meth:`Drain.run`) copies each source to its place in the host
-  snapshot in pieces of :data:`PIECE_BYTES`, :data:`IN_FLIGHT` of them in flight on a side
-  stream, the next issued once the one before is done, so that a small device-to-host read
-  of the training loop (``.item()``) never waits behind more than a piece; each host buffer
-  is page-locked segment by segment just ahead of its pieces;
-* the hook, at the first write, copies what is not yet issued into spare memory of the
-  device (device-to-device, a few large copies on the current stream, after the pieces in
-  flight and before the write) and removes itself; the drain goes on from that copy, which it
-  frees at its end. Where that memory cannot be had the hook waits on the host for the drain.
-
-Off CUDA the same code runs with plain copies, the spare memory on the host.
+The background thread (:meth:`Drain.run`) copies each source into the host snapshot in
+pieces of :data:`PIECE_BYTES`, :data:`IN_FLIGHT` in flight on a side stream, so that a small
+device-to-host read of the training loop never waits behind more than a piece, and page-locks
+each host buffer segment by segment just ahead of its pieces. The state's first write
+(:meth:`~shardopt.optimizer.DistributedOptimizer.register_state_write_hook`) copies what is
+not yet issued into spare device memory and the drain goes on from there; without spare
+memory the write waits on the host for the drain. Off CUDA the same code runs with plain
+copies.
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ def save(
     staged: commit.Staged | None = None
     saves = background.of(optimizer)
     try:
-        error, extra_obj, threads, cfg, contents, drain = None, None, 1, CheckpointConfig(), [], None
+        error, extra_obj, threads, cfg = None, None, 1, CheckpointConfig()
+        contents, drain = [], None
         base: Callable[[], dict[str, Any]] = dict
         try:
             cfg = settings(config, blocking=blocking, keep_last=keep_last)
@@ -142,7 +143,7 @@ def save(
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
                 if blocking:
-                    contents = _rank_contents(optimizer, frozen)
+                    contents = [_rng_job(optimizer), *_state_contents(optimizer, frozen)]
                 else:  # split into files later, in the background
                     contents, drain = _take_snapshot(saves, optimizer, frozen,
                                                      cfg.snapshot == "device_staged")
@@ -241,16 +242,12 @@ def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
     agree(dp, error, f"committing {tmp.parent / step_dir_name(step)}")
 
 
-def _rank_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
-    """Coordinator-free. What this rank writes, by file kind (``rng`` under its file name)."""
-    return [_rng_job(opt), *_state_contents(opt, frozen)]
-
-
 def _rng_job(opt: DistributedOptimizer) -> Job:
     return Job(data_file_name("rng", opt.dp.rank), _rng_entries())  # new tensors: no snapshot
 
 
 def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
+    """Coordinator-free. What this rank writes of the state, by file kind."""
     contents = {"model": state.model_entries(opt, frozen)}
     for name in STATE_NAMES:
         contents.setdefault(state_file_kind(name), []).extend(state.optim_entries(opt, name))
@@ -259,9 +256,10 @@ def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) 
 
 def _take_snapshot(saves: background.Saves, opt: DistributedOptimizer,
                    frozen: dict[str, torch.Tensor], on_device: bool) -> tuple[list[Job], Drain]:
-    """Coordinator-free. :func:`_rank_contents` with its state in the optimizer's snapshot
-    and the drain that copies it there: a repeat of the previous save's copies where the
-    state lives in tensors of the same sizes (:meth:`.Snapshot.retake`), else planned anew."""
+    """Coordinator-free. The RNG state and :func:`_state_contents` in the optimizer's
+    snapshot, and the drain that copies it there: a repeat of the previous save's copies
+    where the state lives in tensors of the same sizes (:meth:`.Snapshot.retake`), else
+    planned anew."""
     snap, sources = saves.snapshot, state.sources(opt, frozen)
     # Buffers (not params) are what a forward may update in place while the copies run.
     hot = {t.untyped_storage().data_ptr() for t in frozen.values()

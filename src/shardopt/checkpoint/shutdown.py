@@ -1,18 +1,14 @@
-"""Shutdown: the order in which an optimizer's asynchronous saves end their background thread,
-coordination group (gloo, :meth:`.background.Saves.coordination_group`) and writer process
-(:mod:`.writer_process`), each before what it depends on, none after the job's process groups:
+"""Shutdown: an optimizer's asynchronous saves end their background thread, coordination
+group and writer process in this order, none after the job's process groups:
 
-1. **The save in flight** finishes (commits or fails) at :meth:`~.background.SaveHandle.wait`,
-   at the next ``save``, at ``checkpoint.load``, and at the latest when the interpreter exits:
-   the thread is not a daemon, so Python waits for it before any exit handler runs. A failed
-   save's error is kept without the objects its frames held (the group among them).
-2. **At** ``torch.distributed.destroy_process_group()`` the coordination groups go with the
-   job's own: the library holds them weakly, so torch frees them in that call and joins their
-   threads while the interpreter is whole.
-3. **When the optimizer is collected, or at interpreter exit**, :func:`close_with` runs its
-   :meth:`~.background.Saves.close`: it logs a save's error nobody has seen, closes the writer
-   process (which exits 0 at the end of its socket) and destroys the coordination groups torch
-   still has (a job that never called ``destroy_process_group``).
+1. **The save in flight** finishes at :meth:`~.background.SaveHandle.wait`, the next
+   ``save``, ``checkpoint.load``, or at the latest at interpreter exit (the thread is not a
+   daemon); a failed save's error is kept without the objects its frames held.
+2. **At** ``torch.distributed.destroy_process_group()`` the coordination groups, held
+   weakly, go with the job's own.
+3. **When the optimizer is collected, or at interpreter exit**, :func:`close_with` runs
+   :meth:`~.background.Saves.close`: it logs an error nobody has seen, closes the writer
+   process and destroys the coordination groups torch still has.
 
 Why (a gloo group alive when the interpreter finalises aborts a finished job with SIGABRT):
 docs/reliability.md, Shutdown; ``tests/checkpoint/test_exit.py`` checks it.

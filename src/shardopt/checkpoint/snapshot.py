@@ -1,18 +1,12 @@
 """The snapshot of what one rank's asynchronous save writes: the state at the call, copied
-while training goes on (docs/async_save.md).
+while training goes on (docs/async_save.md, Memory and who writes).
 
-Where the copy goes (``CheckpointConfig.snapshot``): ``"host"`` (default), one host buffer
-per dtype of exactly the bytes of this rank's entries (a tensor saved under two keys is
-copied once), reused while the sizes stay, in shared memory (memfd) the writer process maps
-where it can run, filled by a :class:`~.drain.Drain` from where the state lives; or
-``"device_staged"``, spare GPU memory copied device-to-device at the call, which the
-background thread streams to the files through one small page-locked staging buffer
-(:meth:`Snapshot.staging`): no host copy of the state.
-
-What is copied: runs of adjacent elements of the few flat tensors the state lives in (a
-rank's shard of each bucket is contiguous), not one copy per param and state. A later save
-whose state lives in tensors of the same names, sizes and dtypes repeats those copies from
-wherever the tensors are now (:meth:`Snapshot.retake`); anything else plans anew.
+``"host"`` (default): one host buffer per dtype of exactly this rank's entries (a tensor
+saved under two keys is copied once), shared with the writer process where it can run,
+filled by a :class:`~.drain.Drain`. ``"device_staged"``: spare GPU memory copied at the
+call, streamed to the files through one small page-locked buffer (:meth:`Snapshot.staging`).
+Each run of adjacent elements of the flat tensors the state lives in is one copy; a later
+save of tensors of the same names, sizes and dtypes repeats them (:meth:`Snapshot.retake`).
 """
 
 from __future__ import annotations
