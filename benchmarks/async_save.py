@@ -57,28 +57,42 @@ writes ran in the phase before) instead of a clock read inside the loop. Every r
 measures its own phases (``phases_by_rank`` and ``host_rss_peak_bytes_by_rank`` in the
 result; ``phases`` are rank 0's).
 
-GPU (one H200, under 5 minutes)::
+Each sparse phase of a shardopt system also checks every asynchronous checkpoint: before
+each save (outside the timed iteration) a blocking save of the same state is written beside
+it, and once the asynchronous one is committed the two must hold the same files byte for byte
+(and the same manifest but its creation time and checksum) and the asynchronous one must pass
+``checkpoint.verify`` (``notes.verified`` and ``notes.all_equal`` in the result;
+``--no-verify`` skips it). ``shardopt@PIECE:FLIGHT`` runs shardopt's default snapshot with its
+drain's piece size and pieces in flight set (``notes.drain``), for a sweep.
 
-    PYTHONPATH=src python3 benchmarks/async_save.py --out $OUT
+The Hugging Face model and the reference GPT at 1 and 3 micro-batches, default settings,
+``/dev/shm``, 5 saves after the first (one H200)::
 
-The Hugging Face model at 2 micro-batches, default settings, ``/dev/shm``, 5 saves after
-the first (about a minute; ``--model gpt`` for the GPT)::
+    for m in hf-llama gpt; do for acc in 1 3; do
+      PYTHONPATH=src python3 benchmarks/async_save.py --model $m --accumulate $acc \
+          --systems shardopt --dirs /dev/shm --sparse-every 12 --sparse-saves 6 \
+          --every-iters 0 --tag _acc$acc --out $OUT
+    done; done
 
-    PYTHONPATH=src python3 benchmarks/async_save.py --model hf-llama --accumulate 2 \\
-        --systems shardopt --dirs /dev/shm --sparse-every 12 --sparse-saves 6 \\
-        --every-iters 0 --out $OUT
+The drain's sweep on the Hugging Face model (piece size and pieces in flight)::
+
+    PYTHONPATH=src python3 benchmarks/async_save.py --model hf-llama --accumulate 1 \
+        --systems shardopt@2m:1,shardopt@4m:1,shardopt@8m:1,shardopt@4m:2 --dirs /dev/shm \
+        --sparse-every 12 --sparse-saves 6 --every-iters 0 --budget-s 550 --tag _sweep \
+        --out $OUT
 
 DP 2 (two H200)::
 
-    PYTHONPATH=src python3 benchmarks/async_save.py --nproc 2 \\
-        --systems shardopt,shardopt_device --out $OUT
+    PYTHONPATH=src python3 benchmarks/async_save.py --nproc 2 \
+        --systems shardopt,shardopt_device_staged --out $OUT
 
 CPU smoke (``--nproc 2`` for two ranks over gloo)::
 
-    PYTHONPATH=src python benchmarks/async_save.py --device cpu --preset tiny \\
-        --every-iters 3 --sparse-every 2 --sparse-saves 2 --warmup 1 --dirs /tmp
-    PYTHONPATH=src python benchmarks/async_save.py --device cpu --preset tiny \\
-        --model hf-llama --accumulate 2 --every-iters 0 --sparse-every 2 --sparse-saves 2 \\
+    PYTHONPATH=src python benchmarks/async_save.py --device cpu --preset tiny \
+        --every-iters 3 --sparse-every 2 --sparse-saves 3 --warmup 1 --dirs /tmp \
+        --systems shardopt,shardopt@64k:2,dcp
+    PYTHONPATH=src python benchmarks/async_save.py --device cpu --preset tiny \
+        --model hf-llama --accumulate 3 --every-iters 0 --sparse-every 2 --sparse-saves 3 \
         --warmup 1 --dirs /tmp --systems shardopt,dcp
 """
 
@@ -105,16 +119,41 @@ import _peers  # noqa: E402
 
 
 class ShardoptSaver:
-    snapshot = "host"
+    """shardopt's asynchronous save (``snapshot``), its drain's piece size and pieces in flight
+    set for every save (``drain``: ``(bytes, in flight)``, None for the defaults). With
+    ``verify``, each save is preceded, outside the timed iteration, by a blocking save of
+    the same state, and the asynchronous checkpoint is checked against it byte for byte
+    (every data file, the manifest but its creation time and checksum) and with
+    ``checkpoint.verify`` before the next save; the results are in :attr:`notes`."""
 
-    def __init__(self, model, opt, root: Path) -> None:
+    snapshot = "host"
+    defaults: tuple[int, int] | None = None  # the library's drain setting, before any sweep
+
+    def __init__(self, model, opt, root: Path, drain: tuple[int, int] | None = None,
+                 verify: bool = False) -> None:
         from shardopt import checkpoint
+        from shardopt.checkpoint import drain as drain_module
+        if ShardoptSaver.defaults is None:
+            ShardoptSaver.defaults = (drain_module.PIECE_BYTES, drain_module.IN_FLIGHT)
         self.ckpt, self.model, self.opt, self.root = checkpoint, model, opt, root
-        self.handle = None
+        self.drain_module, self.drain, self.verify = drain_module, drain or self.defaults, verify
+        self.handle = self.reference = None
+        self.notes: dict[str, Any] = {"drain": {"piece_bytes": self.drain[0],
+                                                "in_flight": self.drain[1]}}
+        if verify:
+            self.notes["verified"] = []
+
+    def before_save(self, step: int) -> None:
+        if not self.verify:
+            return
+        self._check()
+        self.reference = self.ckpt.save(self.root / "blocking", self.model, self.opt,
+                                        step=step, keep_last=1)
 
     def save(self, step: int) -> None:
-        self.handle = self.ckpt.save(self.root, self.model, self.opt, step=step, keep_last=1,
-                                     blocking=False,
+        self.drain_module.PIECE_BYTES, self.drain_module.IN_FLIGHT = self.drain
+        self.handle = self.ckpt.save(self.root / "async", self.model, self.opt, step=step,
+                                     keep_last=1, blocking=False,
                                      config=self.ckpt.CheckpointConfig(snapshot=self.snapshot))
 
     def before_step(self) -> None:  # step() itself waits for the snapshot copies
@@ -123,17 +162,46 @@ class ShardoptSaver:
     def busy(self) -> bool:
         return self.handle is not None and not self.handle.done()
 
+    def _check(self) -> None:
+        """The last asynchronous checkpoint against its blocking twin (once written)."""
+        if self.reference is None:
+            return
+        path = Path(self.handle.wait())
+        self.ckpt.verify(str(path))
+        self.notes["verified"].append({"path": path.name,
+                                       "equal": _same_checkpoint(path, Path(self.reference))})
+        self.reference = None
+
     def finish(self) -> None:
         if self.handle is not None:
             self.handle.wait()
-
-
-class ShardoptDeviceSaver(ShardoptSaver):
-    snapshot = "device"  # a copy in spare GPU memory, drained to pinned host memory in bulk
+        if self.verify:
+            self._check()
+            self.notes["all_equal"] = all(v["equal"] for v in self.notes["verified"])
 
 
 class ShardoptDeviceStagedSaver(ShardoptSaver):
     snapshot = "device_staged"  # a copy in spare GPU memory, written out through pinned staging
+
+
+def _same_checkpoint(a: Path, b: Path) -> bool:
+    """Whether two committed checkpoints hold the same files, byte for byte, and the same
+    manifest but its creation time and checksum."""
+    import filecmp
+    import json
+    names = sorted(f.name for f in a.iterdir())
+    if names != sorted(f.name for f in b.iterdir()):
+        return False
+    for name in names:
+        if name == "manifest.json":
+            ma, mb = (json.loads((p / name).read_text()) for p in (a, b))
+            for m in (ma, mb):
+                m.pop("created"), m.pop("checksum")
+            if ma != mb:
+                return False
+        elif not filecmp.cmp(a / name, b / name, shallow=False):
+            return False
+    return True
 
 
 class DcpSaver:
@@ -248,13 +316,29 @@ class MegatronAsyncSaver:
         self.queue.close()
 
 
-SAVERS = {"shardopt": ShardoptSaver, "shardopt_device": ShardoptDeviceSaver,
-          "shardopt_device_staged": ShardoptDeviceStagedSaver,
+SAVERS = {"shardopt": ShardoptSaver, "shardopt_device_staged": ShardoptDeviceStagedSaver,
           "dcp": DcpSaver,
           "megatron": MegatronAsyncSaver}
 # Run at --nproc 1 only: megatron's trainer here is built as rank 0 of 1, and at DP > 1 the
 # comparison is between shardopt's snapshot kinds.
 DP1_ONLY = ("dcp", "megatron")
+
+
+def _drain_setting(text: str) -> tuple[int, int]:
+    """``"4m:1"`` -> (4 MiB, 1): a drain's piece size (``k``/``m`` suffix) and pieces in flight."""
+    size, _, flight = text.partition(":")
+    scale = {"k": 1 << 10, "m": 1 << 20}.get(size[-1:].lower(), 1)
+    return int(float(size.rstrip("kKmM")) * scale), int(flight or 1)
+
+
+def _saver(system: str, trainer: Any, root: Path, verify: bool) -> Any:
+    """The saver of ``system``: a name of :data:`SAVERS`, a shardopt one with ``@PIECE:FLIGHT``
+    for its drain's setting (``shardopt@2m:1``)."""
+    name, _, drain = system.partition("@")
+    if name.startswith("shardopt"):
+        return SAVERS[name](trainer.model, trainer.opt, root,
+                            _drain_setting(drain) if drain else None, verify)
+    return SAVERS[name](trainer.model, trainer.opt, root)
 
 
 def _loop(step_fn: Callable[[Callable[[], None]], None], device: torch.device, iters: int,
@@ -268,8 +352,12 @@ def _loop(step_fn: Callable[[Callable[[], None]], None], device: torch.device, i
         if device.type == "cuda":  # starts on an idle training stream
             torch.cuda.current_stream(device).synchronize()
         busy_before = saver is not None and saver.busy()
-        t0 = time.perf_counter()
         saved = saver is not None and save_at(i)
+        if saved:  # outside the timed iteration: the reference a save is checked against
+            getattr(saver, "before_save", lambda step: None)(first_step + i)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+        t0 = time.perf_counter()
         if saved:
             saver.save(first_step + i)
         call_s = time.perf_counter() - t0
@@ -470,7 +558,7 @@ def _run(rank: int, world: int, args: argparse.Namespace, device: torch.device,
             t = trainer(_trainer_of(system))
             baseline = t.baseline
             saver = (MegatronAsyncSaver(t.system, root, device) if system == "megatron"
-                     else SAVERS[system](t.model, t.opt, root))
+                     else _saver(system, t, root, args.verify and kind == "sparse"))
             every = args.sparse_every if kind == "sparse" else 1
             with _common.HostRssSampler(0.005) as rss:
                 t0 = time.perf_counter()
@@ -500,7 +588,10 @@ def _run(rank: int, world: int, args: argparse.Namespace, device: torch.device,
                       f"({100 * ph.get('stall_fraction_of_iter', 0):.2f}% of {baseline:.3f} s), "
                       f"during write {100 * ph.get('during_write_slowdown', 0):+.2f}%, "
                       f"throughput {100 * ph['throughput_vs_none']:.1f}% of none, "
-                      f"RSS peak {rss.peak_bytes / _common.GIB:.1f} GiB"
+                      f"RSS peak {rss.peak_bytes / _common.GIB:.1f} GiB, first save stall "
+                      f"{ph.get('first_save_stall_s', 0):.4f} s"
+                      + (f", checkpoints equal to blocking saves: {ph['notes']['all_equal']}"
+                         if "all_equal" in ph["notes"] else "")
                       + "".join(f"; rank {r} stall median {s:.4f} s"
                                 for r, s in enumerate(stalls) if r), flush=True)
         except Exception as e:  # noqa: BLE001 - a failing system is a result at DP 1
@@ -542,7 +633,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every-iters", type=int, default=50,
                    help="iterations of the save-every-iteration phase (0: none)")
     p.add_argument("--dirs", default="/dev/shm,/tmp")
-    p.add_argument("--systems", default="shardopt,shardopt_device,dcp")
+    p.add_argument("--systems", default="shardopt,shardopt_device_staged,dcp",
+                   help="comma-separated: shardopt, shardopt_device_staged, dcp, megatron; a "
+                   "shardopt one may name its drain's piece size and pieces in flight, "
+                   "shardopt@2m:1 (a sweep: shardopt@2m:1,shardopt@4m:1,shardopt@4m:2)")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="do not check each sparse phase's asynchronous checkpoints against a "
+                   "blocking save of the same state (byte for byte) and with verify")
     p.add_argument("--phase-cap-s", type=float, default=25.0,
                    help="no iteration of a phase starts after this many seconds")
     p.add_argument("--budget-s", type=float, default=250.0,
@@ -556,6 +653,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("CUDA is not available; use --device cpu for a smoke run")
     if args.nproc < 1:
         p.error("--nproc must be at least 1")
+    unknown = [s for s in args.systems.split(",") if s.partition("@")[0] not in SAVERS
+               or (s.partition("@")[2] and not s.startswith("shardopt"))]
+    if unknown:
+        p.error(f"unknown system {unknown[0]!r}; have {', '.join(SAVERS)} (shardopt ones with "
+                "@PIECE:FLIGHT, e.g. shardopt@2m:1)")
     dp1_only = [s for s in args.systems.split(",") if s in DP1_ONLY]
     if args.model != "gpt" and "megatron" in args.systems.split(","):
         p.error("megatron trains its own GPT: --systems megatron needs --model gpt")

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--gap", type=int, default=12, help="iterations between saves")
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--snapshots", default="host,device")
+    p.add_argument("--snapshots", default="host,device_staged")
     p.add_argument("--modes", default="write,copy_only")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args(argv)

@@ -81,14 +81,13 @@ def main(argv=None) -> int:
     op_alone = statistics.median(b - a for a, b in zip(alone, alone[1:]))
     result: dict = {"op_alone_us": op_alone * 1e6, "saves": []}
     print(f"op alone {op_alone * 1e6:.2f} us", flush=True)
-    snap_mod = importlib.import_module("shardopt.checkpoint.snapshot")
-    save_mod = importlib.import_module("shardopt.checkpoint.save")
-    shared = snap_mod.SHARED
+    snapshot = importlib.import_module("shardopt.checkpoint.background").of(opt).snapshot
+    shared = snapshot.shared
     for writer, snap in [(w, s) for w in args.writers.split(",")
                          for s in args.snapshots.split(",")]:
         # Unshared snapshot buffers make the save write on threads of this process.
-        snap_mod.SHARED = shared and writer == "process"
-        save_mod._snapshot(opt).release()
+        snapshot.release()
+        snapshot.shared = shared and writer == "process"
         root = Path(tempfile.mkdtemp(prefix="writer-gil-", dir=args.dir))
         try:
             for i in range(args.saves + 1):
@@ -101,7 +100,7 @@ def main(argv=None) -> int:
                 gaps = [b - a for a, b in zip(ts, ts[1:])]
                 lost = sum(max(0.0, g - op_alone) for g in gaps)
                 top = sorted(zip(gaps, ts), reverse=True)[:8]
-                row = {"writer": writer if snap_mod.SHARED or writer == "threads" else
+                row = {"writer": writer if snapshot.shared or writer == "threads" else
                        "threads (no memfd)", "snapshot": snap, "call_s": ts[0] - t0, "write_s": ts[-1] - t0,
                        "op_median_us": statistics.median(gaps) * 1e6 if gaps else 0.0,
                        "lost_s": lost,

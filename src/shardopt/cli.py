@@ -94,11 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--keep-last", type=_positive_int, default=None, metavar="K",
                    help="keep only the K newest checkpoints")
     t.add_argument("--async-save", nargs="?", const="host", default=None,
-                   choices=("host", "device", "device_staged"),  # checkpoint.config.SNAPSHOTS
+                   choices=("host", "device_staged"),  # checkpoint.config.SNAPSHOTS
                    metavar="SNAPSHOT",
                    help="write checkpoints in the background while training goes on; SNAPSHOT: "
-                   "where the state is copied at the call (host, the default; device; "
-                   "device_staged: see docs/async_save.md)")
+                   "where the state is copied (host, the default; device_staged: see "
+                   "docs/async_save.md)")
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                    help="resume from the latest checkpoint in --ckpt-dir (fresh start if there is none), "
                    "or from PATH (a checkpoint or a root); --preset, --steps, --batch-size, --lr, "

@@ -239,9 +239,10 @@ if triton is not None:
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
     @triton.jit
-    def _sum_squares_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    def _sum_squares_kernel(table_ptr, x_ptr, out_ptr, BLOCK: tl.constexpr):
+        row = table_ptr + tl.program_id(0).to(tl.int64) * 2
+        offs = tl.load(row) + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < tl.load(row + 1), other=0.0).to(tl.float32)
         tl.store(out_ptr + tl.program_id(0), tl.sum(x * x))
 
     @triton.jit
@@ -290,10 +291,10 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
         first += n
 
 
-# Bytes per program of copy_from_host_: the fastest of the settings tried
-# (docs/offload.md, "Why onload copies by kernel").
+# Bytes and warps per program of copy_from_host_: the fastest of the settings
+# benchmarks/probes/offload_phases.py tries (docs/offload.md, "Why onload copies by kernel").
 COPY_BLOCK_BYTES = 4 << 10
-COPY_WARPS = 4
+COPY_WARPS = 8
 
 
 def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -314,19 +315,49 @@ SUM_SQ_BLOCK = 8192
 SUM_SQ_WARPS = 8
 
 
-def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The fp32 sum of the squares of every element of the contiguous ``tensors`` (of one
-    device), queued on the current stream: one launch per tensor writes a partial sum per
-    block, then one ``sum`` adds them, in the same order every time (no atomics), so the
-    result is deterministic. torch's ``_foreach_norm`` of bf16 tensors into fp32 falls back
-    to one reduction per tensor that reads memory at about two thirds of this rate."""
-    counts = [triton.cdiv(t.numel(), SUM_SQ_BLOCK) for t in tensors]
-    partials = torch.empty(sum(counts), dtype=torch.float32, device=tensors[0].device)
+@dataclass(frozen=True)
+class SumSquaresPlan:
+    """The blocks of :func:`sum_squares` over some views: per storage they view, the storage
+    seen as one flat tensor's element count and a (start, end) row per block, in view order."""
+
+    storages: tuple[tuple[int, torch.Tensor], ...]  # (numel of the flat base, rows)
+
+
+def sum_squares_plan(views: Sequence[torch.Tensor]) -> SumSquaresPlan:
+    """Plan :func:`sum_squares` over contiguous ``views``; views of one storage (the bucket
+    shards of one flat grad buffer) share one launch."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for v in views:
+        assert v.is_contiguous()
+        by_storage.setdefault(v.untyped_storage().data_ptr(), []).append(v)
+    storages = []
+    for group in by_storage.values():
+        rows = [(start, min(start + SUM_SQ_BLOCK, v.storage_offset() + v.numel()))
+                for v in group for start in range(v.storage_offset(),
+                                                  v.storage_offset() + v.numel(), SUM_SQ_BLOCK)]
+        numel = group[0].untyped_storage().nbytes() // group[0].element_size()
+        storages.append((numel, torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+                         .to(group[0].device)))
+    return SumSquaresPlan(tuple(storages))
+
+
+def sum_squares(views: Sequence[torch.Tensor], plan: SumSquaresPlan) -> torch.Tensor:
+    """The fp32 sum of the squares of every element of ``views`` (``plan`` from
+    :func:`sum_squares_plan` of views at the same offsets), queued on the current stream: one
+    launch per storage writes a partial sum per block, then one ``sum`` adds them in the same
+    order every time (no atomics), so the result is deterministic. torch's ``_foreach_norm``
+    of bf16 tensors into fp32 runs one reduction per tensor at about two thirds of this rate."""
+    by_storage: dict[int, torch.Tensor] = {}
+    for v in views:
+        by_storage.setdefault(v.untyped_storage().data_ptr(), v)
+    partials = torch.empty(sum(rows.shape[0] for _, rows in plan.storages), dtype=torch.float32,
+                           device=views[0].device)
     first = 0
-    for t, count in zip(tensors, counts):
-        assert t.is_contiguous()
-        if count:
-            _sum_squares_kernel[(count,)](t, partials[first:first + count], t.numel(),
-                                          BLOCK=SUM_SQ_BLOCK, num_warps=SUM_SQ_WARPS)
-        first += count
+    for v, (numel, rows) in zip(by_storage.values(), plan.storages):
+        base = torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage(), 0,
+                                                                    (numel,))
+        if rows.shape[0]:
+            _sum_squares_kernel[(rows.shape[0],)](rows, base, partials[first:], BLOCK=SUM_SQ_BLOCK,
+                                                  num_warps=SUM_SQ_WARPS)
+        first += rows.shape[0]
     return partials.sum()

@@ -339,13 +339,14 @@ class ShardStateAccess:
         self.group_of: Mapping[str, int] = MappingProxyType(opt._group_of)
         self.moment_kinds: Mapping[str, torch.dtype | str] = MappingProxyType(state.kinds)
         self.held: Mapping[str, Held] = MappingProxyType(state.held)  # the records, by name
-        # Where the layer that loaded this state (checkpoint.load) says it came from: kept
-        # as long as the optimizer lives, never read by it.
+        # Kept for the layers above as long as the optimizer lives, never read by it: where
+        # checkpoint.load says the state came from, and objects under their module's name.
         self.loaded_from: object | None = None
+        self.attachments: dict[str, Any] = {}
 
     @property
     def has_moments(self) -> bool:
-        """Whether the Adam moments exist (the first step or a load made them)."""
+        """Whether the Adam moments exist (made by the first step or a load)."""
         return self._opt._state.has_moments
 
     @property

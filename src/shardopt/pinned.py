@@ -1,10 +1,16 @@
-"""Page-locked host memory of exactly the size asked for.
+"""Page-locked host memory of exactly the size asked for, locked at once or piece by piece.
 
-torch's ``pin_memory=True`` rounds every block up to a power of two and caches it (a 4.9 GiB
-tensor locks 8 GiB); for the few large, long-lived host tensors of loads, offload and
-background saves this allocates ordinary host memory and ``cudaHostRegister``s its pages.
-:meth:`PinnedBuffer.release` unregisters before the memory can go away (``__del__`` calls it
-too); whoever issues asynchronous copies from or to a buffer waits for them before releasing.
+``pin_memory=True`` goes through torch's caching host allocator, which rounds every block up
+to a power of two (a 4.9 GiB tensor locks 8 GiB) and keeps the blocks after the tensor is
+gone; for the large, long-lived host tensors of ``low_memory_resume``, ``offload()`` and
+asynchronous saves this module page-locks exactly the pages of ordinary host memory with
+``cudaHostRegister``: at construction, or (:meth:`PinnedBuffer.lock_to`) in segments of
+:data:`SEGMENT_BYTES` just ahead of their first use, where locking stalls nothing.
+
+Rules: :meth:`PinnedBuffer.release` unregisters before the memory can go (``__del__`` calls
+it), so memory is never freed while registered; whoever issues asynchronous copies from or to
+a buffer waits for them before releasing it; a copy into a buffer locked in segments stays
+within one segment.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import warnings
 
 import torch
 
+# What PinnedBuffer.lock_to registers at a time.
+SEGMENT_BYTES = 256 << 20
+
 
 class PinnedBuffer:
     """``numel`` elements of ``dtype`` in host memory, page-locked when CUDA is available.
@@ -23,38 +32,55 @@ class PinnedBuffer:
     ``shared``: the memory is a memfd mapping (Linux) whose descriptor, :attr:`fd`, another
     process can map to read it (the writer process of asynchronous saves,
     :mod:`.checkpoint.writer_process`); closed by :meth:`release`. ``lock=False``: not
-    page-locked (memory no GPU copies from)."""
+    page-locked at construction (memory no GPU copies from, or locked later by
+    :meth:`lock_to`)."""
 
     def __init__(self, numel: int, dtype: torch.dtype, shared: bool = False,
                  lock: bool = True) -> None:
         self.fd: int | None = None
         self._map: mmap.mmap | None = None
+        self.nbytes = numel * dtype.itemsize
         if shared and numel:
-            nbytes = numel * dtype.itemsize
             self.fd = os.memfd_create("shardopt-snapshot", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, nbytes)
-            self._map = mmap.mmap(self.fd, nbytes)
+            os.ftruncate(self.fd, self.nbytes)
+            self._map = mmap.mmap(self.fd, self.nbytes)
             with warnings.catch_warnings():  # the mapping is writable; torch asks anyway
                 warnings.simplefilter("ignore")
                 self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
         else:
             self.tensor = torch.empty(numel, dtype=dtype)
-        self._registered = 0  # the address registered, 0 when none
-        if numel and lock and torch.cuda.is_available():
-            ptr, nbytes = self.tensor.data_ptr(), numel * dtype.itemsize
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(ptr, nbytes, 0)
-            if err != cudart.cudaError.success:
-                raise RuntimeError(
-                    f"cudaHostRegister of {nbytes} bytes of host memory failed "
-                    f"({cudart.cudaGetErrorString(err)}); is the locked-memory limit "
-                    "(ulimit -l) too low for this much page-locked host memory?"
-                )
-            self._registered = ptr
+        self._registered: list[tuple[int, int]] = []  # (address, bytes) of each locked range
+        self.locked_bytes = 0  # the first bytes locked so far
+        if lock:
+            self._register(self.nbytes)
 
     @property
     def pinned(self) -> bool:
-        return self._registered != 0
+        """Whether the whole buffer is page-locked."""
+        return self.nbytes > 0 and self.locked_bytes == self.nbytes
+
+    def lock_to(self, nbytes: int) -> None:
+        """Page-lock the buffer's first ``nbytes`` (rounded up to a whole number of
+        :data:`SEGMENT_BYTES` from its start, at most the buffer), one segment per
+        ``cudaHostRegister``; a no-op without CUDA or where already locked."""
+        end = min(self.nbytes, -(-nbytes // SEGMENT_BYTES) * SEGMENT_BYTES)
+        while self.locked_bytes < end:
+            self._register(min(SEGMENT_BYTES, end - self.locked_bytes))
+
+    def _register(self, nbytes: int) -> None:
+        if not nbytes or not torch.cuda.is_available():
+            return
+        ptr = self.tensor.data_ptr() + self.locked_bytes
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if err != cudart.cudaError.success:
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes} bytes of host memory failed "
+                f"({cudart.cudaGetErrorString(err)}); is the locked-memory limit "
+                "(ulimit -l) too low for this much page-locked host memory?"
+            )
+        self._registered.append((ptr, nbytes))
+        self.locked_bytes += nbytes
 
     def release(self) -> None:
         """Unlock the pages (the memory stays valid while referenced). Idempotent. A
@@ -63,21 +89,19 @@ class PinnedBuffer:
         fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)  # the mapping stays while the tensor references it
-        ptr, self._registered = self._registered, 0
-        if not ptr:
-            return
-        try:
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostUnregister(ptr)
-            failed = err != cudart.cudaError.success
-            reason = cudart.cudaGetErrorString(err) if failed else ""
-        except Exception:  # noqa: BLE001 - interpreter shutdown: the runtime is gone too
-            return
-        if failed and not sys.is_finalizing():
-            nbytes = self.tensor.numel() * self.tensor.element_size()
-            warnings.warn(f"cudaHostUnregister of {nbytes} bytes of host memory at {ptr:#x} "
-                          f"failed ({reason}); the pages stay locked until the process exits",
-                          ResourceWarning, stacklevel=2)
+        ranges, self._registered, self.locked_bytes = self._registered, [], 0
+        for ptr, nbytes in ranges:
+            try:
+                cudart = torch.cuda.cudart()
+                err = cudart.cudaHostUnregister(ptr)
+                failed = err != cudart.cudaError.success
+                reason = cudart.cudaGetErrorString(err) if failed else ""
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the runtime is gone too
+                return
+            if failed and not sys.is_finalizing():
+                warnings.warn(f"cudaHostUnregister of {nbytes} bytes of host memory at "
+                              f"{ptr:#x} failed ({reason}); the pages stay locked until the "
+                              "process exits", ResourceWarning, stacklevel=2)
 
     def __del__(self) -> None:
         self.release()

@@ -23,7 +23,7 @@ from helpers.checks import checkpoint_bytes, model_state
 from helpers.dist import device_for, require_world_size, run_distributed
 from helpers.models import build, train
 from shardopt import checkpoint
-from shardopt.checkpoint import CheckpointError, SaveHandle
+from shardopt.checkpoint import CheckpointError, SaveHandle, background
 
 SAVE_MODULE = "shardopt.checkpoint.save"
 TESTS = Path(__file__).resolve().parents[1]
@@ -54,10 +54,8 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
 
 
 @pytest.mark.parametrize("world_size,where", [(1, "host"), (2, "host"), (3, "host"),
-                                              (1, "device"), (2, "device"),
                                               (1, "device_staged"), (2, "device_staged")],
-                         ids=["dp1", "dp2", "dp3", "dp1-device-snapshot", "dp2-device-snapshot",
-                              "dp1-device-staged", "dp2-device-staged"])
+                         ids=["dp1", "dp2", "dp3", "dp1-device-staged", "dp2-device-staged"])
 def test_async_save_equals_sync_save_at_the_call(backend, world_size, where, tmp_path):
     """bf16 and fp32 params, a frozen param and a buffer: the async checkpoint's files are
     byte for byte those of a synchronous save at the same step, although the run took
@@ -284,27 +282,23 @@ def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tm
 
 
 @pytest.mark.cuda
-def test_a_device_snapshot_drains_into_one_reused_host_copy_of_its_size(tmp_path):
-    """``snapshot="device"``: the GPU copy goes to page-locked host buffers of exactly its
-    size, the same ones at the next save, and the checkpoint is that of a host snapshot."""
+def test_a_host_snapshot_is_page_locked_by_its_first_drain_and_reused(tmp_path):
+    """``snapshot="host"`` on a GPU: the first save's drain page-locks host buffers of exactly
+    the snapshot's size, the next save reuses them, and a ``device_staged`` save of the same
+    state writes the same checkpoint."""
     model, opt = build(0, "cuda")
     train(model, opt, range(2), 0, 1)
-    snap = importlib.import_module(SAVE_MODULE)._snapshot(opt)
-    host = checkpoint.save(tmp_path / "host", model, opt, step=2, blocking=False).wait()
-    device = checkpoint.save(tmp_path / "device", model, opt, step=2, blocking=False,
-                             config=checkpoint.CheckpointConfig(snapshot="device")).wait()
-    assert checkpoint_bytes(Path(host)) == checkpoint_bytes(Path(device))
-    assert snap.on_device and snap.host_nbytes() == snap.nbytes()
-    drained = {d: b.tensor.data_ptr() for d, b in snap._drained.items()}
-    assert all(b.pinned for b in snap._drained.values())
+    snap = background.of(opt).snapshot
+    checkpoint.save(tmp_path / "host", model, opt, step=2, blocking=False).wait()
+    assert not snap.on_device and snap.host_nbytes() == snap.nbytes()
+    host = {b.tensor.data_ptr() for b in snap.host_buffers()}
+    assert all(b.pinned for b in snap.host_buffers())
     train(model, opt, range(2, 3), 0, 1)
-    checkpoint.save(tmp_path / "device", model, opt, step=3, blocking=False,
-                    config=checkpoint.CheckpointConfig(snapshot="device")).wait()
-    assert {d: b.tensor.data_ptr() for d, b in snap._drained.items()} == drained
+    again = checkpoint.save(tmp_path / "host", model, opt, step=3, blocking=False).wait()
+    assert {b.tensor.data_ptr() for b in snap.host_buffers()} == host
     staged = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
                              config=checkpoint.CheckpointConfig(snapshot="device_staged")).wait()
-    assert checkpoint_bytes(Path(staged)) == checkpoint_bytes(tmp_path / "device" /
-                                                                "step_00000003")
+    assert checkpoint_bytes(Path(staged)) == checkpoint_bytes(Path(again))
 
 
 class _NormedLinear(torch.nn.Module):
@@ -321,7 +315,7 @@ class _NormedLinear(torch.nn.Module):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("where", ["host", "device", "device_staged"])
+@pytest.mark.parametrize("where", ["host", "device_staged"])
 def test_buffers_a_forward_updates_right_after_the_call_are_saved_as_at_the_call(where,
                                                                                   tmp_path):
     """A forward right after an asynchronous save's call updates BatchNorm's running
@@ -359,7 +353,7 @@ def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path
     save_module = importlib.import_module(SAVE_MODULE)
     model, opt = build(0, "cuda")
     train(model, opt, range(2), 0, 1)
-    snap = save_module._snapshot(opt)
+    snap = background.of(opt).snapshot
 
     def no_thread_writes(*args, **kwargs):
         raise AssertionError("a save thread wrote a file")
@@ -369,7 +363,7 @@ def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path
                              config=checkpoint.CheckpointConfig(snapshot="device_staged",
                                                                 staging_bytes=1 << 20)).wait()
     staging = snap._staging.tensor.data_ptr()
-    assert snap.on_device and not snap._drained and snap._staging.pinned
+    assert snap.on_device and not snap._host and snap._staging.pinned
     assert snap.host_nbytes() == 1 << 20  # 16 slots of 64 KiB
     train(model, opt, range(2, 3), 0, 1)
     again = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
@@ -460,6 +454,41 @@ def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between(trained_m
     assert grown == (20 + 10 + 3) * k * 4  # [0, 20), [30, 40) of base, 3 k of other; no gap
 
 
+def test_the_drain_copies_pieces_of_at_most_its_size_never_across_a_segment(monkeypatch):
+    """Pieces of at most ``PIECE_BYTES``, none across a page-locking segment of its host
+    buffer, every byte copied once and where it belongs."""
+    from shardopt import pinned
+    from shardopt.checkpoint import drain as drain_module
+    from shardopt.checkpoint import snapshot
+    from shardopt.checkpoint.storage import WriteEntry
+
+    monkeypatch.setattr(pinned, "SEGMENT_BYTES", 96)
+    monkeypatch.setattr(drain_module, "PIECE_BYTES", 40)
+    pieces = []
+    real = drain_module.Drain._copy
+
+    def record(self, dst, src):
+        pieces.append((dst.data_ptr(), dst.numel()))
+        real(self, dst, src)
+
+    monkeypatch.setattr(drain_module.Drain, "_copy", record)
+    a, b = torch.arange(50, dtype=torch.float32), torch.arange(30, dtype=torch.float64)
+    entries = [WriteEntry("a", torch.float32, 50, 0, a), WriteEntry("b", torch.float64, 30, 0, b)]
+    snap = snapshot.Snapshot(torch.device("cpu"), False, lambda buf: None)
+    jobs, drain = snap.take([snapshot.Job("f", entries)])
+    drain.run()
+    got = {e.key: e.source for e in jobs[0].entries}
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+    bases = {buf.tensor.data_ptr(): buf.nbytes for buf in snap.host_buffers()}
+    covered = {base: 0 for base in bases}
+    for ptr, n in pieces:
+        base = max(p for p in bases if p <= ptr)
+        assert 0 < n <= 40 and (ptr - base) // 96 == (ptr - base + n - 1) // 96
+        assert ptr - base == covered[base]  # in order, each byte once
+        covered[base] += n
+    assert covered == bases
+
+
 # ----------------------------------------------------------- other processes
 _CHILD = textwrap.dedent("""
     import sys, time
@@ -471,10 +500,11 @@ _CHILD = textwrap.dedent("""
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
     checkpoint.save({root!r}, model, opt, step=1)
+    background = importlib.import_module("shardopt.checkpoint.background")
     real = save_module._write_rank_files
     def write_files(tmp, *args, **kwargs):
         out = real(tmp, *args, **kwargs)
-        pid = save_module._snapshot(opt).writer.pid
+        pid = background.of(opt).writer.pid
         sys.stdout.write(f"wrote {{tmp}} writer {{pid}}\\n")
         sys.stdout.flush()
         {after_write}
@@ -549,16 +579,21 @@ def test_save_in_flight_when_the_script_ends_is_committed(tmp_path):
     assert checkpoint.load(root, model, opt).step == 2
 
 
-def test_copies_of_storages_a_forward_may_write_are_queued_first():
-    """The copies of ``hot`` storages (module buffers) come before every copy of the state,
-    whatever their place in their own storage; the others keep their order."""
-    snapshot = importlib.import_module("shardopt.checkpoint.snapshot")
-    state, buffer = torch.zeros(10), torch.zeros(4)
-    pairs = [(torch.empty(5), state[5:]), (torch.empty(5), state[:5]),
-             (torch.empty(2), buffer[2:])]
-    assert snapshot._hot_first(pairs) == ([], pairs)
-    hot, cold = snapshot._hot_first(pairs, {buffer.untyped_storage().data_ptr()})
-    assert [src.data_ptr() for _, src in hot + cold] == [
-        buffer[2:].data_ptr(), state[5:].data_ptr(), state.data_ptr()]
-    assert [dst is pair[0] for (dst, _), pair in zip(hot + cold, [pairs[2], *pairs[:2]])] == \
-        [True] * 3
+def test_copies_of_storages_a_forward_may_write_are_taken_at_the_call():
+    """The copies of ``hot`` storages (module buffers, which a forward updates in place) are
+    taken before the call returns; the state's are the drain's (the state-write hook keeps
+    the state from changing before it has them)."""
+    from shardopt.checkpoint.snapshot import Job, Snapshot
+    from shardopt.checkpoint.storage import WriteEntry
+
+    state, buffer = torch.arange(10.0), torch.arange(4.0)
+    entries = [WriteEntry("state", torch.float32, 10, 0, state),
+               WriteEntry("buffer", torch.float32, 2, 0, buffer[2:])]
+    snap = Snapshot(torch.device("cpu"), False, lambda buf: None)
+    jobs, drain = snap.take([Job("f", entries)], hot={buffer.untyped_storage().data_ptr()})
+    state.add_(100)  # no hook here: the drain copies what it finds
+    buffer.add_(100)
+    drain.run()
+    got = {e.key: e.source for e in jobs[0].entries}
+    assert torch.equal(got["buffer"], torch.tensor([2.0, 3.0]))
+    assert torch.equal(got["state"], torch.arange(10.0) + 100)

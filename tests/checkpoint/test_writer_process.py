@@ -1,7 +1,7 @@
 """The writer process of asynchronous saves (``shardopt.checkpoint.writer_process``): one
-process serves every save, maps each snapshot once and unmaps it when it is released or
-collected, reports its errors as the save's, and a killed or forked-off process costs only
-the save it was writing."""
+process serves every save of an optimizer, maps each snapshot once and unmaps it when it is
+released or collected, reports its errors as the save's, ends with its optimizer, and a
+killed or forked-off process costs only the save it was writing."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import xxhash
 from helpers.checks import checkpoint_bytes
 from helpers.models import build, train
 from shardopt import checkpoint
-from shardopt.checkpoint import CheckpointError, transfer
+from shardopt.checkpoint import CheckpointError, background, transfer
 
 SAVE_MODULE = "shardopt.checkpoint.save"
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
@@ -41,8 +41,8 @@ def test_one_writer_process_outlives_the_save_threads_that_use_it(trained_model,
 
 
 def _writer(opt):
-    """The writer process of ``opt``'s asynchronous saves (its snapshot's)."""
-    return importlib.import_module(SAVE_MODULE)._snapshot(opt).writer
+    """The writer process of ``opt``'s asynchronous saves."""
+    return background.of(opt).writer
 
 
 def _running(pid: int | None) -> bool:
@@ -74,34 +74,31 @@ def _until(cond, seconds: float = 10.0) -> bool:
 
 def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
     """A snapshot's shared memory is unmapped in the writer process when the snapshot is
-    released, or when its optimizer is garbage-collected without that (the mapping would
-    keep gigabytes alive for the rest of the run)."""
-    save_module = importlib.import_module(SAVE_MODULE)
+    released (the mapping would keep gigabytes alive for the rest of the run), and the process
+    ends when its optimizer is garbage-collected."""
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
+    saves = background.of(opt)
     checkpoint.save(tmp_path / "a", model, opt, step=1, blocking=False).wait()
-    pid = _writer(opt).pid
+    pid = saves.writer.pid
     before = _snapshot_maps(pid)
     checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
-    mine = len(save_module._snapshot(opt).host_buffers())
-    # (<=: a collection may unmap other tests' dead optimizers at any time)
-    assert mine > 0 and _snapshot_maps(pid) <= before  # reused, not mapped again
-    save_module._snapshot(opt).release()
-    assert _until(lambda: _snapshot_maps(pid) <= before - mine)
-    before = _snapshot_maps(pid)
+    mine = len(saves.snapshot.host_buffers())
+    assert mine > 0 and _snapshot_maps(pid) == before == mine  # reused, not mapped again
+    saves.snapshot.release()
+    assert _until(lambda: _snapshot_maps(pid) == 0)
     checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
-    assert _writer(opt).pid == pid and _snapshot_maps(pid) <= before + mine
-    before = _snapshot_maps(pid)
-    del model, opt
+    assert saves.writer.pid == pid and _snapshot_maps(pid) == mine
+    proc = saves.writer._link.proc
+    del model, opt, saves
     gc.collect()
-    assert _until(lambda: _snapshot_maps(pid) <= before - mine)
+    assert _until(lambda: proc.poll() is not None) and proc.returncode == 0
 
 
 def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
     """A child forked after the writer process started (a data loader worker) that drops a
     snapshot or exits sends nothing down the parent's socket: the parent's mappings and
     saves are intact."""
-    save_module = importlib.import_module(SAVE_MODULE)
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)
     checkpoint.save(tmp_path / "a", model, opt, step=2, blocking=False).wait()
@@ -110,7 +107,7 @@ def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
     child = os.fork()
     if child == 0:
         try:
-            save_module._snapshot(opt).release()  # would queue unmaps of the parent's buffers
+            background.of(opt).snapshot.release()  # would queue unmaps of the parent's buffers
             _writer(opt).close()
         finally:
             os._exit(0)
@@ -185,7 +182,7 @@ def test_the_writer_process_names_the_file_it_could_not_write(trained_model, tmp
     real = save_module._write_rank_files
 
     def clash(tmp, jobs, *args, **kwargs):
-        (tmp / jobs[0][0]).write_bytes(b"in the way")
+        (tmp / jobs[0].name).write_bytes(b"in the way")
         return real(tmp, jobs, *args, **kwargs)
 
     monkeypatch.setattr(save_module, "_write_rank_files", clash)
@@ -247,14 +244,16 @@ def test_a_streamed_write_is_the_direct_write(tmp_path):
               for name, entries in jobs}
     staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
     process = writer.WriterProcess()
-    for run in ("one", "two"):
-        (tmp_path / run).mkdir()
-        records = process.stream_files(tmp_path / run, jobs, 10_000, staging, 4096)
-        assert records == direct
-        for name, _ in jobs:
-            assert (tmp_path / run / name).read_bytes() == \
-                (tmp_path / "direct" / name).read_bytes(), name
-    process.close()
+    try:
+        for run in ("one", "two"):
+            (tmp_path / run).mkdir()
+            records = process.stream_files(tmp_path / run, jobs, 10_000, staging, 4096)
+            assert records == direct
+            for name, _ in jobs:
+                assert (tmp_path / run / name).read_bytes() == \
+                    (tmp_path / "direct" / name).read_bytes(), name
+    finally:
+        process.close()
 
 
 def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_path,
@@ -267,33 +266,36 @@ def test_a_streamed_write_that_fails_names_the_file_and_frees_the_process(tmp_pa
     jobs = _stream_jobs()
     staging = writer.PinnedBuffer(3 * 4096, torch.uint8, shared=True, lock=False)
     process = writer.WriterProcess()
-    (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "b.safetensors").write_bytes(b"in the way")
-    with pytest.raises(OSError, match=r"b\.safetensors: FileExistsError"):
-        process.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096)
-    pid = process.pid
-    (tmp_path / "y").mkdir()
-    assert set(process.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096)) == \
-        {name for name, _ in jobs}
-    assert process.pid == pid
+    try:
+        (tmp_path / "x").mkdir()
+        (tmp_path / "x" / "b.safetensors").write_bytes(b"in the way")
+        with pytest.raises(OSError, match=r"b\.safetensors: FileExistsError"):
+            process.stream_files(tmp_path / "x", jobs, 10_000, staging, 4096)
+        pid = process.pid
+        (tmp_path / "y").mkdir()
+        assert set(process.stream_files(tmp_path / "y", jobs, 10_000, staging, 4096)) == \
+            {name for name, _ in jobs}
+        assert process.pid == pid
 
-    real = transfer.recv
+        real = transfer.recv
 
-    def killed_while_writing(sock):
-        os.kill(pid, signal.SIGKILL)
-        return real(sock)
+        def killed_while_writing(sock):
+            os.kill(pid, signal.SIGKILL)
+            return real(sock)
 
-    monkeypatch.setattr(transfer, "recv", killed_while_writing)
-    (tmp_path / "z").mkdir()
-    with pytest.raises(OSError, match="writer process failed"):
-        process.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096)
-    monkeypatch.undo()
-    (tmp_path / "w").mkdir()
-    assert set(process.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096)) == \
-        {name for name, _ in jobs}
-    assert process.pid != pid
-    process.close()
-    assert not _running(pid)
+        monkeypatch.setattr(transfer, "recv", killed_while_writing)
+        (tmp_path / "z").mkdir()
+        with pytest.raises(OSError, match="writer process failed"):
+            process.stream_files(tmp_path / "z", jobs, 10_000, staging, 4096)
+        monkeypatch.undo()
+        (tmp_path / "w").mkdir()
+        assert set(process.stream_files(tmp_path / "w", jobs, 10_000, staging, 4096)) == \
+            {name for name, _ in jobs}
+        assert process.pid != pid
+        process.close()
+        assert not _running(pid)
+    finally:
+        process.close()
 
 
 def test_a_streamed_write_from_a_buffer_the_process_lacks_fails_saying_so(tmp_path):

@@ -184,7 +184,7 @@ def test_async_saves_resume_like_synchronous_ones(tmp_path):
 
 
 def test_async_save_snapshot_choices_are_the_checkpoint_ones(tmp_path):
-    """``--async-save device`` reaches ``CheckpointConfig(snapshot=...)`` (on CPU every
+    """``--async-save device_staged`` reaches ``CheckpointConfig(snapshot=...)`` (on CPU every
     snapshot is a host copy); the CLI offers exactly the library's choices."""
     from shardopt import cli
     parser = cli.build_parser()
@@ -192,9 +192,9 @@ def test_async_save_snapshot_choices_are_the_checkpoint_ones(tmp_path):
                   for a in sub.choices["train"]._actions if "--async-save" in a.option_strings)
     assert tuple(action.choices) == checkpoint.SNAPSHOTS
     out = run(_cfg(tmp_path, "run.jsonl", save_every=2, stop_at=3, async_save=True,
-                   async_snapshot="device"))
+                   async_snapshot="device_staged"))
     assert out["step"] == 3 and checkpoint.latest(tmp_path / "ckpt").endswith("step_00000002")
-    with pytest.raises(ValueError, match="--async-save takes one of host, device"):
+    with pytest.raises(ValueError, match="--async-save takes one of host, device_staged"):
         _cfg(tmp_path, "x.jsonl", async_save=True, async_snapshot="disk")
 
 

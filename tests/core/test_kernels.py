@@ -154,8 +154,12 @@ def test_sum_squares_matches_torch_and_repeats_bit_for_bit(dtype):
     block = kernels.SUM_SQ_BLOCK
     flat = torch.randn(3 * block + 41, generator=g).to(dtype).to(DEVICE)
     parts = [flat[:1], flat[1:1], flat[5:block + 2], flat[block + 2:]]
-    got = kernels.sum_squares(parts)
+    other = torch.randn(block + 3, generator=g).to(dtype).to(DEVICE)[2:]  # a second storage
+    parts.append(other)
+    plan = kernels.sum_squares_plan(parts)
+    assert len(plan.storages) == 2
+    got = kernels.sum_squares(parts, plan)
     want = sum(p.double().square().sum() for p in parts)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=1e-5, atol=0)
-    assert torch.equal(kernels.sum_squares(parts), got)
+    assert torch.equal(kernels.sum_squares(parts, plan), got)

@@ -1,20 +1,27 @@
 """The optimizer's state-write hooks (``DistributedOptimizer.register_state_write_hook``):
 before anything writes or frees the state they run, with the state still as it was, and a
-removed hook no longer runs. An asynchronous save's copies on a GPU are such a hook
-(``shardopt.checkpoint.snapshot.SaveFence``) until the first write has waited for them or
-they are done; a step right after such a save leaves its checkpoint intact."""
+removed hook no longer runs. An asynchronous save's drain (``shardopt.checkpoint.drain.Drain``)
+is such a hook until the first write has taken what it had not copied yet, or until it is
+done; a write while the drain is midway, with or without spare memory for the rest, leaves the
+checkpoint the state at the call; and on a GPU the step's wait is what keeps the checkpoint
+intact."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers.checks import checkpoint_bytes
+from helpers.models import train
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
 from shardopt import kernels as kernels_
-from shardopt.checkpoint.snapshot import SaveFence
+from shardopt.checkpoint import drain as drain_module
+from shardopt.checkpoint.drain import Copy, Drain
 
 
 def _state(opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
@@ -136,34 +143,96 @@ def test_writes_and_frees_outside_the_step_run_the_hooks_first(call):
         assert not torch.equal(_state(opt)["master_param.0"], before["master_param.0"])
 
 
-class _Event:
-    """Stands in for the CUDA event after a save's copies (this test runs on the CPU)."""
-
-    def __init__(self) -> None:
-        self.waits = 0
-
-    def synchronize(self) -> None:
-        self.waits += 1
-
-
-def test_a_save_fence_is_waited_for_once_then_gone():
-    """The first write after an asynchronous save's copies waits for them and removes the
-    fence, so later writes do not wait; a fence the background writer finished (``finish``:
-    the copies are done) is gone before any write."""
+def test_the_first_write_takes_the_rest_of_the_copies_and_the_hook_goes(monkeypatch):
+    """The first write after an asynchronous save's call copies what the drain has not
+    read yet and removes the hook, so later writes pay nothing; the drain then finishes
+    from that copy. A drain that finished before any write has removed its hook."""
     model, opt = _make()
     _grads(model, 0)
     opt.step()
-    done = _Event()
-    SaveFence(done, torch.device("cpu")).attach(opt)
+    calls = []
+    real = Drain._before_write
+    monkeypatch.setattr(Drain, "_before_write",
+                        lambda self, host: calls.append(host) or real(self, host))
+    src, dst = torch.arange(1000.0), torch.zeros(1000)
+    drain = Drain([Copy(dst.view(torch.uint8), src.view(torch.uint8))],
+                  torch.device("cpu"), None, lambda: None)
+    drain.attach(opt)
     opt.reload_model_params()  # host=True: no CUDA stream needed
     opt.reload_model_params()
-    assert done.waits == 1
-    done = _Event()
-    fence = SaveFence(done, torch.device("cpu"))
-    fence.attach(opt)
-    fence.finish()
+    assert calls == [True]
+    src.fill_(-1.0)  # what the write did
+    drain.run()
+    assert torch.equal(dst, torch.arange(1000.0))
+    done = Drain([Copy(torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8))],
+                 torch.device("cpu"), None, lambda: None)
+    done.attach(opt)
+    done.run()
     opt.reload_model_params()
-    assert done.waits == 1
+    assert calls == [True]
+
+
+def _gate_the_drain(monkeypatch, pieces: int) -> tuple[threading.Event, list]:
+    """Pieces of 64 bytes; the drain stops before its ``pieces + 1``-th until the gate opens."""
+    monkeypatch.setattr(drain_module, "PIECE_BYTES", 64)
+    gate, issued = threading.Event(), []
+    real = Drain._prepare
+
+    def gated(self, into, end):
+        if len(issued) == pieces and not gate.wait(60):
+            raise AssertionError("the test never opened the gate")
+        issued.append(end)
+        real(self, into, end)
+
+    monkeypatch.setattr(Drain, "_prepare", gated)
+    return gate, issued
+
+
+def _until(cond) -> None:
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["hook", "control_without_hook"])
+def test_steps_while_the_drain_is_midway_leave_the_state_at_the_call(trained_model, tmp_path,
+                                                                     monkeypatch, hook):
+    """Two steps while the background drain has copied 3 pieces of the snapshot: the hook
+    copies the rest first, so the checkpoint is the synchronous save's at the call. The
+    control, without the hook, shows the steps would otherwise reach the checkpoint."""
+    model, opt = trained_model
+    if not hook:
+        monkeypatch.setattr(Drain, "_before_write", lambda self, host: None)
+    sync = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    gate, issued = _gate_the_drain(monkeypatch, 3)
+    handle = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False)
+    _until(lambda: len(issued) == 3)
+    train(model, opt, range(2, 4), 0, 1)
+    gate.set()
+    same = checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
+    assert same == hook
+
+
+def test_a_write_without_spare_memory_for_the_rest_waits_for_the_drain(trained_model, tmp_path,
+                                                                        monkeypatch, caplog):
+    """Where the rest of the snapshot cannot be copied to spare memory, the step waits on the
+    host until the drain is done (said once at INFO), and the checkpoint is the state at the
+    call."""
+    model, opt = trained_model
+    monkeypatch.setattr(drain_module, "_spare", lambda nbytes, device: None)
+    caplog.set_level(logging.INFO, logger="shardopt.checkpoint")
+    for step in (2, 3):
+        sync = checkpoint.save(tmp_path / "sync", model, opt, step=step)
+        gate, issued = _gate_the_drain(monkeypatch, 3)
+        handle = checkpoint.save(tmp_path / "async", model, opt, step=step, blocking=False)
+        _until(lambda: len(issued) == 3)
+        threading.Timer(0.2, gate.set).start()
+        train(model, opt, range(step, step + 1), 0, 1)
+        assert gate.is_set() and len(issued) > 3  # the step waited for the rest of the drain
+        assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
+    waits = [r for r in caplog.records if "no spare device memory" in r.getMessage()]
+    assert len(waits) == 1 and waits[0].levelno == logging.INFO
 
 
 @pytest.mark.cuda
@@ -173,9 +242,9 @@ def test_step_right_after_an_async_save_never_overwrites_what_it_still_copies(tm
                                                                                 waits):
     """A state of ~1 GB whose host copies take far longer than a step, saved asynchronously and
     stepped at once, twice: the checkpoint holds the state at the call. The control, with the
-    fence's wait removed, shows the race is real: its checkpoint differs."""
+    drain's hook removed, shows the race is real: its checkpoint differs."""
     if not waits:
-        monkeypatch.setattr(SaveFence, "_before_write", lambda self, host: None)
+        monkeypatch.setattr(Drain, "_before_write", lambda self, host: None)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(20)]
                                 ).cuda()

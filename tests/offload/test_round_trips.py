@@ -269,10 +269,51 @@ def test_pinned_buffer_release_reports_a_failed_unregister(monkeypatch):
 
     buf = PinnedBuffer(16, torch.float32)
     buf.release()
-    buf._registered = buf.tensor.data_ptr()  # as if registered
+    buf._registered = [(buf.tensor.data_ptr(), 64)]  # as if registered
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
     with pytest.warns(ResourceWarning, match=r"64 bytes .*invalid host pointer"):
         buf.release()
+    assert not buf.pinned
+
+
+def test_pinned_buffer_locks_segment_by_segment_and_unlocks_each(monkeypatch):
+    """``lock=False`` then ``lock_to``: each call registers the segments (of
+    ``SEGMENT_BYTES`` from the start) through the byte asked for, once each; ``pinned``
+    once all are; ``release`` unregisters every one."""
+    from shardopt import pinned
+
+    calls = []
+
+    class FakeCudart:
+        class cudaError:  # noqa: N801 - mirrors torch.cuda.cudart()
+            success = 0
+
+        @staticmethod
+        def cudaHostRegister(ptr, nbytes, flags):  # noqa: N802
+            calls.append(("register", ptr, nbytes))
+            return 0
+
+        @staticmethod
+        def cudaHostUnregister(ptr):  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(pinned, "SEGMENT_BYTES", 256)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
+    buf = PinnedBuffer(250, torch.float32, lock=False)  # 1,000 bytes
+    base = buf.tensor.data_ptr()
+    assert not calls and not buf.pinned
+    buf.lock_to(10)
+    buf.lock_to(200)
+    assert calls == [("register", base, 256)] and buf.locked_bytes == 256
+    buf.lock_to(600)
+    assert calls[1:] == [("register", base + 256, 256), ("register", base + 512, 256)]
+    assert not buf.pinned
+    buf.lock_to(5000)
+    assert calls[3:] == [("register", base + 768, 232)] and buf.pinned
+    buf.release()
+    assert calls[4:] == [("unregister", base + k * 256) for k in range(4)]
     assert not buf.pinned
 
 

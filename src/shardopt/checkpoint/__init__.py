@@ -6,7 +6,6 @@ in the background: ``blocking=False``); ``latest``,
 How the threads, process and process groups of asynchronous saves end: :mod:`.shutdown`.
 """
 
-from . import shutdown  # noqa: F401 - registers the exit handler that ends them in order
 from .agree import CheckpointError
 from .background import SaveHandle
 from .commit import latest

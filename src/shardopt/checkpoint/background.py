@@ -1,36 +1,37 @@
-"""The background half of an asynchronous save: its thread, handle and coordination group.
+"""The background half of asynchronous saves: one optimizer's saves (:class:`Saves`, in
+``opt.shard_state.attachments`` from its first asynchronous save, closed by
+:mod:`.shutdown`), the handle of the save in flight, and the gloo coordination group their
+exchanges run on.
 
-One asynchronous save is in flight per process at a time: a later ``save`` (either
-kind), ``checkpoint.load`` and interpreter exit wait for it first. Its error is kept
-until someone sees it: :meth:`SaveHandle.wait`, the next ``save`` (which then fails on
-every rank, before it starts anything) or, if neither came, a log record at exit.
-How the thread and the group end, and in which order: :mod:`.shutdown`.
-
-The save's exchanges between ranks (:func:`~.agree.agree`) run from the background
-thread while training issues its own collectives on the DP group from the main
-thread; on one group the two would interleave and deadlock or mix up data. They
-therefore run on a separate gloo group over the same ranks, created collectively at
-the first asynchronous save on that DP group, right after its first exchange, and
-cached (gloo carries the small CPU objects on CPU and CUDA hosts alike; dp_size 1
-needs none), held weakly (:mod:`.shutdown`). It is made with the DP group's own timeout: a
-rank that dies before joining it makes the others raise after that long, as any collective of
-the job would, not after gloo's default of 30 minutes.
+One save of an optimizer is in flight at a time: its next ``save``, a ``checkpoint.load``
+into it and the interpreter's exit wait for it. Its error is kept until someone sees it:
+:meth:`SaveHandle.wait`, the next ``save`` (which fails on every rank) or a log record at
+:meth:`Saves.close`. Why the exchanges need a group of their own, and its timeout:
+docs/async_save.md, Collectives from the background.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import threading
 import traceback
 import weakref
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..optimizer import DistributedOptimizer
+from . import shutdown, writer_process
 from .agree import CheckpointError
+from .snapshot import Snapshot
+
+_KEY = "shardopt.checkpoint.background"  # this module's entry in shard_state.attachments
+log = logging.getLogger("shardopt.checkpoint")
 
 
 class SaveHandle:
@@ -72,9 +73,11 @@ class SaveHandle:
             raise self._error
         return self.path
 
-    def _unreported(self) -> BaseException | None:
-        """Join; the error nobody has seen yet (then counted as seen)."""
-        self._thread.join()
+    def unreported(self) -> BaseException | None:
+        """Join (unless called from the save's own thread); the error nobody has seen yet
+        (then counted as seen)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join()
         if self._error is None or self._reported:
             return None
         self._reported = True
@@ -91,60 +94,92 @@ def _drop_locals(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
-_pending: SaveHandle | None = None  # set and read by the training thread only
+class Saves:
+    """One optimizer's asynchronous saves (module docstring). Used by the training thread."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.writer = writer_process.WriterProcess()
+        self.snapshot = Snapshot(device, self.writer.available, self.writer.forget)
+        self.pending: SaveHandle | None = None
+        # ranks -> weak references to (the default group it was made under, the group), and
+        # the process that made it. Weak: torch's registry keeps the group while the job's
+        # groups exist, and destroy_process_group() frees it with them (.shutdown); a new
+        # default group (a re-initialised process group) makes the one kept here stale.
+        self._groups: dict[tuple[int, ...], tuple[weakref.ref, weakref.ref, int]] = {}
+
+    def start(self, path: str, work: Callable[[comm.DPGroup], None], group: comm.DPGroup
+              ) -> SaveHandle:
+        """Run ``work(group)`` in the background as the asynchronous save of ``path``."""
+        self.pending = SaveHandle(path, work, group)
+        return self.pending
+
+    def settle(self, if_busy: str = "wait") -> BaseException | None:
+        """Wait for the save in flight, if any, and return its error that nobody has seen.
+        With ``if_busy="error"`` a save still running is not waited for: an error saying so
+        is returned instead (the caller reports it on every rank)."""
+        handle = self.pending
+        if handle is None:
+            return None
+        if if_busy == "error" and not handle.done():
+            return CheckpointError(f"an asynchronous save of {handle.path} is still in "
+                                   "flight (if_busy='error'); wait() for its handle first")
+        return handle.unreported()
+
+    def coordination_group(self, dp: comm.DPGroup) -> comm.DPGroup:
+        """Collective over ``dp`` the first time for its ranks. A gloo group over the ranks
+        of ``dp`` for the exchanges of background saves (``dp`` itself at size 1)."""
+        if dp.size == 1:
+            return dp
+        ranks = tuple(dist.get_process_group_ranks(dp.group) if dp.group is not None
+                      else range(dist.get_world_size()))
+        world = dist.group.WORLD
+        made_under, pg, _ = self._groups.get(ranks, (None, None, 0))
+        pg = pg() if pg is not None else None
+        if pg is None or made_under() is not world:
+            pg = dist.new_group(list(ranks), backend="gloo", timeout=_timeout(dp.group),
+                                use_local_synchronization=True)
+            self._groups[ranks] = (weakref.ref(world), weakref.ref(pg), os.getpid())
+        return comm.DPGroup(pg, dp.rank, dp.size)
+
+    def destroy_groups(self) -> None:
+        """Coordinator-free. Destroy the coordination groups made here that torch still has
+        (the job did not call ``destroy_process_group``), so that their threads end now."""
+        for _, pg, pid in self._groups.values():
+            pg = pg()
+            # A forked child has the parent's groups without their threads: not its own.
+            if pg is not None and pid == os.getpid() and dist.is_initialized():
+                with contextlib.suppress(ValueError):  # torch no longer has it: nothing to end
+                    dist.destroy_process_group(pg)
+        self._groups.clear()
+
+    def close(self) -> None:
+        """When the optimizer goes or the interpreter exits (:mod:`.shutdown`): wait for the
+        save in flight and log its error if nobody saw it, end the writer process, destroy
+        the coordination groups."""
+        error = self.settle()
+        if error is not None:
+            log.error("an asynchronous checkpoint save failed and nobody waited for it: %s",
+                      error)
+        self.writer.close()
+        self.destroy_groups()
 
 
-def start(path: str, work: Callable[[comm.DPGroup], None], group: comm.DPGroup) -> SaveHandle:
-    """Run ``work(group)`` in the background as this process's asynchronous save of ``path``."""
-    global _pending
-    _pending = SaveHandle(path, work, group)
-    return _pending
+def of(opt: DistributedOptimizer) -> Saves:
+    """``opt``'s :class:`Saves`, made at the first call and closed with ``opt``."""
+    attachments = opt.shard_state.attachments
+    saves = attachments.get(_KEY)
+    if saves is None:
+        saves = attachments[_KEY] = Saves(opt.shard_state.device)
+        shutdown.close_with(opt, saves.close)
+    return saves
 
 
-def settle(if_busy: str = "wait") -> BaseException | None:
-    """Wait for this process's asynchronous save in flight, if any, and return its error
-    that nobody has seen. With ``if_busy="error"`` a save still running is not waited for:
-    an error saying so is returned instead (the caller reports it on every rank)."""
-    handle = _pending
-    if handle is None:
-        return None
-    if if_busy == "error" and not handle.done():
-        return CheckpointError(f"an asynchronous save of {handle.path} is still in flight "
-                             "(if_busy='error'); wait() for its handle first")
-    return handle._unreported()
-
-
-def wait_pending() -> None:
-    """Wait for the save in flight, leaving its error to be reported by wait() or the next
-    save (``load`` calls this: it may read what that save writes)."""
-    handle = _pending
-    if handle is not None:
-        handle._thread.join()
-
-
-# ------------------------------------------------------------ coordination group
-# ranks -> weak references to (the default group it was made under, the group), and the process
-# that made it. Weak: torch's registry keeps the group while the job's groups exist, and
-# destroy_process_group() then frees it with them (.shutdown); a new default group (a
-# re-initialised process group) makes the cached one stale.
-_groups: dict[tuple[int, ...], tuple[weakref.ref, weakref.ref, int]] = {}
-
-
-def coordination_group(dp: comm.DPGroup) -> comm.DPGroup:
-    """Collective over ``dp`` the first time for its ranks. A gloo group over the ranks of
-    ``dp`` for the exchanges of background saves (``dp`` itself at size 1)."""
-    if dp.size == 1:
-        return dp
-    ranks = tuple(dist.get_process_group_ranks(dp.group) if dp.group is not None
-                  else range(dist.get_world_size()))
-    world = dist.group.WORLD
-    made_under, pg, _ = _groups.get(ranks, (None, None, 0))
-    pg = pg() if pg is not None else None
-    if pg is None or made_under() is not world:
-        pg = dist.new_group(list(ranks), backend="gloo", timeout=_timeout(dp.group),
-                            use_local_synchronization=True)
-        _groups[ranks] = (weakref.ref(world), weakref.ref(pg), os.getpid())
-    return comm.DPGroup(pg, dp.rank, dp.size)
+def wait_pending(opt: DistributedOptimizer) -> None:
+    """Wait for ``opt``'s save in flight, leaving its error to be reported by wait() or the
+    next save (``load`` calls this: it may read what that save writes)."""
+    saves = opt.shard_state.attachments.get(_KEY)
+    if saves is not None and saves.pending is not None:
+        saves.pending._thread.join()
 
 
 def _timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
@@ -157,15 +192,3 @@ def _timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
         except (AttributeError, RuntimeError, ValueError):  # private API: torch may change it
             continue
     return None
-
-
-def destroy_groups() -> None:
-    """Coordinator-free. Destroy the coordination groups this process made that torch still
-    has (the job did not call ``destroy_process_group``), so that their threads end now."""
-    for _, pg, pid in _groups.values():
-        pg = pg()
-        # A forked child has the parent's groups without their threads: they are not its own.
-        if pg is not None and pid == os.getpid() and dist.is_initialized():
-            with contextlib.suppress(ValueError):  # torch no longer has it: nothing to end
-                dist.destroy_process_group(pg)
-    _groups.clear()

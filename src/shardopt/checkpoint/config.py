@@ -11,7 +11,7 @@ from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES, is_int
 # What a save does while another of this process is still being written.
 BUSY_POLICIES = ("wait", "error")
 # Where an asynchronous save copies the state (see .snapshot).
-SNAPSHOTS = ("host", "device", "device_staged")
+SNAPSHOTS = ("host", "device_staged")
 # Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
 STAGING_BYTES = 128 << 20
 
@@ -48,9 +48,10 @@ class CheckpointConfig:
     if_busy: str = "wait"
     """Save while an asynchronous save is in flight: ``"wait"`` for it, or ``"error"``."""
     snapshot: str = "host"
-    """Asynchronous save on a GPU: copy the state to pinned ``"host"`` memory; to spare
-    ``"device"`` memory, then to pinned host memory in bulk; or to spare device memory written
-    out through the ``staging_bytes`` pinned buffers (``"device_staged"``). See :mod:`.snapshot`."""
+    """Asynchronous save on a GPU: copy the state to pinned ``"host"`` memory (one copy of
+    the rank's state, reused), drained in small pieces from where it lives; or to spare
+    device memory written out through the ``staging_bytes`` pinned buffers
+    (``"device_staged"``: no host copy). See :mod:`.snapshot`."""
 
     def __post_init__(self) -> None:
         refuse_invalid({
@@ -64,7 +65,7 @@ class CheckpointConfig:
                             f"an int in [1, {MAX_BLOCK_BYTES}]"),
             "rollback": (isinstance(self.rollback, bool), "a bool"),
             "if_busy": (self.if_busy in BUSY_POLICIES, "'wait' or 'error'"),
-            "snapshot": (self.snapshot in SNAPSHOTS, "'host', 'device' or 'device_staged'"),
+            "snapshot": (self.snapshot in SNAPSHOTS, "'host' or 'device_staged'"),
         }, vars(self))
 
 

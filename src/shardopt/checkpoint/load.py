@@ -98,7 +98,7 @@ def load(
     were. The optimizer records where it resumed from (``shard_state.loaded_from``): its
     saves may roll that root back.
     """
-    background.wait_pending()  # it may be writing what this reads, and reads what this writes
+    background.wait_pending(optimizer)  # it may write what this reads, and read what this writes
     dp = optimizer.shard_state.dp
     optimizer.shard_state.finish_param_sync()  # no all-gather may write into loaded params
     what = f"loading {root_or_path}"

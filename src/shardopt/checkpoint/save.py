@@ -27,7 +27,6 @@ import datetime
 import functools
 import json
 import os
-import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -46,7 +45,8 @@ from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, dat
                      manifest_checksum, state_file_kind, step_dir_name)
 from .storage import (WriteEntry, entry_bytes, part_counts, split_entries, write_file,
                       write_scratch)
-from .snapshot import Job, SaveFence, Snapshot
+from .drain import Drain
+from .snapshot import Job
 from .transfer import io_threads as resolve_threads
 from .transfer import run_parallel
 
@@ -117,35 +117,36 @@ def save(
     any failure of any rank every rank raises :class:`CheckpointError` and nothing is
     committed.
 
-    ``blocking=False``: copy the state to host memory (:mod:`.snapshot`) and return a
-    :class:`~.background.SaveHandle` at once; the files are written and committed in the
-    background (:mod:`.background`) and hold exactly the state at the call. A save while
-    an asynchronous one is in flight waits for it (``if_busy="wait"``) or fails on every
+    ``blocking=False``: return a :class:`~.background.SaveHandle` at once; the state is
+    copied (:mod:`.snapshot`), written and committed in the background (:mod:`.background`)
+    and the files hold exactly the state at the call. A save while an asynchronous one of
+    the optimizer is in flight waits for it (``config.if_busy="wait"``) or fails on every
     rank (``"error"``); an error of that earlier save nobody has seen fails this one.
+    ``config.snapshot`` (GPU only): where the copy goes, ``"host"`` or ``"device_staged"``.
     """
     dp = optimizer.shard_state.dp
     optimizer.shard_state.finish_param_sync()  # the params as the last step left them
     root = Path(root)
     what = f"saving step {step!r} to {root}"
     staged: commit.Staged | None = None
+    saves = background.of(optimizer)
     try:
-        error, extra_obj, threads, cfg, contents, fence = None, None, 1, CheckpointConfig(), [], None
+        error, extra_obj, threads, cfg = None, None, 1, CheckpointConfig()
+        contents, drain = [], None
         base: Callable[[], dict[str, Any]] = dict
         try:
             cfg = settings(config, blocking=blocking, keep_last=keep_last)
-            error = background.settle(cfg.if_busy)
+            error = saves.settle(cfg.if_busy)
             if error is None:
                 frozen = state.frozen_tensors(model, optimizer, check_model=True)
                 optimizer.shard_state.reseed_written()  # main params: the weights written since
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
                 if blocking:
-                    contents = _rank_contents(optimizer, frozen)
+                    contents = [_rng_job(optimizer), *_state_contents(optimizer, frozen)]
                 else:  # split into files later, in the background
-                    contents, fence = _take_snapshot(optimizer, frozen,
-                                                     cfg.snapshot.startswith("device"))
-                    if fence is not None:  # the state's next write waits for the copies
-                        fence.attach(optimizer)
+                    contents, drain = _take_snapshot(saves, optimizer, frozen,
+                                                     cfg.snapshot == "device_staged")
                 if dp.rank == 0:
                     base = _manifest_base(optimizer, step, extra_obj, frozen)
                     resumed = optimizer.shard_state.loaded_from
@@ -167,7 +168,7 @@ def save(
                               keep_last, threads, optimizer.shard_state.device, step, what)
             return path
         try:
-            group = background.coordination_group(dp)
+            group = saves.coordination_group(dp)
         except Exception as e:  # noqa: BLE001 - a peer died or hung: no exchange can say so
             raise CheckpointError(f"{what} failed: [dp rank {dp.rank}] creating the process "
                                   "group of background saves failed (did another rank die?): "
@@ -180,30 +181,33 @@ def save(
                       and optimizer.shard_state.device.type == "cuda")
         device = optimizer.shard_state.device if staged_out else torch.device("cpu")
         stream = torch.cuda.Stream(device) if staged_out else None
-        snap = _snapshot(optimizer)
+        snap = saves.snapshot
 
         def work(group: comm.DPGroup) -> None:
             try:
-                if fence is not None:
-                    fence.finish()
+                drain.run()  # the snapshot's copies, then the state may change freely
                 if staged_out:  # through one small page-locked buffer
-                    jobs = contents
                     slot_bytes, slots = writer_process.stream_slots(cfg.staging_bytes,
                                                                     cfg.block_bytes)
-                    through = functools.partial(snap.writer.stream_files,
+                    through = functools.partial(saves.writer.stream_files,
                                                 staging=snap.staging(slot_bytes * slots),
                                                 slot_bytes=slot_bytes)
                 else:  # from the host copy
-                    jobs = snap.drain(contents)
-                    through = functools.partial(snap.writer.write_files,
+                    through = functools.partial(saves.writer.write_files,
                                                 buffers=snap.host_buffers())
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    _write_and_commit(tmp, owned, _split(jobs, rank, threads), base, group,
-                                      cfg, keep_last, threads, device, step, what, through)
+                    _write_and_commit(tmp, owned, _split(contents, rank, threads), base,
+                                      group, cfg, keep_last, threads, device, step, what,
+                                      through)
             finally:
                 if owned is not None:
                     commit.abort(owned)
-        return background.start(path, work, group)
+        drain.attach(optimizer)  # the state's next write waits until the copies have it
+        try:
+            return saves.start(path, work, group)
+        except BaseException:
+            drain.close()
+            raise
     finally:
         if staged is not None:
             commit.abort(staged)
@@ -211,19 +215,7 @@ def save(
 
 # Writes a rank's files (file name, entries) into a directory in blocks of the given size by
 # the writer process, returning their records, or None where that process cannot.
-Through = Callable[[Path, list[Job], int], "dict[str, dict] | None"]
-
-
-def _snapshot(opt: DistributedOptimizer) -> Snapshot:
-    snap = _SNAPSHOTS.get(opt)
-    if snap is None:
-        snap = _SNAPSHOTS[opt] = Snapshot(opt.shard_state.device)
-    return snap
-
-
-# One reused host copy per optimizer, dropped with it.
-_SNAPSHOTS: weakref.WeakKeyDictionary[DistributedOptimizer, Snapshot] = \
-    weakref.WeakKeyDictionary()
+Through = Callable[[Path, list[tuple[str, list[WriteEntry]]], int], "dict[str, dict] | None"]
 
 
 def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
@@ -252,36 +244,33 @@ def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
     agree(dp, error, f"committing {tmp.parent / step_dir_name(step)}")
 
 
-def _rank_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
-    """Coordinator-free. What this rank writes, by file kind (``rng`` under its file name)."""
-    return [_rng_job(opt), *_state_contents(opt, frozen)]
-
-
 def _rng_job(opt: DistributedOptimizer) -> Job:
     rank = opt.shard_state.dp.rank
-    return (data_file_name("rng", rank), _rng_entries())  # new tensors: no snapshot
+    return Job(data_file_name("rng", rank), _rng_entries())  # new tensors: no snapshot
 
 
 def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
+    """Coordinator-free. What this rank writes of the state, by file kind."""
     contents = {"model": state.model_entries(opt, frozen)}
     for name in STATE_NAMES:
         contents.setdefault(state_file_kind(name), []).extend(state.optim_entries(opt, name))
-    return list(contents.items())
+    return [Job(kind, entries) for kind, entries in contents.items()]
 
 
-def _take_snapshot(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor], on_device: bool
-                   ) -> tuple[list[Job], SaveFence | None]:
-    """Coordinator-free. :func:`_rank_contents` with its state copied into the optimizer's
-    snapshot: a repeat of the previous save's copies where the state lives in tensors of
-    the same sizes (:meth:`.Snapshot.retake`), else built and copied afresh."""
-    snap, sources = _snapshot(opt), state.sources(opt, frozen)
+def _take_snapshot(saves: background.Saves, opt: DistributedOptimizer,
+                   frozen: dict[str, torch.Tensor], on_device: bool) -> tuple[list[Job], Drain]:
+    """Coordinator-free. The RNG state and :func:`_state_contents` in the optimizer's
+    snapshot, and the drain that copies it there: a repeat of the previous save's copies
+    where the state lives in tensors of the same sizes (:meth:`.Snapshot.retake`), else
+    planned anew."""
+    snap, sources = saves.snapshot, state.sources(opt, frozen)
     # Buffers (not params) are what a forward may update in place while the copies run.
     hot = {t.untyped_storage().data_ptr() for t in frozen.values()
            if not isinstance(t, torch.nn.Parameter)} if opt.shard_state.dp.rank == 0 else set()
     again = snap.retake(sources, on_device, hot)
-    jobs, fence = again if again is not None else \
+    jobs, drain = again if again is not None else \
         snap.take(_state_contents(opt, frozen), on_device, sources, hot)
-    return [_rng_job(opt), *jobs], fence
+    return [_rng_job(opt), *jobs], drain
 
 
 def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:
@@ -292,12 +281,13 @@ def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:
     larger than the others).
     """
     rng, *kinds = contents
-    counts = part_counts({k: entry_bytes(v) for k, v in kinds}, min(threads, MAX_PARTS))
+    counts = part_counts({k.name: entry_bytes(k.entries) for k in kinds},
+                         min(threads, MAX_PARTS))
     jobs = [rng]
-    for kind, entries in kinds:
-        runs = split_entries(entries, counts[kind]) or [[]]
-        jobs += [(data_file_name(kind, rank, p), run) for p, run in enumerate(runs)]
-    jobs.sort(key=lambda job: -entry_bytes(job[1]))  # the largest files start first
+    for kind in kinds:
+        runs = split_entries(kind.entries, counts[kind.name]) or [[]]
+        jobs += [Job(data_file_name(kind.name, rank, p), run) for p, run in enumerate(runs)]
+    jobs.sort(key=lambda job: -entry_bytes(job.entries))  # the largest files start first
     return jobs
 
 
@@ -309,19 +299,20 @@ def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_byte
     (:mod:`.writer_process`: it returns None where it cannot), else each by
     one thread each that copies blocks from ``device``, hashes and writes them.
     """
-    records = None if through is None else through(tmp, jobs, block_bytes)
+    records = None if through is None else \
+        through(tmp, [(job.name, job.entries) for job in jobs], block_bytes)
     if records is None:
         scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device) for _ in jobs]
         records = {}
 
-        def write(job, slot):
-            name, entries = job
-            records[name] = write_file(str(tmp / name), entries, block_bytes, scratch[slot])
+        def write(job: Job, slot: int) -> None:
+            records[job.name] = write_file(str(tmp / job.name), job.entries, block_bytes,
+                                           scratch[slot])
 
         run_parallel(jobs, write, len(jobs))
-    for name, entries in jobs:
-        if not name.startswith("rng-"):
-            records[name]["chunks"] = [[e.key, e.offset, e.numel] for e in entries]
+    for job in jobs:
+        if not job.name.startswith("rng-"):
+            records[job.name]["chunks"] = [[e.key, e.offset, e.numel] for e in job.entries]
     commit.fsync_dir(tmp)  # the directory entries, so the rename publishes whole files
     return {name: records[name] for name in sorted(records)}
 
@@ -349,11 +340,9 @@ def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
 
 
 def _manifest_text(base: dict[str, Any], files: dict[str, dict]) -> bytes:
-    """The manifest, one line per top-level field and per param and file record.
-
-    Every piece is encoded by ``json``'s C encoder: ``indent=`` would select its pure-Python
-    one, which took 8.1 ms for a 1.3B-sized manifest on a 2-core VM, all of it GIL time
-    taken from the training thread at the commit of an asynchronous save."""
+    """The manifest, one line per top-level field and per param and file record, every piece
+    by ``json``'s C encoder (``indent=`` selects the pure-Python one, whose GIL time an
+    asynchronous save's commit would take from the training thread)."""
     # The checksum covers what a reader parses.
     manifest = json.loads(json.dumps({**base, "files": files}))
     manifest["checksum"] = manifest_checksum(manifest)

@@ -1,212 +1,123 @@
-"""Host snapshot of what one rank's asynchronous save writes, taken at the call.
+"""The snapshot of what one rank's asynchronous save writes: the state at the call, copied
+while training goes on (docs/async_save.md, Memory and who writes).
 
-Adam state and params change only inside ``step()`` (and ``load``,
-``load_state_dict``, ``offload()``, ``reload_model_params()``), so a copy queued at
-the call, before any of those runs again, is exactly the state at the call while
-training goes on.
-
-Memory: one buffer per dtype, each exactly the bytes of this rank's entries of that
-dtype (its model shards, fp32 main params and moments, rank 0's frozen tensors; a tensor
-saved under two keys, like an fp32 param that is its own main param, is copied once),
-allocated at the first asynchronous save and reused by the next ones while the sizes stay
-the same. ``snapshot="host"`` (default): host memory, page-locked with
-:class:`~shardopt.pinned.PinnedBuffer` when the optimizer is on a GPU (exact size: no
-power-of-two rounding), and shared (memfd) where the writer process can map it
-(:mod:`.writer_process`). ``snapshot="device"``: spare GPU memory, a device-to-device copy
-(about 40x faster than over PCIe, so the next ``step()`` hardly waits); the background
-thread then copies each buffer to a page-locked host buffer of its size in one copy
-(:meth:`Snapshot.drain`: a few calls, asleep while they run, so it takes next to nothing
-from the training thread) and writes from there, as for ``"host"``: one copy of the state
-in GPU memory and one in host memory. ``snapshot="device_staged"``: the GPU copy is
-streamed to the files through one small page-locked staging buffer (``staging_bytes``,
-:meth:`Snapshot.staging`), so the host holds no copy of the state: the background thread
-fills its slots and the writer process writes them
-(:meth:`.writer_process.WriterProcess.stream_files`).
-
-What is copied: runs of adjacent elements of the few flat tensors the state lives in (a
-rank's shard of each bucket is contiguous), not one copy per param and state. A later save
-whose state lives in tensors of the same names, sizes and dtypes (after steps, offload, a
-load) repeats those copies from wherever the tensors are now (:meth:`Snapshot.retake`) and
-builds no per-param views at all; anything else (a frozen tensor added, the moments
-allocated) plans anew.
-
-Copies (CUDA): queued on a side stream behind the work already queued on the current
-stream, so the call returns at once. The :class:`SaveFence` they return is the optimizer's
-state-write hook (:meth:`~shardopt.optimizer.DistributedOptimizer.register_state_write_hook`)
-until the copies are done: the first write after the call (``step()``'s update) makes the
-current stream wait for all of them (the host does not wait), what frees the state or writes
-it from the host waits on the host; the background writer waits on the host for the copies
-before reading the buffers. Off CUDA the copies are plain, finished at once.
+``"host"`` (default): one host buffer per dtype of exactly this rank's entries (a tensor
+saved under two keys is copied once), shared with the writer process where it can run,
+filled by a :class:`~.drain.Drain`. ``"device_staged"``: spare GPU memory copied at the
+call, streamed to the files through one small page-locked buffer (:meth:`Snapshot.staging`).
+Each run of adjacent elements of the flat tensors the state lives in is one copy; a later
+save of tensors of the same names, sizes and dtypes repeats them (:meth:`Snapshot.retake`).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+import dataclasses
+import logging
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
-from ..pinned import PinnedBuffer
-from . import writer_process
+from .. import pinned
+from .drain import Copy, Drain
 from .storage import WriteEntry
 
-if TYPE_CHECKING:
-    from ..optimizer import DistributedOptimizer
-
-Job = tuple[str, list[WriteEntry]]  # a file name and the entries it holds
+log = logging.getLogger("shardopt.checkpoint")
 
 
-class SaveFence:
-    """The copies of one asynchronous save, queued on one stream, and the event after the
-    last of them. Registered as the optimizer's state-write hook (:meth:`attach`) until the
-    first write waits for the copies or the background writer has seen them done."""
+@dataclass(frozen=True)
+class Job:
+    """A data file of a rank and the entries it holds."""
 
-    def __init__(self, done: torch.cuda.Event, device: torch.device) -> None:
-        self.done, self.device = done, device
-        self._handle: RemovableHandle | None = None
-        self._lock = threading.Lock()  # the training and the background thread detach
-
-    def attach(self, opt: DistributedOptimizer) -> None:
-        """Make ``opt``'s next write or free of its state wait for the copies."""
-        self._handle = opt.register_state_write_hook(self._before_write)
-
-    def _before_write(self, host: bool) -> None:
-        """The host (``host``) or the current CUDA stream waits for every copy; whatever is
-        queued after that wait is behind the copies, so the hook goes."""
-        if host:
-            self.done.synchronize()
-        else:
-            torch.cuda.current_stream(self.device).wait_event(self.done)
-        self.detach()
-
-    def finish(self) -> None:
-        """The background writer: the host waits for the copies; no write need wait after."""
-        self.done.synchronize()
-        self.detach()
-
-    def detach(self) -> None:
-        with self._lock:
-            handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.remove()
+    name: str
+    entries: list[WriteEntry]
 
 
 class Snapshot:
-    """Reused host buffers for one optimizer's asynchronous saves (one at a time)."""
+    """Reused buffers for one optimizer's asynchronous saves (one at a time). ``forget``:
+    told of each shared buffer released (the writer process unmaps it)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, shared: bool,
+                 forget: Callable[[pinned.PinnedBuffer], None]) -> None:
+        self.device, self.shared, self._forget = device, shared, forget
         self.cuda = device.type == "cuda"
         self.on_device = False  # where the buffers are: spare device memory, or the host
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
-        self._pinned: dict[torch.dtype, PinnedBuffer] = {}
-        self._drained: dict[torch.dtype, PinnedBuffer] = {}  # host copies of device buffers
-        self._staging: PinnedBuffer | None = None  # what device_staged saves stream through
+        self._host: dict[torch.dtype, pinned.PinnedBuffer] = {}
+        self._staging: pinned.PinnedBuffer | None = None  # device_staged saves stream through it
         self._stream: torch.cuda.Stream | None = None
-        self._drain_stream: torch.cuda.Stream | None = None
         self._plan: _Plan | None = None  # the last take, to repeat with the same buffers
-        # Writes the files from the buffers, which are shared memory where it can run.
-        self.writer = writer_process.WriterProcess()
+        self._waits_logged = False
 
     def nbytes(self) -> int:
         """Memory the snapshot holds (kept between saves), on the device or the host."""
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def host_nbytes(self) -> int:
-        """Host memory a device snapshot keeps between saves: :meth:`drain`'s copies and
-        the :meth:`staging` buffer."""
-        staging = self._staging.tensor.numel() if self._staging is not None else 0
-        return staging + sum(b.tensor.numel() * b.tensor.element_size()
-                             for b in self._drained.values())
+        """Host memory kept between saves: the host buffers, or the :meth:`staging` buffer."""
+        return sum(b.nbytes for b in self.host_buffers())
 
-    def host_buffers(self) -> list[PinnedBuffer]:
-        """The host buffers the entries of the last take (drained, for a device snapshot)
-        lie in: shared memory the writer process can map (:mod:`.writer_process`)."""
-        return list((self._drained if self.on_device else self._pinned).values())
+    def host_buffers(self) -> list[pinned.PinnedBuffer]:
+        """The host buffers the entries of the last take lie in (shared memory the writer
+        process can map), or the staging buffer of a device snapshot."""
+        if self.on_device:
+            return [self._staging] if self._staging is not None else []
+        return list(self._host.values())
 
-    def staging(self, nbytes: int) -> PinnedBuffer:
+    def staging(self, nbytes: int) -> pinned.PinnedBuffer:
         """A page-locked, shared host buffer of ``nbytes`` that ``"device_staged"`` saves
-        stream the device copy through (:meth:`~.writer_process.WriterProcess.stream_files`), kept and
-        reused while the size stays."""
-        if self._staging is None or self._staging.tensor.numel() != nbytes:
-            _release(self.writer, [self._staging] if self._staging is not None else [])
-            self._staging = PinnedBuffer(nbytes, torch.uint8, shared=self.writer.available,
-                                         lock=self.cuda)
+        stream the device copy through, kept and reused while the size stays."""
+        if self._staging is None or self._staging.nbytes != nbytes:
+            self._release([self._staging] if self._staging is not None else [])
+            self._staging = pinned.PinnedBuffer(nbytes, torch.uint8, shared=self.shared,
+                                                lock=self.cuda)
         return self._staging
 
     def release(self) -> None:
-        _release(self.writer, [*self._pinned.values(), *self._drained.values(),
-                  *([self._staging] if self._staging is not None else [])])
-        self._buffers, self._pinned, self._drained, self._plan = {}, {}, {}, None
-        self._staging = None
+        """Free every buffer (after the copies queued into them)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._release([*self._host.values(), *([self._staging] if self._staging else [])])
+        self._buffers, self._host, self._plan, self._staging = {}, {}, None, None
 
-    def drain(self, jobs: list[Job]) -> list[Job]:
-        """Coordinator-free; run by the background writer after the snapshot's copies. For
-        a snapshot in device memory: copy each buffer to a page-locked host buffer of its
-        size (allocated at the first drain, reused while the sizes stay), one copy per
-        buffer on a side stream, the thread asleep until they are done; return ``jobs``
-        with their sources moved to the host copies. Otherwise ``jobs`` as they are."""
-        if not self.on_device:
-            return jobs
-        if {d: b.tensor.numel() for d, b in self._drained.items()} != \
-                {d: t.numel() for d, t in self._buffers.items()}:
-            _release(self.writer, self._drained.values())
-            self._drained = {d: PinnedBuffer(t.numel(), d, shared=self.writer.available)
-                             for d, t in self._buffers.items()}
-        if self._drain_stream is None:
-            self._drain_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._drain_stream):
-            for dtype, buf in self._buffers.items():
-                self._drained[dtype].tensor.copy_(buf, non_blocking=True)
-        done = torch.cuda.Event(blocking=True)
-        done.record(self._drain_stream)
-        done.synchronize()
+    def _release(self, buffers: Collection[pinned.PinnedBuffer]) -> None:
+        for buf in set(buffers):
+            if buf.fd is not None:
+                self._forget(buf)  # the process's mapping would keep the memory
+            buf.release()
 
-        def host(src: torch.Tensor) -> torch.Tensor:
-            buf = self._buffers[src.dtype]
-            at = (src.data_ptr() - buf.data_ptr()) // src.element_size()
-            return self._drained[src.dtype].tensor[at:at + src.numel()]
-        return [(name, [e if e.source is None or not e.source.is_cuda else  # not RNG state
-                        WriteEntry(e.key, e.dtype, e.numel, e.offset, host(e.source))
-                        for e in entries]) for name, entries in jobs]
+    def log_wait(self) -> None:
+        if not self._waits_logged:
+            self._waits_logged = True
+            log.info("no spare device memory for the rest of an asynchronous save's snapshot: "
+                     "the state's next write waits for the snapshot's copies")
 
     def retake(self, sources: dict[str, torch.Tensor], on_device: bool = False,
-               hot: Collection[int] = ()) -> tuple[list[Job], SaveFence | None] | None:
-        """Coordinator-free. The jobs of the last :meth:`take` again, with its copies queued
-        anew from ``sources`` (the flat tensors the state lives in now, by name; see
-        ``shard_state.sources()``), when they have
-        the names, sizes and dtypes they had then; else None. The entries' pieces of the
-        sources depend on the layout alone, so they are where they were: this builds no
-        per-param views, which keeps the call of a repeated save to a few copies. ``hot``:
-        as for :meth:`take`."""
+               hot: Collection[int] = ()) -> tuple[list[Job], Drain] | None:
+        """Coordinator-free. The jobs of the last :meth:`take` and a drain of its copies
+        anew from ``sources`` (the flat tensors the state lives in now, by name: see
+        ``checkpoint.state.sources``), when they have the names, sizes and dtypes they had
+        then; else None. Builds no per-param views. ``hot``: as for :meth:`take`."""
         plan = self._plan
         if plan is None or plan.key != _key(sources, on_device and self.cuda):
             return None
-        pairs = [(self._buffers[dtype][pos:pos + n], sources[name].narrow(0, rel, n))
-                 for name, rel, n, dtype, pos in plan.runs]
-        return plan.jobs, self._copy(pairs, hot)
+        pairs = [(self._buffers[r.dtype][r.at:r.at + r.numel],
+                  sources[r.name].narrow(0, r.offset, r.numel)) for r in plan.runs]
+        return plan.jobs, self._drain(pairs, hot)
 
     def take(self, jobs: Sequence[Job], on_device: bool = False,
              sources: dict[str, torch.Tensor] | None = None, hot: Collection[int] = ()
-             ) -> tuple[list[Job], SaveFence | None]:
-        """Coordinator-free. Queue copies of every entry's source into the buffers (in
-        device memory with ``on_device`` and a GPU, else on the host); return the jobs with
-        the copies as sources and the :class:`SaveFence` of the copies (None off CUDA:
-        already there).
-
-        The sources are mostly adjacent views of a few flat buffers (a rank's shard of each
-        bucket): each run of adjacent or overlapping elements of one storage is copied at
-        once, a few large copies instead of one per param and state, which keeps the call
-        short. With ``sources``, the runs are also recorded as pieces of them, for
-        :meth:`retake`. ``hot``: the storages (addresses) that work queued after the call
-        may write without going through the optimizer (module buffers, which a forward
-        updates in place: BatchNorm's running statistics); their copies are queued first and
-        the current stream waits for them (the host does not)."""
+             ) -> tuple[list[Job], Drain]:
+        """Coordinator-free. The jobs with the buffers (in device memory with ``on_device``
+        and a GPU, else on the host) as their sources, and the :class:`Drain` that fills
+        them. Each run of adjacent or overlapping elements of one storage is one copy;
+        with ``sources`` the runs are recorded as pieces of them, for :meth:`retake`.
+        ``hot``: the storages (addresses) that work queued after the call may write without
+        going through the optimizer (module buffers a forward updates in place, BatchNorm's
+        running statistics): copied at the call, and the current stream waits for them."""
         unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-        for _, entries in jobs:
-            for e in entries:
+        for job in jobs:
+            for e in job.entries:
                 if e.source is not None:
                     unique.setdefault(_identity(e.source), e.source)
         runs = _runs(unique.values())
@@ -224,14 +135,12 @@ class Snapshot:
             for key, src in run.members:
                 at = src.storage_offset() - run.start
                 copies[key] = dst[at:at + src.numel()]
-        event = self._copy(pairs, hot)
-        out = [(name, [e if e.source is None else
-                       WriteEntry(e.key, e.dtype, e.numel, e.offset, copies[_identity(e.source)])
-                       for e in entries])
-               for name, entries in jobs]
+        out = [Job(job.name, [e if e.source is None else dataclasses.replace(
+                   e, source=copies[_identity(e.source)]) for e in job.entries])
+               for job in jobs]
         self._plan = None if sources is None else _Plan.of(runs, sources, out,
                                                            self.on_device)
-        return out, event
+        return out, self._drain(pairs, hot)
 
     def _allocate(self, sizes: dict[torch.dtype, int], on_device: bool) -> None:
         if {d: t.numel() for d, t in self._buffers.items()} == sizes and \
@@ -242,67 +151,57 @@ class Snapshot:
         for dtype, numel in sizes.items():
             if on_device:
                 self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
-            else:  # page-locked for copies from a GPU; shared with the writer process
-                self._pinned[dtype] = PinnedBuffer(numel, dtype, shared=self.writer.available,
-                                                   lock=self.cuda)
-                self._buffers[dtype] = self._pinned[dtype].tensor
+            else:  # page-locked by the drain, piece by piece
+                self._host[dtype] = pinned.PinnedBuffer(numel, dtype, shared=self.shared,
+                                                        lock=False)
+                self._buffers[dtype] = self._host[dtype].tensor
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int] = ()
-              ) -> SaveFence | None:
-        if not self.cuda:
-            for dst, src in pairs:
-                dst.copy_(src.detach().reshape(-1))
-            return None
-        if self._stream is None:
+    def _drain(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int]
+               ) -> Drain:
+        """The pairs (destination, source) as a drain, ``hot`` sources' copies issued now
+        (all of them for a device snapshot)."""
+        if self.cuda and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        # The sources are final once the work queued so far on the current stream has run.
-        current = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(current)
-        hot_pairs, cold_pairs = _hot_first(pairs, hot)
-        hot_done = None
-        with torch.cuda.stream(self._stream):
-            for dst, src in hot_pairs:  # first: the current stream waits for them alone
-                dst.copy_(src.detach().reshape(-1), non_blocking=True)
-            if hot_pairs:
-                hot_done = torch.cuda.Event()
-                hot_done.record(self._stream)
-            for dst, src in cold_pairs:
-                dst.copy_(src.detach().reshape(-1), non_blocking=True)
-        if hot_done is not None:
-            # The next forward must not update a buffer before its copy has read it.
-            current.wait_event(hot_done)
-        # Blocking: the background writer waits on it for as long as the copies take, asleep
-        # (a spinning wait would take a core from the training loop).
-        done = torch.cuda.Event(blocking=True)
-        done.record(self._stream)
-        return SaveFence(done, self.device)
+        hot_pairs = [p for p in pairs if p[1].untyped_storage().data_ptr() in hot]
+        ordered = hot_pairs + [p for p in pairs if p[1].untyped_storage().data_ptr() not in hot]
+        into = {b.tensor.untyped_storage().data_ptr(): b for b in self._host.values()}
+        copies = [Copy(_bytes(dst), _bytes(src), into.get(dst.untyped_storage().data_ptr()))
+                  for dst, src in ordered]
+        drain = Drain(copies, self.device, self._stream, self.log_wait)
+        if self.on_device:
+            drain.issue_now(len(copies))
+        else:
+            drain.keep_now(len(hot_pairs))
+        return drain
 
 
-def _hot_first(pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int] = ()
-               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
-                          list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``pairs`` (destination, source) split into those whose source lies in a ``hot``
-    storage (by address), copied first, and the others, each in their given order."""
-    hot_pairs = [pair for pair in pairs if pair[1].untyped_storage().data_ptr() in hot]
-    return hot_pairs, [pair for pair in pairs if pair[1].untyped_storage().data_ptr() not in hot]
-
-
-def _release(writer: writer_process.WriterProcess, buffers) -> None:
-    for buf in buffers:
-        if buf.fd is not None:
-            writer.forget(buf)  # the process's mapping would keep the memory
-        buf.release()
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _identity(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
     return (t.data_ptr(), t.numel(), t.dtype)
 
 
-class _Plan:
-    """A take's runs as pieces of named sources, its buffer positions and its jobs."""
+@dataclass(frozen=True)
+class _PlanRun:
+    """A run as ``numel`` elements at ``offset`` of source ``name``, at ``at`` of the buffer
+    of its ``dtype``."""
 
-    def __init__(self, key, runs, jobs) -> None:
-        self.key, self.runs, self.jobs = key, runs, jobs
+    name: str
+    offset: int
+    numel: int
+    dtype: torch.dtype
+    at: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A take's runs as pieces of named sources, and its jobs."""
+
+    key: tuple
+    runs: list[_PlanRun]
+    jobs: list[Job]
 
     @classmethod
     def of(cls, runs: list[_Run], sources: dict[str, torch.Tensor], jobs: list[Job],
@@ -320,7 +219,7 @@ class _Plan:
             if t is None or not (t.storage_offset() <= run.start
                                  and run.start + run.numel <= t.storage_offset() + t.numel()):
                 return None
-            out.append((name, run.start - t.storage_offset(), run.numel, run.dtype, at))
+            out.append(_PlanRun(name, run.start - t.storage_offset(), run.numel, run.dtype, at))
         return cls(_key(sources, on_device), out, jobs)
 
 

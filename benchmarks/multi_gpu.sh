@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The runs that need several GPUs of one host: data-parallel scaling, resume memory, resharding,
+# background-save stalls, checkpoint bandwidth and offload per rank, at DP 2, 4 and 8 (those the
+# host has). From the repository root, torch installed system-wide:
+#
+#     OUT=/path/to/out bash benchmarks/multi_gpu.sh                # every part, every DP size
+#     OUT=/path/to/out SIZES="2" bash benchmarks/multi_gpu.sh iter # one part, one size
+#     DRY=1 OUT=/tmp/x bash benchmarks/multi_gpu.sh                # print the commands only
+#
+# Parts (each at every size in SIZES, default: 2 4 8 up to the GPUs present):
+#   iter      train_iter.py: the 1b GPT with shardopt, DDP, FSDP2, ZeRO and megatron-core (its
+#             wheel in .whl/), fp32, bf16 and int8 moments; the HF Llama 1.35B with shardopt,
+#             DDP, FSDP2                                                       ~6 min per size
+#   resume    resume_memory.py, GPT and HF Llama: resumed/fresh peak per iteration, every rank
+#   reshard   reshard.py: save at the largest size, load at 2, save, load at the largest;
+#             exports identical (GPT and HF Llama)
+#   async     async_save.py on the HF Llama and the GPT, 2 micro-batches, default settings,
+#             /dev/shm, 6 saves every 12 iterations, every async checkpoint checked
+#   ckpt      checkpoint_io.py on /dev/shm and local disk against the raw bandwidth of the same
+#             number of processes, 3 repetitions, DCP beside it
+#   offload   offload.py on the HF Llama: every rank offloads and onloads at once
+# Each result is one JSON under $OUT with "world_size"; copy them to benchmarks/results/ and
+# put the tables in benchmarks/README.md.
+set -u
+OUT=${OUT:?set OUT to the directory for results}
+PY=${PY:-python3}
+export PYTHONPATH=${PYTHONPATH:-src}
+mkdir -p "$OUT"
+LOG="$OUT/multi_gpu.log"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU')
+if [ -z "${SIZES:-}" ]; then
+  SIZES=""
+  for n in 2 4 8; do [ "$n" -le "$GPUS" ] && SIZES="$SIZES $n"; done
+fi
+LARGEST=$(for n in $SIZES; do echo "$n"; done | sort -n | tail -n 1)
+PARTS=${*:-iter resume reshard async ckpt offload}
+status=0
+
+run() {  # name, command...: run one part, log it, remember a failure, go on
+  local name=$1
+  shift
+  echo "=== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+  if [ -n "${DRY:-}" ]; then return; fi
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+[ -n "$SIZES" ] || { echo "no DP size to run: $GPUS GPU(s) found" | tee -a "$LOG"; exit 1; }
+for part in $PARTS; do
+  for n in $SIZES; do
+    case $part in
+      iter)
+        run "iter-gpt-fp32-$n" "$PY" benchmarks/train_iter.py --nproc "$n" \
+          --systems shardopt,ddp,fsdp2,zero,megatron --iters 20 --tag "_dp$n" --out "$OUT"
+        run "iter-gpt-bf16-$n" "$PY" benchmarks/train_iter.py --nproc "$n" --systems shardopt,ddp \
+          --exp-avg-dtype bfloat16 --exp-avg-sq-dtype bfloat16 --iters 20 --tag "_dp${n}_bf16" \
+          --out "$OUT"
+        run "iter-gpt-int8-$n" "$PY" benchmarks/train_iter.py --nproc "$n" --systems shardopt,ddp \
+          --exp-avg-dtype int8 --exp-avg-sq-dtype int8 --iters 20 --tag "_dp${n}_int8" --out "$OUT"
+        run "iter-hf-$n" "$PY" benchmarks/train_iter.py --nproc "$n" --model hf-llama \
+          --systems shardopt,ddp,fsdp2 --iters 20 --tag "_dp$n" --out "$OUT" ;;
+      resume)
+        run "resume-gpt-$n" "$PY" benchmarks/resume_memory.py --nproc "$n" --out "$OUT"
+        run "resume-hf-$n" "$PY" benchmarks/resume_memory.py --nproc "$n" --model hf-llama \
+          --out "$OUT" ;;
+      reshard)
+        if [ "$n" = "$LARGEST" ] && [ "$n" -gt 2 ]; then
+          run "reshard-gpt" "$PY" benchmarks/reshard.py --sizes "$n,2,$n" --out "$OUT"
+          run "reshard-hf" "$PY" benchmarks/reshard.py --model hf-llama --sizes "$n,2,$n" \
+            --out "$OUT"
+        fi ;;
+      async)
+        for m in hf-llama gpt; do
+          run "async-$m-$n" "$PY" benchmarks/async_save.py --nproc "$n" --model "$m" \
+            --accumulate 2 --systems shardopt --dirs /dev/shm --sparse-every 12 --sparse-saves 6 \
+            --every-iters 0 --budget-s 550 --tag "_dp${n}_acc2" --out "$OUT"
+        done ;;
+      ckpt)
+        run "ckpt-$n" "$PY" benchmarks/checkpoint_io.py --nproc "$n" --no-megatron \
+          --systems shardopt,dcp_plain --targets shm,disk --repeats 3 --raw-repeats 3 \
+          --budget 500 --tag "_dp$n" --out "$OUT" ;;
+      offload)
+        run "offload-hf-$n" "$PY" benchmarks/offload.py --nproc "$n" --model hf-llama \
+          --micro-batch 8 --accumulate 2 --cycles 7 --rss-cycles 13 --no-peers \
+          --out "$OUT/offload_dp${n}_hf.json" ;;
+      *) echo "unknown part $part" | tee -a "$LOG"; status=1 ;;
+    esac
+  done
+done
+exit $status
