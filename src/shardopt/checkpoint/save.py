@@ -232,15 +232,17 @@ def prepare(model: torch.nn.Module, optimizer: DistributedOptimizer,
         sizes = buffer_sizes(_snapshot_extents(optimizer, frozen))
         nbytes, kind = sum(n * d.itemsize for d, n in sizes.items()), "host snapshot"
         allocate = functools.partial(snap.prepare, sizes)
-    try:
-        allocate()
+    cuda = optimizer.device.type == "cuda"
+    try:  # registered for the optimizer's device (its context), whichever is current
+        with torch.cuda.device(optimizer.device) if cuda else nullcontext():
+            allocate()
         return
     except Exception as e:  # noqa: BLE001 - raised below, without the frames that hold memory
         reason = f"{type(e).__name__}: {e}"
     raise CheckpointError(
         f"[dp rank {optimizer.dp.rank}] checkpoint.prepare: allocating the {kind} of "
         f"asynchronous saves, {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of "
-        f"{'page-locked ' if optimizer.device.type == 'cuda' else ''}host memory, failed "
+        f"{'page-locked ' if cuda else ''}host memory, failed "
         f"({reason}); none is held. Free host memory, or save with "
         "CheckpointConfig(snapshot='device_staged') (a copy in spare GPU memory instead)")
 
