@@ -31,10 +31,10 @@ def shardopt_states(opt: Any) -> dict[str, torch.Tensor]:
     from shardopt.optimizer import STATE_NAMES
 
     out = {}
-    for shard in opt.shards:
+    for shard in opt.shard_state.shards:
         for n in STATE_NAMES:
             try:
-                out[f"{shard.fqn}.{n}"] = opt.state_view(n, shard)
+                out[f"{shard.fqn}.{n}"] = opt.shard_state.view(n, shard)
             except RuntimeError:  # moments not allocated before the first step or load
                 pass
     return out
@@ -42,12 +42,13 @@ def shardopt_states(opt: Any) -> dict[str, torch.Tensor]:
 
 def drop_moments(opt: Any) -> None:
     """Free a DistributedOptimizer's Adam moments (it has no public call for that)."""
-    if hasattr(opt, "_moments"):
-        opt._moments = None
-        opt._update.views = None
-    host = getattr(opt, "_host", None)  # moments a low_memory_resume load staged
-    if host is not None:
-        host.staged, host._staged_pinned = None, []
+    state = getattr(opt, "_state", None)  # the records of the shard state (shard_state.py)
+    if state is not None:
+        for name in [n for n, h in state.held.items() if h.kind == "moments"]:
+            held = state.held.pop(name)
+            if held.pin is not None:  # moments a low_memory_resume load staged
+                held.pin.release()
+        state.generation += 1
     if any(not n.endswith(".master_param") for n in shardopt_states(opt)):
         raise RuntimeError("the old optimizer still holds moments; shardopt's internals changed")
     gc.collect()
@@ -113,7 +114,7 @@ class _ShardoptTensors:
 
     def live(self) -> dict[str, torch.Tensor]:
         opt = self.s.optimizer  # a resume replaces it
-        return {**{s.fqn: opt.buffers.shard_params(s) for s in opt.shards},
+        return {**{s.fqn: opt.shard_state.view("params", s) for s in opt.shard_state.shards},
                 **shardopt_states(opt)}
 
     def tensors(self) -> list[torch.Tensor]:
@@ -137,7 +138,7 @@ class TorchSaveCkpt(_ShardoptTensors):
     def save(self, root: Path) -> None:
         # Model shards are views into the full param buffer; torch.save would write the whole
         # storage, so they are cloned first (a GPU copy of a few GB: milliseconds).
-        params = {s.fqn for s in self.s.optimizer.shards}
+        params = {s.fqn for s in self.s.optimizer.shard_state.shards}
         state = {k: (v.clone() if k in params else v) for k, v in self.live().items()}
         with open(self._file(root), "wb") as f:
             torch.save(state, f)

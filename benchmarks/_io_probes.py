@@ -457,8 +457,8 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     """
     import importlib
 
-    from shardopt import moments as moments_mod
     from shardopt import optimizer as opt_mod
+    from shardopt import shard_state as shard_state_mod
 
     mods = {}
     for name in ("save", "load", "read", "agree", "storage", "blocks", "transfer", "commit",
@@ -493,12 +493,11 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     phase(commit, "begin", "begin", "commit.begin")
     # load (the read engine calls the names it imported)
     phase(load, "_prepare", "prepare", "load._prepare")
-    phase(moments_mod, "load_target", "alloc_moments", "moments.load_target")
+    phase(shard_state_mod.ShardState, "load_target", "alloc_moments", "ShardState.load_target")
     phase(read, "verify_blocks", "verify", "read.verify_blocks")
     phase(read, "read_blocks", "read_fresh", "read.read_blocks")
     phase(read, "read_segments", "read_into", "read.read_segments")
-    phase(opt_mod.DistributedOptimizer, "adopt_state", "adopt",
-          "DistributedOptimizer.adopt_state", sync=True)
+    phase(opt_mod.ShardStateAccess, "adopt", "adopt", "ShardStateAccess.adopt", sync=True)
     # both
     phase(save, "agree", "agree", "save.agree")
     phase(load, "agree", "agree", "load.agree")

@@ -265,7 +265,7 @@ def setup_shardopt(model, hp: Hyper, device: torch.device,
     name = "shardopt_overlap" if overlap_param_gather else "shardopt"
     return System(name if grad_mode == "torch" else f"{name}_{grad_mode}", step, model, opt,
                   notes={"bucket_numel": config.bucket_numel, "state_dtypes": state_dtypes,
-                         "step_kernel": opt.step_kernel, "grad_mode": grad_mode,
+                         "step_kernel": opt._update.kernel, "grad_mode": grad_mode,
                          "overlap_param_gather": overlap_param_gather})
 
 

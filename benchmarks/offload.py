@@ -167,9 +167,7 @@ def _train(system, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
 def _moved_pairs(opt) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(host copy, device tensor) for every tensor offload() copies (grads not pending
     are freed without a copy)."""
-    host = opt._host
-    return [(h, d) for kind, copies in host._copies.items()
-            for h, d in zip(copies, host._device_tensors(kind)) if h is not None]
+    return [(h.host, h.device) for h in opt.shard_state.held.values() if h.host is not None]
 
 
 def _raw_copies(opt, device: torch.device, reps: int) -> dict[str, Any]:

@@ -170,7 +170,7 @@ def _step_with_grads(opt: DistributedOptimizer) -> None:
     """``step()`` as after a backward whose hooks wrote every param's gradient: the grads
     were written straight into the buffers, so mark them written (else the optimizer
     takes them for params without a gradient: it zeroes them and skips their update)."""
-    opt.grad_sync.mark_written(opt.layout.fqns)
+    opt._grad_sync.mark_written(opt.layout.fqns)
     opt.step()
 
 
@@ -181,7 +181,7 @@ def bench_shardopt(shapes, device, timer: Timer, clip: bool, step_kernel: str = 
     cfg = OptimizerConfig(**HYPER, max_grad_norm=1.0 if clip else None, step_kernel=step_kernel,
                           grad_mode=grad_mode, **(lowprec or {}))
     opt = DistributedOptimizer(model, cfg)
-    for g in opt.buffers.step_grads:  # what the step reads: p.grad's buffer in "torch" mode
+    for g in opt._buffers.step_grads:  # what the step reads: p.grad's buffer in "torch" mode
         g.normal_(0, 1e-3)
     result = timer(lambda: _step_with_grads(opt))
     return result, opt, model
@@ -355,10 +355,10 @@ def main(argv: list[str] | None = None) -> int:
             name = f"shardopt_{tag}" if mode == "torch" else f"shardopt_{mode}_{tag}"
             r, opt, model = bench_shardopt(shapes, device, timer, clip, lowprec=lowprec,
                                            grad_mode=mode)
-            r["step_kernel"], r["grad_mode"] = opt.step_kernel, mode
+            r["step_kernel"], r["grad_mode"] = opt._update.kernel, mode
             r["memory_bytes"] = opt.memory_bytes()
             results[name] = r
-            print(f"  shardopt ({tag}, {opt.step_kernel} step, grad_mode={mode}): "
+            print(f"  shardopt ({tag}, {opt._update.kernel} step, grad_mode={mode}): "
                   f"{r['ms']['median']:.3f} ms", flush=True)
             if clip and mode == grad_modes[0]:
                 profile_info = profile_step(opt, device, args.profile_steps, out,
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":  # the same optimizer with torch's fused AdamW + copy
             r, opt, model = bench_shardopt(shapes, device, timer, clip, step_kernel="torch",
                                            lowprec=lowprec)
-            r["step_kernel"] = opt.step_kernel
+            r["step_kernel"] = opt._update.kernel
             results[f"shardopt_torch_step_{tag}"] = r
             print(f"  shardopt ({tag}, torch step): {r['ms']['median']:.3f} ms", flush=True)
             del opt, model

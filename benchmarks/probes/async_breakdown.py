@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     # The call's parts in the order it runs them (take, retake: the snapshot's copies queued).
     _common.timed_parts(bg_mod, ["settle", "start"], parts)
     _common.timed_parts(state_mod, ["frozen_tensors", "sources"], parts)
-    _common.timed_parts(DistributedOptimizer, ["reseed_written"], parts)
+    _common.timed_parts(DistributedOptimizer, ["_reseed_written"], parts)
     _common.timed_parts(save_mod, ["_take_snapshot", "_manifest_base"], parts)
     _common.timed_parts(snap_mod.Snapshot, ["take", "retake"], parts)
     _common.timed_parts(commit_mod, ["begin"], parts)

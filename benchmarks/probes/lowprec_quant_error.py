@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         opt.zero_grad()
     shards = opt.layout.shards(0)
-    per_param = [(opt.state_view("exp_avg", s), opt.state_view("exp_avg_sq", s)) for s in shards]
+    per_param = [(opt.shard_state.view("exp_avg", s), opt.shard_state.view("exp_avg_sq", s)) for s in shards]
     m = torch.cat([a for a, _ in per_param])
     v = torch.cat([b for _, b in per_param])
     eps = opt.config.eps

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     model = nn.ParameterList(nn.Parameter(torch.zeros(16, device=device, dtype=torch.bfloat16))
                              for _ in range(args.num_params))
     opt = DistributedOptimizer(model, OptimizerConfig(bucket_numel=1 << 20))
-    opt.grad_sync.mark_written(opt.layout.fqns)  # as after a backward that reached every param
+    opt._grad_sync.mark_written(opt.layout.fqns)  # as after a backward that reached every param
     steps = {}
 
     def plan() -> None:

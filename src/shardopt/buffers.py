@@ -1,17 +1,14 @@
 """Contiguous param and grad buffers, one of each per model dtype.
 
-After construction every trainable param is a view into its dtype's param
-buffer (``param.data`` is rebound; values, dtype, device and the Parameter
-object itself are kept), so a bucket of params is one slice of one tensor and
-can be communicated in one collective without packing.
+Every trainable param becomes a view into its dtype's param buffer (``param.data`` is
+rebound; values, dtype, device and the Parameter object are kept), so a bucket of params is
+one slice of one tensor, communicated in one collective without packing.
 
-Grads: the grad buffer (``grad_buffers``) is where backward accumulates and
-what the reductions carry, in ``grad_dtype`` (fp32 for bf16/fp16 params by
-default). With ``param_grads`` (``grad_mode="torch"``) each param's ``.grad``
-must be a tensor of the param's own dtype: where the grad buffer has it, the
-``.grad`` views the grad buffer; where it does not (bf16/fp16 params with fp32
-grads), a second buffer of the param dtype (``param_grad_buffers``) holds the
-gradient rounded once to it, and that is what the step reads (``step_grads``).
+The grad buffer (``grad_buffers``) is where backward accumulates and what the reductions
+carry, in ``grad_dtype``. With ``param_grads`` (``grad_mode="torch"``) each ``p.grad`` is a
+tensor of the param's dtype: a view of the grad buffer where it has that dtype, else of a
+second buffer (``param_grad_buffers``) holding the gradient rounded once, which is then what
+the step reads (``step_grads``).
 """
 
 from __future__ import annotations
@@ -20,34 +17,24 @@ from collections.abc import Sequence
 
 import torch
 
-from .layout import Bucket, Layout, ParamShard
+from .layout import Bucket, Layout
 
 
 class FlatBuffers:
     """Param and grad buffers laid out by ``layout``; owns no optimizer state."""
 
-    def __init__(
-        self,
-        named_params: Sequence[tuple[str, torch.nn.Parameter]],
-        layout: Layout,
-        device: torch.device,
-        grad_dtype: torch.dtype,
-        param_grads: bool = False,
-    ) -> None:
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], layout: Layout,
+                 device: torch.device, grad_dtype: torch.dtype, param_grads: bool = False
+                 ) -> None:
         self.layout = layout
         self.device = device
         self.param_buffers: list[torch.Tensor] = []
-        # While the optimizer has offloaded the params: their host copies, which
-        # shard_params (what a checkpoint saves) reads instead.
-        self.host_params: list[torch.Tensor] | None = None
         self.grad_buffers: list[torch.Tensor] = []
         for buf in layout.buffers:
             # bf16 grads: each buffer's own dtype (fp16 params keep fp16 grads, fp32 fp32)
             buf_grad_dtype = torch.float32 if grad_dtype == torch.float32 else buf.dtype
             self.param_buffers.append(torch.zeros(buf.numel, dtype=buf.dtype, device=device))
             self.grad_buffers.append(torch.zeros(buf.numel, dtype=buf_grad_dtype, device=device))
-        # The grads of params in their own dtype (p.grad), and what the step reads: the grad
-        # buffer where it is in the params' dtype (or p.grad is not used), else a copy of it.
         self.param_grad_buffers: list[torch.Tensor] = [
             g if g.dtype == buf.dtype or not param_grads
             else torch.zeros(buf.numel, dtype=buf.dtype, device=device)
@@ -60,16 +47,14 @@ class FlatBuffers:
         self.param_grad_views: dict[str, torch.Tensor] = {}  # p.grad: the param's dtype
         with torch.no_grad():
             for fqn, slot in layout.slots.items():
-                p = params[fqn]
-                flat = self.param_buffers[slot.buffer_index][slot.range_global.as_slice()]
+                p, where = params[fqn], slot.range_global.as_slice()
+                flat = self.param_buffers[slot.buffer_index][where]
                 flat.copy_(p.detach().reshape(-1))
                 p.data = flat.view(slot.shape)
                 self.param_views[fqn] = flat
-                self.grad_views[fqn] = self.grad_buffers[slot.buffer_index][
-                    slot.range_global.as_slice()
-                ].view(slot.shape)
+                self.grad_views[fqn] = self.grad_buffers[slot.buffer_index][where].view(slot.shape)
                 self.param_grad_views[fqn] = self.param_grad_buffers[slot.buffer_index][
-                    slot.range_global.as_slice()].view(slot.shape)
+                    where].view(slot.shape)
 
     def mirrored(self, buffer_index: int) -> bool:
         """Whether buffer ``buffer_index``'s ``p.grad`` lives apart from its grad buffer."""
@@ -99,16 +84,6 @@ class FlatBuffers:
             return self.bucket_params(bucket).narrow(0, 0, numel)
         return torch.cat([self.param_views[s.fqn] for s in slots])
 
-    def shard_params(self, shard: ParamShard) -> torch.Tensor:
-        source = self.param_buffers if self.host_params is None else self.host_params
-        return source[shard.buffer_index][shard.range_global.as_slice()]
-
-    def shard_grads(self, shard: ParamShard) -> torch.Tensor:
-        """This rank's grads of ``shard`` as the step reads them (:attr:`step_grads`)."""
-        return self.step_grads[shard.buffer_index][shard.range_global.as_slice()]
-
     def num_bytes(self) -> dict[str, int]:
-        return {
-            "params": sum(t.numel() * t.element_size() for t in self.param_buffers),
-            "grads": sum(t.numel() * t.element_size() for t in self.grad_tensors()),
-        }
+        return {"params": sum(t.numel() * t.element_size() for t in self.param_buffers),
+                "grads": sum(t.numel() * t.element_size() for t in self.grad_tensors())}

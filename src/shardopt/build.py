@@ -1,6 +1,6 @@
 """The steps of building a :class:`~shardopt.DistributedOptimizer` that need no
-optimizer yet: checking the params, grouping them, the layout's alignment, the
-fp32 main params, the order buckets launch in, and which update path runs."""
+optimizer yet: checking the params, grouping them, the layout's alignment, the order
+buckets launch in, which update path runs, and the gradient hooks."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from . import comm, kernels, quant
-from .buffers import FlatBuffers
+from . import kernels, quant
 from .config import GROUP_KEYS, OptimizerConfig, group_value
 from .layout import Bucket, Layout
 
@@ -39,24 +38,6 @@ def trainable(model: torch.nn.Module) -> tuple[Named, torch.device]:
                 f"param {fqn!r} has dtype {p.dtype}; shardopt trains bf16, fp16 and fp32 params"
             )
     return named, device
-
-
-def main_params(layout: Layout, buffers: FlatBuffers, dp: comm.DPGroup,
-                device: torch.device) -> list[torch.Tensor | None]:
-    """Per buffer, this rank's fp32 main params seeded from its shard of the params (None for
-    an fp32 buffer: the param buffer shard is the main param)."""
-    out: list[torch.Tensor | None] = []
-    for buf in layout.buffers:
-        if buf.dtype == torch.float32:
-            out.append(None)
-            continue
-        main = torch.zeros(buf.local_numel, dtype=torch.float32, device=device)
-        for bucket in buf.buckets:
-            local = main.narrow(0, buf.local_offset(bucket.index), bucket.shard_numel)
-            local.copy_(buffers.bucket_params(bucket).narrow(
-                0, dp.rank * bucket.shard_numel, bucket.shard_numel))
-        out.append(main)
-    return out
 
 
 def choose_kernel(config: OptimizerConfig, device: torch.device) -> str:
@@ -128,31 +109,49 @@ def launch_order(layout: Layout, named: Named) -> list[Bucket]:
     )
 
 
-def grad_hooks(opt: Any, named: Named) -> list[Any]:
-    """Register ``opt.grad_sync.on_grad_ready`` on every param, holding ``opt`` weakly: a
-    tensor's hooks live where Python's garbage collector cannot see them, so a hook holding
-    the optimizer would keep it (and through it the model) alive for good. Removed when
-    ``opt`` is gone."""
-    on_grad = WeakGradHook(opt)
+def grad_hooks(owner: Any, grad_sync: Any, host: Any, named: Named) -> list[Any]:
+    """Register ``grad_sync.on_grad_ready`` on every param, refused while ``host`` has params
+    or grads offloaded; removed when ``owner`` (the optimizer, :func:`owner_of`) is gone. The
+    hook holds all three weakly: a tensor's hooks are invisible to the garbage collector."""
+    on_grad = WeakGradHook(owner, grad_sync, host)
     handles = [p.register_post_accumulate_grad_hook(on_grad) for _, p in named]
-    weakref.finalize(opt, _remove_hooks, list(handles))
+    weakref.finalize(owner, remove_hooks, list(handles))
     return handles
 
 
 class WeakGradHook:
-    """``opt.grad_sync.on_grad_ready`` through a weak reference (a no-op once ``opt`` is gone)."""
+    """``grad_sync.on_grad_ready`` through weak references (a no-op once they are gone)."""
 
-    def __init__(self, opt: Any) -> None:
-        self.owner = weakref.ref(opt)
+    def __init__(self, owner: Any, grad_sync: Any, host: Any) -> None:
+        self.owner = weakref.ref(owner)
+        self._sync, self._host = weakref.ref(grad_sync), weakref.ref(host)
 
     def __call__(self, param: torch.nn.Parameter) -> None:
-        opt = self.owner()
-        if opt is not None:
-            if opt.offloaded:  # a backward of a graph built before offload()
-                opt.check_onloaded("a backward", ("grads", "params"))
-            opt.grad_sync.on_grad_ready(param)
+        sync, host = self._sync(), self._host()
+        if sync is not None and host is not None:
+            if host.offloaded:  # a backward of a graph built before offload()
+                host.check_onloaded("a backward", ("grads", "params"))
+            sync.on_grad_ready(param)
 
 
-def _remove_hooks(handles: list[Any]) -> None:
+def post_accumulate_grad_hooks(p: torch.Tensor) -> Any:
+    """The post-accumulate-grad hooks on ``p``, in registration order: which optimizer owns a
+    param, and whether a hook came after its own. torch has no public way to list a tensor's
+    hooks (registering returns only a handle), so this reads ``p._post_accumulate_grad_hooks``."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    return hooks.values() if hooks else ()
+
+
+def owner_of(p: torch.Tensor) -> Any:
+    """The live optimizer whose gradient hook is on ``p``, or None (one whose hooks were
+    removed, as a benchmark swapping optimizers does, has let go)."""
+    for hook in post_accumulate_grad_hooks(p):
+        owner = hook.owner() if isinstance(hook, WeakGradHook) else None
+        if owner is not None:
+            return owner
+    return None
+
+
+def remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()

@@ -1,13 +1,9 @@
 """Thin collectives over the data-parallel group.
 
-Every function here is collective over ``group`` unless it says otherwise.
-With one rank (or no initialised process group) they are no-ops, so the
-optimizer runs the same code at any world size.
-
-CPU tensors (gloo, used for tests and the demo) take portable paths:
-reduce-scatter is an all-reduce followed by keeping the own shard, and the
-all-gather goes through a list of views. CUDA tensors (NCCL) use the real
-``reduce_scatter_tensor`` / ``all_gather_into_tensor``.
+Every function is collective over the group unless it says otherwise; with one rank they are
+no-ops, so the optimizer runs the same code at any world size. CPU tensors (gloo) take
+portable paths (reduce-scatter as an all-reduce, all-gather through a list of views), CUDA
+tensors (NCCL) the real ``reduce_scatter_tensor`` / ``all_gather_into_tensor``.
 """
 
 from __future__ import annotations
@@ -30,11 +26,9 @@ class DPGroup:
 
     @staticmethod
     def resolve(process_group: dist.ProcessGroup | None) -> DPGroup:
-        """Coordinator-free: reads rank and size of ``process_group`` (default group if None).
-
-        Without an initialised process group this is a one-rank group, unless ``WORLD_SIZE``
-        says the process is one rank of several: each would then train alone, silently
-        diverging, so that raises :class:`ProcessGroupError`."""
+        """Coordinator-free: rank and size of ``process_group`` (default group if None); one
+        rank without an initialised process group, unless ``WORLD_SIZE`` says otherwise
+        (:class:`ProcessGroupError`: each rank would train alone)."""
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialized")
@@ -60,7 +54,7 @@ def _launched_world_size() -> int:
 
 
 class _Done:
-    """Handle for work that already finished (world size 1, or a synchronous fallback)."""
+    """Handle for work that already finished (one rank, or a synchronous fallback)."""
 
     def wait(self) -> bool:
         return True
@@ -70,20 +64,14 @@ DONE = _Done()
 
 
 def reduce_scatter_avg_(bucket: torch.Tensor, dp: DPGroup, async_op: bool) -> object:
-    """Collective. Average ``bucket`` over ranks; rank r's shard of ``bucket`` ends up holding it.
-
-    ``bucket`` must be 1-D with ``numel % dp.size == 0``. The rest of ``bucket``
-    is left in an unspecified state (partial sums on CUDA, full averages on CPU).
-    """
-    if dp.size == 1:
-        return DONE
-    shard_numel = bucket.numel() // dp.size
-    if bucket.is_cuda:
-        out = bucket.narrow(0, dp.rank * shard_numel, shard_numel)
-        return dist.reduce_scatter_tensor(out, bucket, op=dist.ReduceOp.AVG, group=dp.group,
+    """Collective. Average ``bucket`` (1-D, ``numel % dp.size == 0``) over ranks into rank r's
+    shard of it; the rest is left unspecified (partial sums on CUDA, averages on CPU)."""
+    if dp.size > 1 and bucket.is_cuda:
+        n = bucket.numel() // dp.size
+        return dist.reduce_scatter_tensor(bucket.narrow(0, dp.rank * n, n), bucket,
+                                          op=dist.ReduceOp.AVG, group=dp.group,
                                           async_op=async_op) or DONE
-    bucket.div_(dp.size)  # gloo has no AVG
-    return dist.all_reduce(bucket, group=dp.group, async_op=async_op) or DONE
+    return all_reduce_avg_(bucket, dp, async_op)
 
 
 def all_reduce_avg_(bucket: torch.Tensor, dp: DPGroup, async_op: bool) -> object:

@@ -31,41 +31,27 @@ class OptimizerConfig:
     overlap_grad_reduce: bool = True
     """Start each bucket's reduce-scatter from backward hooks as soon as it is complete."""
     overlap_param_gather: bool = False
-    """Let ``step()`` return with the param all-gathers in flight; each module's forward
-    pre-hook waits for the buckets of its own params, so the gathers overlap the next
-    forward. A param read other than by its module's forward (a parent module using a child's
-    weight before the child runs, logging, an EMA update from ``model.parameters()``) must
-    come after ``optimizer.finish_param_sync()``; ``model.state_dict()`` and shardopt's
-    checkpoint functions wait by themselves."""
+    """Let ``step()`` return with the param all-gathers in flight, overlapping the next forward
+    (each module's forward pre-hook waits for its own params). Read params otherwise only after
+    ``optimizer.shard_state.finish_param_sync()`` (docs/optimizer.md, "Configuration")."""
     grad_dtype: torch.dtype = torch.float32
-    """Grad buffer and reduce-scatter dtype of bf16/fp16 params: ``torch.float32``, or
-    ``torch.bfloat16`` to halve grad memory and traffic (fp16 params then keep fp16 grads;
-    fp32 params always keep fp32 grads). The optimizer math stays fp32."""
+    """Grad buffer and reduction dtype of bf16/fp16 params: ``torch.float32``, or
+    ``torch.bfloat16`` (their own dtype) to halve grad memory and traffic."""
     grad_mode: str = "torch"
-    """Where gradients live after backward. ``"torch"`` (default): as with DDP and
-    ``torch.optim.AdamW``, when ``loss.backward()`` returns every trainable param's ``.grad``
-    is its gradient, averaged over the DP ranks (an all-reduce per bucket overlapping
-    backward), viewing the optimizer's grad buffer in the param's dtype; ``clip_grad_norm_``,
-    ``GradScaler``, ``p.grad`` edits and a second backward before ``step()`` (accumulation)
-    work as in torch, and ``step()`` uses what ``p.grad`` holds. ``"buffer"``: gradients
-    live only in the grad buffer and ``p.grad`` is ``None`` after backward (a reduce-scatter
-    per bucket: half the gradient traffic at DP > 1); code that reads or edits ``p.grad``
-    sees nothing there (docs/optimizer.md, "Gradients")."""
-    grad_accum_fp32: bool | None = None
-    """Deprecated alias of ``grad_dtype`` (``True`` = fp32, ``False`` = low precision), read at
-    construction into ``grad_dtype`` and then ``None`` (an error when the two disagree)."""
+    """``"torch"``: after backward every param's ``.grad`` is its gradient averaged over the DP
+    ranks (all-reduces), as with DDP, and ``step()`` uses what ``p.grad`` holds; ``"buffer"``:
+    gradients live only in the grad buffer, ``p.grad`` is None (reduce-scatters: half the
+    traffic). docs/optimizer.md, "Gradients"."""
     exp_avg_dtype: torch.dtype | str = torch.float32
     """Storage of the first Adam moment: ``torch.float32``, ``torch.bfloat16`` (rounded to
     nearest even) or ``"int8"`` (one fp32 scale per block of 64, :mod:`shardopt.quant`)."""
     exp_avg_sq_dtype: torch.dtype | str = torch.float32
-    """Storage of the second Adam moment, as ``exp_avg_dtype``; ``"int8"`` stores its square
-    root as unsigned 8-bit codes, whose dynamic range is half as wide in exponent."""
+    """Storage of the second Adam moment, as ``exp_avg_dtype`` (int8: codes of its sqrt)."""
     low_memory_resume: bool = False
     """Default for ``checkpoint.load``: keep loaded Adam moments on the host until the first step."""
     step_kernel: str = "auto"
-    """``"triton"``: one pass per buffer that updates main params and moments and writes the
-    bf16/fp16 params (:mod:`shardopt.kernels`); ``"torch"``: torch's fused AdamW, then a copy
-    to the model-dtype params; ``"auto"``: Triton on CUDA when it is installed, else torch."""
+    """``"triton"`` (one pass per buffer, :mod:`shardopt.kernels`), ``"torch"`` (torch's fused
+    AdamW, then a copy) or ``"auto"``: Triton on CUDA when it is installed, else torch."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
@@ -91,14 +77,6 @@ class OptimizerConfig:
         self.exp_avg_sq_dtype = _state_dtype("exp_avg_sq_dtype", self.exp_avg_sq_dtype,
                                              MOMENT_DTYPES)
         self.grad_dtype = _state_dtype("grad_dtype", self.grad_dtype, GRAD_DTYPES)
-        alias, self.grad_accum_fp32 = self.grad_accum_fp32, None  # folded into grad_dtype
-        if alias is not None and not isinstance(alias, bool):
-            raise ValueError(f"grad_accum_fp32 must be a bool or None, got {alias!r}")
-        if alias is True and self.grad_dtype != torch.float32:
-            raise ValueError(f"grad_accum_fp32=True contradicts grad_dtype={self.grad_dtype}; "
-                             "set grad_dtype only (grad_accum_fp32 is its deprecated alias)")
-        if alias is False:
-            self.grad_dtype = torch.bfloat16  # the alias's meaning: grads in the model dtype
 
     @property
     def param_grads(self) -> bool:

@@ -1,21 +1,12 @@
 """FlatShard: one rank's contiguous part of a param's flattened state, as DCP understands it.
 
-Optimizer state in a :meth:`DistributedOptimizer.state_dict` is a 1-D range
-``[offset, offset + local.numel())`` of a param's flattened elements; ranges
-fall at arbitrary offsets (a param can be split across ranks, a rank can hold
-none of it). ``torch.distributed.checkpoint`` treats a plain tensor as
-replicated, and DTensor only describes even chunks, so a FlatShard is a
-storage-less tensor subclass of the param's full 1-D shape that implements
-DCP's checkpointable hooks (``__create_write_items__``,
-``__create_chunk_list__``, ``__get_tensor_shard__``, the protocol DTensor
-itself implements): a save writes each rank's range under its global offset,
-and a load reads into each rank's range whatever saved chunks overlap it, at
-any DP size.
-
-It is a container, not something to compute with: its data is ``.local``.
-It pickles (``torch.save``) as its local tensor, offset and size and is
-registered with ``torch.serialization.add_safe_globals``, so ``torch.load``
-with the default ``weights_only=True`` reads it back.
+A state-dict entry is a 1-D range ``[offset, offset + local.numel())`` of a param's flattened
+elements, at any offset. DCP treats a plain tensor as replicated and DTensor describes only
+even chunks, so a FlatShard is a storage-less tensor subclass of the param's full 1-D shape
+implementing DCP's checkpointable hooks (as DTensor does): a save writes each rank's range
+under its offset, a load reads whatever saved chunks overlap it, at any DP size. Its data is
+``.local``; it pickles as local tensor, offset and size, registered as a safe global for
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations

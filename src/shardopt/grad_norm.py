@@ -29,12 +29,9 @@ class GradNorm:
         self._plan: kernels.SumSquaresPlan | None = None  # the views' blocks, on a GPU
 
     def global_norm(self) -> tuple[torch.Tensor, torch.Tensor | None, frozenset[str] | None]:
-        """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model), when
-        clipping the divisor the update applies to the grads in the same pass, and which
-        params got a gradient (see :meth:`agree`).
-
-        Reads each bucket's own shard whole: its padding is zero in every rank's buffer,
-        so it adds nothing, and a few large tensors are faster than one per param."""
+        """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model), the
+        clipping divisor the update applies (None without clipping), and which params got a
+        gradient (:meth:`agree`). Reads each bucket's own shard whole: padding is zero."""
         if self._views is None:
             self._views = [
                 self.buffers.bucket_step_grads(b).narrow(0, self.dp.rank * b.shard_numel,

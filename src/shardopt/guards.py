@@ -1,22 +1,18 @@
 """Misuse checks for :class:`~shardopt.DistributedOptimizer`: clear errors up front instead of
-a ``TypeError`` from deep inside, a silently detached param or a collective that hangs.
-
-Only :func:`check_same_layout` communicates: one all-gather of a digest over the DP
-group (and, only when the digests differ, one of the param lists to name what differs);
-none with one rank.
+a ``TypeError`` from deep inside, a silently detached param or a collective that hangs. Only
+:func:`check_same_layout` communicates (a digest, and the param lists when digests differ).
 """
 
 from __future__ import annotations
 
 import hashlib
-import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from . import comm
-from .build import alignment
+from .build import alignment, owner_of
 from .config import OptimizerConfig
 from .layout import ParamSpec
 from .errors import UsageError
@@ -40,28 +36,10 @@ def check_args(model: Any, config: Any, torch_kwargs: dict[str, Any]) -> None:
         raise UsageError(f"config must be an OptimizerConfig, got {config!r}; {HOW}")
 
 
-# Which optimizer a param belongs to. Building an optimizer rebinds ``param.data`` to a
-# view of its flat buffer, so a second one over the same params would silently detach the
-# first. Keyed by id (tensors compare elementwise, so no WeakKeyDictionary) and weak on
-# both sides: a dropped param removes its entry, a dropped optimizer frees its params.
-# An optimizer whose grad hooks were removed has let go of its params: the hook check below.
-_owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def _owner(p: torch.nn.Parameter) -> Any:
-    """The optimizer still attached to ``p``: alive, with its gradient hook on ``p`` (one whose
-    hooks were removed, as a benchmark swapping optimizers does, has let go)."""
-    entry = _owners.get(id(p))
-    owner = entry[1]() if entry is not None and entry[0]() is p else None
-    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-    attached = (getattr(h, "owner", lambda: None)() for h in hooks.values())
-    return owner if any(a is owner for a in attached) else None
-
-
 def ownership_problem(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | None:
     """Coordinator-free. Why these params cannot get a new optimizer, or None."""
     for fqn, p in named:
-        if _owner(p) is not None:
+        if owner_of(p) is not None:
             return (f"param {fqn!r} already belongs to another DistributedOptimizer: a second "
                     "one would re-lay it out and detach it from the first; build one "
                     "optimizer per model (param_group_fn gives per-param settings)")
@@ -71,23 +49,13 @@ def ownership_problem(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | 
 def unowned_trainable(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | None:
     """Coordinator-free. The FQN of the first param that requires grad but belongs to no
     DistributedOptimizer (nothing would train it), or None."""
-    return next((fqn for fqn, p in named if p.requires_grad and _owner(p) is None), None)
-
-
-def claim(opt: Any, named: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
-    """Coordinator-free. Record ``opt`` as the owner of these params."""
-    owner = weakref.ref(opt)
-    for _, p in named:
-        key = id(p)
-        _owners[key] = (weakref.ref(p, lambda _, key=key: _owners.pop(key, None)), owner)
+    return next((fqn for fqn, p in named if p.requires_grad and owner_of(p) is None), None)
 
 
 def check_same_layout(dp: comm.DPGroup, specs: list[ParamSpec], config: OptimizerConfig,
                       local_problem: str | None) -> None:
-    """Collective (:func:`~shardopt.comm.agree`). Raise :class:`UsageError` on every rank if
-    any rank has ``local_problem`` (naming the ranks) or built a different model (naming
-    the first differing FQN and what differs), rather than letting mismatched collectives
-    abort later."""
+    """Collective. Raise :class:`UsageError` on every rank if any rank has ``local_problem``
+    (naming the ranks) or built a different model (naming the first differing FQN)."""
     described = [(s.fqn, tuple(s.shape), str(s.dtype)) for s in specs]
     # Everything else the layout and the collectives depend on: bucket size, alignment (8-bit
     # moments align params), and the grad dtype that the reduce-scatters carry.
@@ -129,15 +97,15 @@ def _first_difference(lists: list[Any]) -> str:
     return "the layouts differ"
 
 
-def check_model(opt: Any, model: torch.nn.Module,
+def check_model(fqns: Mapping[torch.nn.Parameter, str], model: torch.nn.Module,
                 named: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-    """Coordinator-free. Raise :class:`UsageError` unless ``model`` is the one ``opt`` was
-    built over: all of its params under the same names, and no trainable param it does
-    not own (one frozen since construction is still the optimizer's). ``named``: the
-    model's ``named_parameters()`` where the caller has them already (a walk of the module
-    tree costs milliseconds on a large model)."""
+    """Coordinator-free. Raise :class:`UsageError` unless ``model`` is the one built over the
+    params of ``fqns`` (param -> FQN): all of them under the same names, and no trainable param
+    not owned (one frozen since construction still is). ``named``: the model's
+    ``named_parameters()`` where the caller has them already (a walk of the module tree costs
+    milliseconds on a large model)."""
     # Keyed by id: a Parameter's own hash is a Python call, paid per param on every save.
-    fqn_of = {id(p): fqn for p, fqn in opt.fqn_of.items()}
+    fqn_of = {id(p): fqn for p, fqn in fqns.items()}
     seen = set()
     for fqn, p in model.named_parameters() if named is None else named:
         owned = fqn_of.get(id(p))
@@ -148,7 +116,7 @@ def check_model(opt: Any, model: torch.nn.Module,
             raise UsageError(f"param {fqn!r} of the model passed in is the optimizer's "
                              f"{owned!r}: pass the model it was built over")
         seen.add(id(p))
-    for p, fqn in opt.fqn_of.items():
+    for p, fqn in fqns.items():
         if id(p) not in seen:
             raise UsageError(f"the optimizer's param {fqn!r} is not in the model passed in: "
                              "pass the model it was built over")
@@ -159,13 +127,14 @@ def check_model(opt: Any, model: torch.nn.Module,
 FIXED_GROUP_OPTIONS = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": True}
 
 
-def check_group_options(opt: Any) -> None:
+def check_group_options(param_groups: list[dict[str, Any]],
+                        fqn_of: Mapping[torch.nn.Parameter, str]) -> None:
     """Coordinator-free. Raise :class:`UsageError` naming the group and its first param if a
     param group asks for an AdamW option this optimizer lacks."""
-    for gi, group in enumerate(opt.param_groups):
+    for gi, group in enumerate(param_groups):
         for key, value in FIXED_GROUP_OPTIONS.items():
             if key in group and group[key] != value:
                 raise UsageError(
                     f"param_groups[{gi}][{key!r}]={group[key]!r} (group of param "
-                    f"{opt.fqn_of[group['params'][0]]!r}): DistributedOptimizer implements "
+                    f"{fqn_of[group['params'][0]]!r}): DistributedOptimizer implements "
                     f"AdamW with {key}={value} only")

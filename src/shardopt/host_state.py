@@ -1,139 +1,114 @@
-"""Host copies of the optimizer's device state: ``offload()`` / ``onload()`` and the
-moments a ``low_memory_resume`` load stages until the first ``step()``.
+"""Host copies of the shard state: ``offload()`` / ``onload()``, and moving the moments a
+``low_memory_resume`` load staged to the device in the first ``step()``. Both change the
+records of :mod:`.shard_state` and copy on one side CUDA stream between exact-size
+page-locked host tensors (:mod:`.pinned`) and the device (docs/offload.md).
 
-Both are one mechanism: exact-size page-locked host tensors (:mod:`.pinned`) that
-hold state whose device memory is gone, copies between them and the device on one
-side CUDA stream, and :meth:`HostState.local` to say where each piece of state is
-now, so that ``state_view`` (and through it ``checkpoint.save``) reads the host
-copies without bringing anything back to the GPU.
-
-Offload (kinds ``moments``, ``main_params``, ``grads``, ``params``): the D2H copies
-queue on the side stream behind the work already queued on the current stream; every
-device tensor's storage is then resized to zero (views, params included, stay valid
-objects that point into empty storage, as FSDP does) and ``torch.cuda.empty_cache()``
-hands the memory back to the device: all at once after the host waited for every copy,
-or, where the allocator makes expandable segments, each storage as soon as its own copy
-is done (:meth:`HostState._copy_out_and_free`). Grads are copied
-only when a backward left some pending (``no_sync`` accumulation): otherwise the buffer
-is freed without a copy and zeroed at onload (its param regions are overwritten by the
-next backward, its padding must be zero).
-
-Onload: each storage is re-allocated for the current stream and its H2D copy queued on
-the side stream in turn (:func:`queue_h2d`; by a kernel that reads the host memory, unless
-the allocator has expandable segments: :func:`h2d_by_kernel`), the current stream zeroes
-dropped grads beside the copies and then waits for them; the host does not wait. The host
-copies are kept for the next cycle (the same addresses) until :meth:`HostState.release`.
-
-Off CUDA nothing can be freed safely (a CPU kernel reading an empty storage
-crashes), so offload copies the state aside and fills the live tensors with NaN,
-which makes any use while offloaded visible; onload copies it back. The semantics
-(refused forward and step, saves from the host copies, bitwise continuation) are
-the same as on CUDA.
+Offload: the D2H copies queue behind the current stream's work; every device storage is then
+resized to zero (views, params included, stay valid objects, as FSDP does) and the memory
+handed back. Grads are copied only when a backward left some pending (``no_sync``); else
+they are freed and zeroed at onload. Onload re-allocates each storage and queues its H2D copy
+(:func:`queue_h2d`); the current stream waits for them, the host does not. The host copies
+are kept for the next cycle until :meth:`HostState.release`. Off CUDA nothing can be freed
+safely, so offload copies the state aside and fills the live tensors with NaN.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import kernels
-from .moments import Moments
-from .quant import Moment
-from .pinned import PinnedBuffer
 from .errors import OffloadError
+from .pinned import PinnedBuffer
+from .shard_state import DEVICE, FREED, HOST, KINDS, STAGED, ShardState
 
-# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
-# this module, never the reverse.
-
-KINDS = ("moments", "main_params", "grads", "params")
-# Host-to-device copies by a kernel that reads the page-locked host memory (True), by the
-# copy engine (False), or chosen by the allocator's settings (None): see h2d_by_kernel.
+# Host-to-device copies by a kernel (True), by the copy engine (False), or by the allocator's
+# settings (None): see h2d_by_kernel.
 H2D_BY_KERNEL: bool | None = None
 H2D_WAYS = ("kernel", "copy_engine")  # onload(copy=...)
 
 
-class HostState:
-    """Where the optimizer's state lives when it is not on the device."""
+@dataclass(frozen=True)
+class _Unpin:
+    """Page-locked memory to unlock once ``event`` (its copies to the device) is done."""
 
-    def __init__(self, opt: Any, model: torch.nn.Module,
-                 on_realloc: Callable[[], None]) -> None:
-        self.opt = opt
-        self._on_realloc = on_realloc  # told when onload gave the params new storage
-        # The params' version counters at offload(), to find writes that onload() undoes.
-        self._versions: list[int] | None = None
-        self.cuda = opt.device.type == "cuda"
-        # The root too: its forward may use a child's weight before that child runs.
-        self._modules = [(name, m) for name, m in model.named_modules() if m is model
-                         or any(p in opt.fqn_of for p in m.parameters(recurse=False))]
+    event: torch.cuda.Event
+    pins: tuple[PinnedBuffer, ...]
+
+
+class HostState:
+    """Offload and staged moments of one :class:`~shardopt.shard_state.ShardState`."""
+
+    def __init__(self, state: ShardState, modules: list[tuple[str, torch.nn.Module]]) -> None:
+        self.state = state
+        self.rank = state.dp.rank
+        self.cuda = state.device.type == "cuda"
+        self._modules = modules  # where a forward is refused while params or grads are out
         self.offloaded: tuple[str, ...] = ()  # kinds whose values are in the host copies
-        self._copies: dict[str, list[torch.Tensor | None]] = {}  # reused across cycles
-        self._pinned: dict[str, list[PinnedBuffer]] = {}
-        self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host) offloaded
-        self._nbytes: list[int] = []  # storage bytes of the freed moved, then dropped, tensors
-        self._dropped: list[torch.Tensor] = []  # grad buffers freed without a copy
+        self._nbytes: dict[str, int] = {}  # storage bytes of each record freed by offload
         self._guards: list[torch.utils.hooks.RemovableHandle] = []
         self._stream: torch.cuda.Stream | None = None
         self._last_h2d: torch.cuda.Event | None = None
-        # low_memory_resume: loaded moments wait here until the first step(), then their
-        # pages are unlocked once the copies to the device are done.
-        self.staged: Moments | None = None
-        self._staged_pinned: list[PinnedBuffer] = []
-        self._unpin_after: tuple[torch.cuda.Event, list[PinnedBuffer]] | None = None
+        self._unpin: _Unpin | None = None
 
     # ---------------------------------------------------------------- offload
-    def offload(self, what: Iterable[str]) -> None:
+    def offload(self, what: Iterable[str], pending_grads: bool) -> None:
+        """Move the kinds ``what`` to the host; ``pending_grads``: a backward left gradients."""
         kinds = _check_kinds(what)
         if self.offloaded:
-            raise OffloadError(f"[dp rank {self.opt.dp.rank}] the optimizer is already "
-                               f"offloaded ({', '.join(self.offloaded)}); call onload() first")
-        opt = self.opt
-        opt.finish_param_sync()  # all-gathers write into the param buffers
-        pending_grads = opt.wait_grad_reductions()  # reduce-scatters write into the grad buffers
-        moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host copy)
-        dropped: list[torch.Tensor] = []
-        for kind in kinds:  # every allocation first: a failure here changes nothing
-            live = self._device_tensors(kind)
-            if kind == "grads" and not pending_grads:
-                dropped = [t for t in live if t is not None]
-                continue
-            copies = self._host_copies(kind, live)
-            moved += [(d, h) for d, h in zip(live, copies) if d is not None]
-        self._nbytes = [t.untyped_storage().nbytes() for t, _ in moved] + [
-            t.untyped_storage().nbytes() for t in dropped] if self.cuda else []
+            raise OffloadError(f"[dp rank {self.rank}] the optimizer is already offloaded "
+                               f"({', '.join(self.offloaded)}); call onload() first")
+        held = self.state.held
+        names = [n for k in kinds for n, h in held.items() if h.kind == k and h.where == DEVICE]
+        dropped = [n for n in names if held[n].kind == "grads" and not pending_grads]
+        moved = [n for n in names if n not in dropped]
+        for name in moved:  # every allocation first: a failure here changes nothing
+            self._host_copy(name)
+        pairs = [(held[n].device, held[n].host) for n in moved]
+        freed = [held[n].device for n in dropped]
         if self.cuda:
-            self._copy_out_and_free(moved, dropped)
+            self._nbytes = {n: held[n].device.untyped_storage().nbytes() for n in names}
+            self._copy_out_and_free(pairs, freed)
         else:
-            for dev, host in moved:
+            for dev, host in pairs:
                 host.copy_(dev)
-            for dev in [d for d, _ in moved] + dropped:
+            for dev in [d for d, _ in pairs] + freed:
                 # 8-bit codes cannot be NaN; their blocks' scales are, which poisons them too
                 dev.fill_(float("nan") if dev.is_floating_point() else 0)
-        self._moved, self._dropped, self.offloaded = moved, dropped, kinds
-        if "params" in kinds:
-            opt.buffers.host_params = self._copies["params"]
-            self._versions = opt._watch.versions()
+        for name in names:
+            self.state.replace(name, where=FREED if name in dropped else HOST)
+        self.offloaded = kinds
         if "params" in kinds or "grads" in kinds:
             self._guards = [m.register_forward_pre_hook(_ForwardGuard(self, name))
                             for name, m in self._modules]
 
+    def _host_copy(self, name: str) -> None:
+        """Give record ``name`` a host copy of its device tensor's size (kept from the last
+        offload where it still fits)."""
+        held = self.state.held[name]
+        dev = held.device
+        if held.host is not None and (held.host.numel(), held.host.dtype) == (dev.numel(),
+                                                                              dev.dtype):
+            return
+        if held.pin is not None:
+            held.pin.release()
+        pin = PinnedBuffer(dev.numel(), dev.dtype) if self.cuda else None
+        self.state.replace(name, host=torch.empty_like(dev) if pin is None else pin.tensor,
+                           pin=pin)
+
     def _copy_out_and_free(self, moved: list[tuple[torch.Tensor, torch.Tensor]],
                            dropped: list[torch.Tensor]) -> None:
-        """Copy each device tensor of ``moved`` to its host copy on the side stream, then
-        free every device storage (``moved``'s and ``dropped``'s) and give the memory back
-        to the device.
-
-        Where the allocator makes expandable segments (:func:`allocator_expandable`), giving
-        memory back unmaps its pages, which waits only for the current stream but takes long
-        enough that freeing everything after the copies slows the offload (docs/offload.md):
-        each storage is freed as soon as its own copy is done, while the later copies run.
-        Otherwise ``cudaFree`` waits for the whole
-        device, so the host waits for all the copies once and frees everything after them."""
+        """Copy each device tensor of ``moved`` to its host copy on the side stream, then free
+        every device storage. With expandable segments (unmapping is slow but waits only for
+        the current stream) each storage goes as soon as its own copy is done; otherwise
+        ``cudaFree`` waits for the whole device, so everything goes after all the copies."""
         stream = self._side_stream()
-        stream.wait_stream(torch.cuda.current_stream(self.opt.device))
+        stream.wait_stream(torch.cuda.current_stream(self.state.device))
         overlap = allocator_expandable()
         if overlap:
             torch.cuda.empty_cache()  # cached cudaMalloc segments now, before the copies run
@@ -162,158 +137,78 @@ class HostState:
             torch.cuda.empty_cache()
 
     def onload(self, copy: str | None = None) -> None:
+        """Bring back what :meth:`offload` moved (``copy``: see ``DistributedOptimizer.onload``)."""
         if copy not in (None, *H2D_WAYS):
             raise OffloadError(f"onload(copy={copy!r}): choose from {list(H2D_WAYS)} or None")
         if not self.offloaded:
             return
+        held = self.state.held
+        moved = [n for n, h in held.items() if h.where == HOST]
+        dropped = [n for n, h in held.items() if h.where == FREED]
+        pairs = [(held[n].device, held[n].host) for n in moved]
+        zeros = [held[n].device for n in dropped]
         if self.cuda:
-            self._last_h2d = self._to_device(self._moved, self._dropped, self._nbytes,
+            self._last_h2d = self._to_device(pairs, zeros, [self._nbytes[n] for n in moved + dropped],
                                              None if copy is None else copy == "kernel")
-            self._nbytes = []
+            self._nbytes = {}
         else:
-            for dev, host in self._moved:
+            for dev, host in pairs:
                 dev.copy_(host)
-            for grads in self._dropped:
+            for grads in zeros:
                 grads.zero_()
-        self._moved, self._dropped = [], []
+        for name in moved + dropped:
+            self.state.replace(name, where=DEVICE)
         for guard in self._guards:
             guard.remove()
         self._guards = []
-        self.opt.buffers.host_params = None
-        self._on_realloc()  # the params' storage was re-allocated: new addresses
         self.offloaded = ()
-        versions, self._versions = self._versions, None
-        lost = [] if versions is None else self.opt._watch.undone(versions)
-        if lost:
-            raise OffloadError(
-                f"[dp rank {self.opt.dp.rank}] param{'s' if len(lost) > 1 else ''} "
-                f"{', '.join(map(repr, lost[:5]))}{' and more' if len(lost) > 5 else ''} "
-                "written in place while the params were offloaded (model.load_state_dict, "
-                "p.copy_(...)): the write went to storage that onload() has replaced, so the "
-                "params are back as offload() found them. Write weights after onload().")
 
     def release(self) -> None:
         """Drop the host copies kept for the next offload (their pages unlocked)."""
         if self.offloaded:
-            raise OffloadError(f"[dp rank {self.opt.dp.rank}] the host copies hold the "
-                               "offloaded state; call onload() before release_host_memory()")
+            raise OffloadError(f"[dp rank {self.rank}] the host copies hold the offloaded "
+                               "state; call onload() before release_host_memory()")
         if self._last_h2d is not None:
             self._last_h2d.synchronize()  # the last onload has finished reading them
             self._last_h2d = None
-        for bufs in self._pinned.values():
-            for buf in bufs:
-                buf.release()
-        self._pinned, self._copies = {}, {}
+        for name, held in list(self.state.held.items()):
+            if held.where == DEVICE and held.host is not None:
+                if held.pin is not None:
+                    held.pin.release()
+                self.state.replace(name, host=None, pin=None)
 
     def check_onloaded(self, what: str, kinds: Iterable[str] = KINDS) -> None:
-        held = [k for k in self.offloaded if k in kinds]
-        if held:
-            raise OffloadError(f"[dp rank {self.opt.dp.rank}] {what} needs the optimizer's "
-                               f"{', '.join(held)} on the device, but they are offloaded; "
+        """Raise :class:`OffloadError` naming ``what`` if any of ``kinds`` is offloaded."""
+        out = [k for k in self.offloaded if k in kinds]
+        if out:
+            raise OffloadError(f"[dp rank {self.rank}] {what} needs the optimizer's "
+                               f"{', '.join(out)} on the device, but they are offloaded; "
                                "call onload() first")
-
-    def refuses_reseed(self, watch) -> bool:
-        """Whether the main params must not be re-seeded now: the params are offloaded
-        (nothing can write them; :meth:`onload` checks), or the main params are
-        (``offload()`` re-seeded them first; a write since raises here)."""
-        if "params" in self.offloaded:
-            return True
-        if "main_params" in self.offloaded:
-            if watch.written(record=False):
-                self.check_onloaded("re-seeding the main params from weights written since "
-                                    "offload()", ("main_params",))
-            return True
-        return False
 
     def host_bytes(self) -> int:
         """Bytes of host memory kept for offloading."""
-        return sum(t.numel() * t.element_size() for ts in self._copies.values()
-                   for t in ts if t is not None)
-
-    # ------------------------------------------------------------- where state is
-    def local(self, name: str, buffer_index: int) -> torch.Tensor:
-        """This rank's local tensor of state ``name`` (fp32 main param or a moment) of
-        buffer ``buffer_index``, wherever its values are now."""
-        if name != "master_param":
-            return self.local_moment(name, buffer_index).values
-        live = self.opt.main_params[buffer_index]
-        assert live is not None
-        if "main_params" in self.offloaded:
-            return self._copies["main_params"][buffer_index]
-        return live
-
-    def local_moment(self, name: str, buffer_index: int) -> Moment:
-        """This rank's moment ``name`` of buffer ``buffer_index`` in its storage form (values
-        and scales), wherever it is now."""
-        if self.staged is not None:  # a low_memory_resume load's, on the host: never offloaded
-            return self.staged.of(name)[buffer_index]
-        moments = self.opt.moments
-        if moments is None:
-            raise RuntimeError(f"optimizer state {name!r} is not allocated before the first step")
-        live = moments.of(name)[buffer_index]
-        if "moments" not in self.offloaded:
-            return live
-        copy = dict(zip(map(id, moments.tensors()), self._copies["moments"]))
-        return Moment.wrap(live.kind, copy[id(live.values)],
-                           None if live.scales is None else copy[id(live.scales)], live.sqrt)
-
-    def _device_tensors(self, kind: str) -> list[torch.Tensor | None]:
-        opt = self.opt
-        if kind == "params":
-            return list(opt.buffers.param_buffers)
-        if kind == "grads":
-            return list(opt.buffers.grad_tensors())
-        if kind == "main_params":
-            return list(opt.main_params)  # None: an fp32 buffer's main param is the param buffer
-        if opt.moments is None:
-            return []  # not allocated yet, or staged on the host by a load
-        return list(opt.moments.tensors())
-
-    def _host_copies(self, kind: str, live: list[torch.Tensor | None]
-                     ) -> list[torch.Tensor | None]:
-        copies = self._copies.get(kind)
-        if copies is not None and [None if c is None else (c.numel(), c.dtype) for c in copies
-                                   ] == [None if t is None else (t.numel(), t.dtype)
-                                         for t in live]:
-            return copies
-        for buf in self._pinned.pop(kind, []):
-            buf.release()
-        copies, pinned = [], []
-        for t in live:
-            if t is None:
-                copies.append(None)
-            elif self.cuda:
-                pinned.append(PinnedBuffer(t.numel(), t.dtype))
-                copies.append(pinned[-1].tensor)
-            else:
-                copies.append(torch.empty_like(t))
-        self._copies[kind], self._pinned[kind] = copies, pinned
-        return copies
+        return sum(h.host.numel() * h.host.element_size() for h in self.state.held.values()
+                   if h.host is not None and h.where != STAGED)
 
     # ------------------------------------------------------------ device copies
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.opt.device)
+            self._stream = torch.cuda.Stream(self.state.device)
         return self._stream
 
     def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                   zero: Iterable[torch.Tensor] = (),
-                   nbytes: Iterable[int] | None = None,
+                   zero: Iterable[torch.Tensor] = (), nbytes: list[int] | None = None,
                    by_kernel: bool | None = None) -> torch.cuda.Event:
-        """Queue ``dev.copy_(host)`` for each pair (:func:`queue_h2d`) after the current
-        stream's work, and zero ``zero`` on the current stream beside them; then the current
-        stream waits for the copies, the host does not. With ``nbytes``, the storage of
-        each device tensor (pairs', then ``zero``'s) is first re-allocated to that many
-        bytes. ``by_kernel``: see :func:`queue_h2d`. Returns the event after which the host
-        tensors may be reused or unlocked."""
-        current = torch.cuda.current_stream(self.opt.device)
+        """Queue the copies of ``pairs`` (:func:`queue_h2d`), zero ``zero`` beside them, and make
+        the current stream wait for them; ``nbytes``: re-allocate each device storage (pairs',
+        then ``zero``'s) first. Returns the event after which the host tensors are free."""
+        current = torch.cuda.current_stream(self.state.device)
         zero = list(zero)
-        sizes = list(nbytes) if nbytes is not None else None
-        if sizes is not None and len(sizes) != len(pairs) + len(zero):
-            raise ValueError(f"{len(sizes)} sizes for {len(pairs) + len(zero)} tensors")
+        if nbytes is not None and len(nbytes) != len(pairs) + len(zero):
+            raise ValueError(f"{len(nbytes)} sizes for {len(pairs) + len(zero)} tensors")
         event = queue_h2d(pairs, self._side_stream(),
-                          None if sizes is None else sizes[:len(pairs)], by_kernel)
-        for t, size in zip(zero, sizes[len(pairs):] if sizes is not None else []):
+                          None if nbytes is None else nbytes[:len(pairs)], by_kernel)
+        for t, size in zip(zero, nbytes[len(pairs):] if nbytes is not None else []):
             t.untyped_storage().resize_(size)
         for t in zero:
             t.zero_()
@@ -321,37 +216,41 @@ class HostState:
         return event
 
     # ------------------------------------------------------- low_memory_resume
-    def adopt(self, moments: Moments, on_host: bool) -> Moments | None:
-        """Take moments loaded by ``checkpoint.load``: on the host, they are staged (and
-        None returned); otherwise they are returned for the optimizer to use."""
-        for buf in self._staged_pinned:  # moments staged by an earlier load are replaced
-            buf.release()
-        self._staged_pinned = list(moments.pinned) if on_host else []
-        self.staged = moments if on_host else None
-        return None if on_host else moments
-
-    def bring_staged(self) -> Moments | None:
-        """Staged moments moved to the device (inside ``step()``, after backward), or None
-        when there are none."""
-        staged, opt = self.staged, self.opt
-        if staged is None:
-            return None
-        self.staged = None
-        if not self.cuda:
-            return staged
-        dev = staged.map(lambda t: torch.empty_like(t, device=opt.device))
-        event = self._to_device(list(zip(dev.tensors(), staged.tensors())))
-        if self._staged_pinned:
-            self._unpin_after, self._staged_pinned = (event, self._staged_pinned), []
-        return dev
+    def bring_staged(self) -> bool:
+        """Move staged moments to the device (inside ``step()``, after backward); their
+        page-locked memory is unlocked after the step. Whether there were any."""
+        held = self.state.held
+        staged = [n for n, h in held.items() if h.where == STAGED]
+        if not staged:
+            return False
+        hosts = [held[n].host for n in staged]
+        devs = hosts
+        if self.cuda:
+            devs = [torch.empty_like(t, device=self.state.device) for t in hosts]
+            event = self._to_device(list(zip(devs, hosts)))
+            pins = tuple(held[n].pin for n in staged if held[n].pin is not None)
+            if pins:
+                self._unpin = _Unpin(event, pins)
+        for name, dev in zip(staged, devs):
+            self.state.replace(name, where=DEVICE, device=dev, host=None, pin=None)
+        return True
 
     def after_step(self) -> None:
-        if self._unpin_after is not None:
-            event, pinned = self._unpin_after
-            self._unpin_after = None
-            event.synchronize()  # the staged moments have reached the device
-            for buf in pinned:
-                buf.release()
+        if self._unpin is not None:
+            unpin, self._unpin = self._unpin, None
+            unpin.event.synchronize()  # the staged moments have reached the device
+            for pin in unpin.pins:
+                pin.release()
+
+
+def lost_writes(rank: int, lost: list[str]) -> OffloadError:
+    """The error for params written in place while offloaded (``onload()`` undid it)."""
+    return OffloadError(
+        f"[dp rank {rank}] param{'s' if len(lost) > 1 else ''} "
+        f"{', '.join(map(repr, lost[:5]))}{' and more' if len(lost) > 5 else ''} "
+        "written in place while the params were offloaded (model.load_state_dict, "
+        "p.copy_(...)): the write went to storage that onload() has replaced, so the "
+        "params are back as offload() found them. Write weights after onload().")
 
 
 def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
@@ -367,18 +266,17 @@ def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
 
 
 class _ForwardGuard:
-    """The forward pre-hook :meth:`HostState.offload` puts on the model's modules while
-    params or grads are offloaded: a forward raises. Pickling or copying the module then
-    (``torch.save(model)``, ``copy.deepcopy(model)``) raises too: its params hold nothing
-    (a copy would be of freed or stale storage). A copy made otherwise, which keeps the
-    guard after ``onload()`` removed it from the original, lets its forward run."""
+    """Forward pre-hook on the model's modules while params or grads are offloaded: a
+    forward raises, and so does pickling or copying the module (its params hold nothing).
+    A copy made otherwise keeps the guard after ``onload()`` removed it from the original,
+    and its forward runs."""
 
     def __init__(self, host: HostState, module_name: str) -> None:
         self.host, self.name = host, module_name or "<root>"
 
     def _refusal(self, what: str) -> OffloadError:
         return OffloadError(
-            f"[dp rank {self.host.opt.dp.rank}] {what} module {self.name!r} while the "
+            f"[dp rank {self.host.rank}] {what} module {self.name!r} while the "
             f"optimizer's {', '.join(self.host.offloaded)} are offloaded; call "
             "optimizer.onload() first")
 
@@ -393,20 +291,11 @@ class _ForwardGuard:
 def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream,
               sizes: list[int] | None = None, by_kernel: bool | None = None
               ) -> torch.cuda.Event:
-    """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair on ``stream``, after
-    the current stream's work; returns an event after all of them.
-
-    By a kernel whose loads read the page-locked host memory (``kernels.copy_from_host_``)
-    or by the copy engine (``copy_``): ``by_kernel``, by default :func:`h2d_by_kernel`. Into
-    device memory that ``cudaMalloc`` returned soon after memory went back to the driver by
-    ``cudaFree`` (an offload's, or an inference engine's ``empty_cache()``), copy-engine
-    transfers run slower for their whole length (neither a kernel writing the memory first
-    nor kernel copies first helps), while kernels run at their full rate (docs/offload.md,
-    "Why onload copies by kernel"; ``benchmarks/offload.py``). With
-    ``sizes``, each device storage is re-allocated to that many bytes (for the current
-    stream) just before its copy is queued, so that an allocation returns while the copies
-    before it run (with expandable segments an allocation maps its pages: tens of ms for
-    5 GB)."""
+    """Queue ``dev.copy_(host)`` for every (contiguous device, host) pair on ``stream`` after
+    the current stream's work, by kernel (``kernels.copy_from_host_``) or copy engine
+    (``by_kernel``, default :func:`h2d_by_kernel`); returns an event after all of them. With
+    ``sizes``, each device storage is re-allocated just before its copy, so an allocation
+    overlaps the copies before it (docs/offload.md)."""
     device = pairs[0][0].device if pairs else torch.device("cuda")
     # Memory allocated for the current stream may have been freed by its earlier work, still
     # queued: the copies wait for it (nothing new is queued there meanwhile).
@@ -427,13 +316,9 @@ def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda
 
 
 def h2d_by_kernel() -> bool:
-    """Whether host-to-device copies into fresh memory go by kernel (:func:`queue_h2d`):
-    :data:`H2D_BY_KERNEL` if set, else unless the allocator makes expandable segments
-    (:func:`allocator_expandable`). There an allocation maps its pages itself, the slow part
-    moves into ``resize_`` and overlaps the copies before it, and the copy engine is then the
-    faster (docs/offload.md). Where the memory an onload gets was given back by unmapping (an engine
-    on the CUDA virtual-memory API: torch_memory_saver, vLLM's sleep mode) rather than by
-    ``cudaFree``, the copy engine reaches its full rate: ``onload(copy="copy_engine")``."""
+    """Whether host-to-device copies into fresh memory go by kernel: :data:`H2D_BY_KERNEL` if
+    set, else unless the allocator makes expandable segments (there an allocation maps its
+    pages itself and the copy engine is the faster; docs/offload.md)."""
     if H2D_BY_KERNEL is not None:
         return H2D_BY_KERNEL
     return not allocator_expandable()
@@ -442,8 +327,7 @@ def h2d_by_kernel() -> bool:
 def allocator_expandable() -> bool:
     """Whether torch's CUDA allocator makes expandable segments: the last
     ``expandable_segments`` of ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, or of
-    what the process set since (``torch._C._accelerator_setAllocatorSettings``, where this
-    torch can report it)."""
+    what the process set since, where this torch can report it."""
     parts = [os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")]
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if get is not None:

@@ -1,35 +1,20 @@
 """The AdamW update of a rank's flat shard in one pass over memory (Triton).
 
-torch's ``_fused_adamw_`` updates a list of fp32 tensors; a mixed-precision
-step then needs a second pass that reads every fp32 main param again to write
-the bf16/fp16 model param. This kernel does both in one pass: per element it
-reads the grad, the main param and both moments, and writes the main param,
-the moments and (for bf16/fp16 buffers) the model-dtype param: 30 bytes per
-element with fp32 grads, against 34 for the two passes.
+Per element the kernel reads the grad, the main param and both moments, and writes the main
+param, the moments and (bf16/fp16 buffers) the model-dtype param, where torch's fused AdamW
+and a copy take two passes. The work is cut into blocks of ``BLOCK`` elements on a grid
+aligned to each bucket shard's start; a table (built once per layout) lists the blocks a
+param group covers whole and, masked, its params' ragged ends, so each (buffer, param group)
+takes two launches, padding is never touched, and loads and stores are vectorised.
 
-The work is cut into blocks of ``BLOCK`` elements on a grid aligned to each
-bucket shard's start; a table (built once per layout) lists the blocks a param
-group covers whole and, masked, the blocks its params' ragged ends share with
-another group or with padding. So each (buffer, param group) takes two launches,
-the padding is never touched, and loads and stores are vectorised.
-
-The arithmetic is torch's fused AdamW (``adam_math``) in fp32: decoupled weight
-decay, then the moments, then ``param -= (lr / bc1) * exp_avg / (sqrt(exp_avg_sq)
-/ sqrt(bc2) + eps)``; bias corrections are computed on the host in double.
-Clipping divides the grad by ``grad_scale`` (a device scalar: no host sync).
-
-Moments may be stored in fp32, bf16 (rounded to nearest even) or blockwise int8
-with one fp32 scale per :data:`shardopt.quant.QBLOCK` elements (``exp_avg_sq`` as
-unsigned codes of its square root); the kernel widens them to fp32 in registers,
-updates, and narrows them again: per element, 30 bytes become 22 (bf16) or about
-20 (int8); with bf16 grads, 2 fewer. A block's scale is its new absolute maximum, so each
-scale block must lie whole inside one launch: :mod:`shardopt.quant` explains why the layout
-guarantees it. With int8 moments, whose step is not torch's to the bit anyway, the grad is
-multiplied by the reciprocal of ``grad_scale`` and ``exp_avg / denom`` is a fast division:
-three IEEE divisions per element made that kernel compute-bound (docs/lowprec.md).
-
-Triton is optional: :func:`available` says whether this path can run (CUDA, or
-Triton's interpreter on the CPU with ``TRITON_INTERPRET=1``, which the tests use).
+The arithmetic is torch's fused AdamW in fp32 (bias corrections on the host in double;
+clipping divides the grad by the device scalar ``grad_scale``). bf16 and int8 moments
+(:mod:`.quant`) are widened in registers and narrowed again; a block's scale is its new
+absolute maximum, so each scale block lies whole inside one launch (the layout's
+``param_align``). With int8 moments, whose step is not torch's to the bit anyway, two IEEE
+divisions per element become products and a fast division (docs/lowprec.md, "The two step
+paths"). Triton is optional: :func:`available` (CUDA, or the interpreter on the CPU with
+``TRITON_INTERPRET=1``, as the tests run it).
 """
 
 from __future__ import annotations
@@ -48,7 +33,7 @@ try:
 except ImportError:  # optional: the optimizer falls back to torch's fused AdamW
     triton = None
 
-BLOCK = 1024  # elements per program; with NUM_WARPS the fastest pair of benchmarks/probes/step_kernel_sweep.py
+BLOCK = 1024  # elements per program; with NUM_WARPS: benchmarks/probes/step_kernel_sweep.py
 NUM_WARPS = 4
 
 
@@ -66,13 +51,9 @@ def available(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class ChunkTable:
-    """Where one launch works: blocks of ``BLOCK`` elements on a grid that starts at each
-    bucket shard's first element (so, with the layout's alignment, every block starts on a
-    16-element boundary and loads and stores are vectorised).
-
-    ``full`` rows (local base, global base) are blocks that lie whole inside the launch's
-    parts; ``partial`` rows (local base, global base, lo, hi) cover ``[lo, hi)`` of a block
-    (a part's ragged ends, masked)."""
+    """Where one launch works, in blocks of ``BLOCK`` on a grid from each bucket shard's first
+    element: ``full`` rows (local base, global base) lie whole inside the launch's parts,
+    ``partial`` rows (local base, global base, lo, hi) cover ``[lo, hi)`` of a block."""
 
     full: torch.Tensor
     partial: torch.Tensor
@@ -86,8 +67,7 @@ class ChunkTable:
 @dataclass(frozen=True)
 class ChunkPart:
     """One param shard of a launch: its bucket shard's first element in the local state
-    tensors (``local_base``) and in the global buffers (``global_base``), and the part's
-    elements ``[start, end)`` relative to that first element."""
+    (``local_base``) and the global buffers (``global_base``), and ``[start, end)`` from it."""
 
     local_base: int
     global_base: int
@@ -158,10 +138,7 @@ if triton is not None:
         m_idx = g_idx if MAIN_GLOBAL else l_idx
         grad = tl.load(grad_ptr + g_idx, mask=mask).to(tl.float32)
         raw_grad = grad  # for SUM_SQ, summed after every load is issued (below)
-        # With 8-bit moments (FAST) the step is not torch's to the bit anyway: per element a
-        # product by a reciprocal and a fast division replace three IEEE divisions, which
-        # make that kernel compute-bound (docs/lowprec.md, "The two step paths").
-        if HAS_SCALE:
+        if HAS_SCALE:  # FAST (8-bit moments): products and a fast division, not IEEE ones
             if FAST:
                 grad = grad * (1.0 / tl.load(scale_ptr))
             else:
@@ -189,9 +166,8 @@ if triton is not None:
             tl.store(out_ptr + g_idx, _to_bf16_rne(param), mask=mask)
         elif HAS_OUT:
             tl.store(out_ptr + g_idx, param.to(out_ptr.dtype.element_ty), mask=mask)
-        # This block's share of the squared grad norm, one slot per block. Last: a block-wide
-        # sum waits for the grads and synchronises the warps, so right after the grad load it
-        # would hold back the loads behind it (docs/lowprec.md, "The two step paths").
+        # This block's share of the squared grad norm. Last: a block-wide sum synchronises the
+        # warps and would hold back the loads behind it (docs/lowprec.md).
         if SUM_SQ:
             if FULL:
                 tl.store(sq_ptr + tl.program_id(0), tl.sum(raw_grad * raw_grad))
@@ -207,8 +183,7 @@ if triton is not None:
         else:  # masked lanes read as zero (they may lie past the end of the tensor)
             raw = tl.load(ptr + idx, mask=mask, other=0)
         if KIND == 2:
-            # One load per QBLOCK elements (blocks start on a QBLOCK boundary), broadcast to
-            # its elements: a per-element gather of the scales costs BLOCK loads instead.
+            # One load per QBLOCK elements, broadcast (a per-element gather costs BLOCK loads).
             s_idx = local // QBLOCK + tl.arange(0, BLOCK // QBLOCK)
             if FULL:
                 scale = tl.load(scale_ptr + s_idx)
@@ -229,10 +204,8 @@ if triton is not None:
                       SQRT: tl.constexpr, FULL: tl.constexpr, QBLOCK: tl.constexpr,
                       BLOCK: tl.constexpr):
         if KIND == 2:
-            # One scale per QBLOCK elements: the block's absolute maximum over the largest
-            # code (127; 255 for sqrt(v), never negative). Lanes outside the mask are padding
-            # of this block's param (zero), or blocks of another launch, whose scales are not
-            # written.
+            # The block's absolute maximum over the largest code (255 for sqrt(v)). Lanes
+            # outside the mask are padding (zero) or another launch's, whose scales stay.
             y = tl.sqrt_rn(x) if SQRT else x
             a = tl.abs(y)
             if not FULL:
@@ -240,8 +213,7 @@ if triton is not None:
             top = 255.0 if SQRT else 127.0
             amax = tl.max(tl.reshape(a, (BLOCK // QBLOCK, QBLOCK)), axis=1)
             scale = tl.div_rn(amax, top)
-            # One division per block and a product per element (as quant.Moment.store_): a
-            # division per element makes the int8 kernel compute-bound (docs/lowprec.md).
+            # One division per block and a product per element, as quant.Moment.store_.
             inv = tl.div_rn(top, tl.where(amax == 0.0, 1.0, amax))
             per_elem = tl.reshape(tl.broadcast_to(inv[:, None], (BLOCK // QBLOCK, QBLOCK)),
                                   (BLOCK,))
@@ -289,16 +261,11 @@ def adamw_(table: ChunkTable, main: torch.Tensor, grads: torch.Tensor,
            out: torch.Tensor | None, *, main_global: bool,
            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
            grad_scale: torch.Tensor | None, sum_sq: torch.Tensor | None = None) -> None:
-    """One AdamW step over the blocks of ``table`` (see :func:`chunk_table`).
-
-    ``grads`` and ``out`` (model-dtype params, or None) are whole flat buffers indexed
-    by the global column; ``exp_avg``/``exp_avg_sq`` are local state tensors indexed by
-    the local column (fp32, or a :class:`~shardopt.quant.Moment` in its storage form);
-    ``main`` is either
-    (``main_global``: the fp32 param buffer itself).
-    ``sum_sq`` (fp32, ``table.num_blocks`` elements) receives each block's sum of squared
-    grads (before ``grad_scale``), for the grad norm at no extra memory traffic.
-    """
+    """One AdamW step over the blocks of ``table`` (:func:`chunk_table`). ``grads`` and ``out``
+    (model-dtype params, or None) are whole buffers indexed by the global column; the moments
+    (fp32, or a :class:`~shardopt.quant.Moment`) and ``main`` by the local one, or ``main`` is
+    the fp32 param buffer itself (``main_global``). ``sum_sq`` (``table.num_blocks`` fp32)
+    receives each block's sum of squared grads before ``grad_scale``."""
     (m, m_scales), (v, v_scales) = ((t.values, t.scales) if isinstance(t, Moment) else (t, None)
                                     for t in (exp_avg, exp_avg_sq))
     bc1 = 1.0 - beta1 ** step
@@ -331,12 +298,9 @@ COPY_WARPS = 8
 
 
 def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a contiguous device ``dst`` and a page-locked host ``src`` of
-    the same dtype and size, queued on the current stream as a kernel whose loads read the
-    host memory over PCIe, rather than by a copy engine. Into device memory allocated soon
-    after memory went back to the driver (``empty_cache()``), copy-engine transfers run
-    slower for their whole length, kernels do not (docs/offload.md,
-    "Why onload copies by kernel")."""
+    """``dst.copy_(src)`` for a contiguous device ``dst`` and a page-locked host ``src``, as a
+    kernel on the current stream whose loads read the host memory over PCIe, not by a copy
+    engine (docs/offload.md, "Why onload copies by kernel")."""
     assert dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
     n = dst.numel()
     assert src.numel() == n

@@ -1,26 +1,18 @@
 """Flat-buffer layout: which element of which buffer belongs to which param and which rank.
 
-Pure arithmetic over named, frozen records. Nothing here touches storage or
-``torch.distributed``; the optimizer, the checkpoint layer and export all read
-the same :class:`Layout`, so they cannot disagree about where a param lives.
+Pure arithmetic over named, frozen records, with no storage and no ``torch.distributed``; the
+optimizer, the checkpoint layer and export read the same :class:`Layout`.
 
-Shape of the layout:
+* Params are grouped by model dtype into one flat buffer per dtype, in reverse registration
+  order (roughly the order backward produces their gradients).
+* Each buffer is cut into buckets at param boundaries, each padded to split into ``dp_size``
+  equal shards of a multiple of ``align_numel`` elements.
+* Rank ``r`` owns ``[r * S, (r + 1) * S)`` of every bucket (``S``: the shard size). Shards
+  ignore param boundaries; each (param, rank) intersection is one contiguous range.
+* A rank's state for a buffer is one flat "local" tensor: its shard of each bucket in turn.
 
-* Params are grouped by model dtype into one flat buffer per dtype
-  (a bf16 buffer, an fp32 buffer, ...), in reverse registration order, which
-  is roughly the order backward produces their gradients.
-* Each buffer is cut into buckets at param boundaries (a param never spans two
-  buckets). Each bucket is padded so it splits into ``dp_size`` equal shards,
-  each a multiple of ``align_numel`` elements.
-* Rank ``r`` owns ``[r * S, (r + 1) * S)`` of every bucket (``S`` = the
-  bucket's shard size). Shards ignore param boundaries, so a param can be
-  split across ranks; each (param, rank) intersection is one contiguous range.
-* A rank's optimizer state for a buffer is one flat "local" tensor: its shard
-  of bucket 0, then of bucket 1, and so on.
-
-Range names carry their coordinate system: ``*_global`` is a position in the
-whole buffer, ``*_local`` in the rank's local tensor of that buffer,
-``*_param`` in the flattened param.
+Range names carry their coordinates: ``*_global`` in the whole buffer, ``*_local`` in the
+rank's local tensor, ``*_param`` in the flattened param.
 """
 
 from __future__ import annotations
@@ -194,17 +186,12 @@ def build_layout(
     align_numel: int = 64,
     param_align: int = 1,
 ) -> Layout:
-    """Lay ``params`` (in registration order) out for ``dp_size`` ranks.
+    """Lay ``params`` (in registration order) out for ``dp_size`` ranks, each buffer and the
+    params in it in reverse registration order, so the first bucket fills first in backward.
 
-    Buffers are ordered by first appearance of their dtype in reversed
-    registration order; within a buffer params are placed in reverse
-    registration order so the first bucket fills first during backward.
-
-    ``param_align`` > 1 (blockwise 8-bit state) starts every param at a multiple of it in
-    its buffer and cuts shards at multiples of it, so that every shard of a param starts on
-    a multiple of ``param_align`` in the flattened param: block ``k`` of a param, elements
-    ``[k * param_align, (k + 1) * param_align)``, then always lies whole on one rank.
-    It must divide ``align_numel``. The default, 1, packs params back to back.
+    ``param_align`` > 1 (blockwise 8-bit state; it must divide ``align_numel``) starts every
+    param at a multiple of it in its buffer, so every shard of a param starts on a multiple of
+    it in the flattened param and each block of ``param_align`` elements lies on one rank.
     """
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")

@@ -1,8 +1,6 @@
-"""``optimizer.state``: torch's per-param state mapping over the sharded state.
-
-Entries are computed on access from this rank's live state (:mod:`.state_dict` builds the
-same views); writes reach the state or raise :class:`StateWriteError`, never vanish.
-"""
+"""``optimizer.state``: torch's per-param state mapping over the sharded state, computed on
+access; writes reach the state or raise :class:`StateWriteError`, never vanish
+(docs/optimizer.md, "opt.state")."""
 
 from __future__ import annotations
 
@@ -14,13 +12,10 @@ import torch
 
 from .state_dict import StateWriteError, names, view
 
-# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
-# this module, never the reverse.
-
 
 def _refuse_write(opt: Any, fqn: str, what: str) -> StateWriteError:
     return StateWriteError(
-        f"[dp rank {opt.dp.rank}] {what} optimizer.state[{fqn!r}]: its entries are computed "
+        f"[dp rank {opt.shard_state.dp.rank}] {what} optimizer.state[{fqn!r}]: its entries are computed "
         "from the sharded state on each access, so the change would be lost. Write into its "
         "tensors in place (state['exp_avg'].zero_()) or assign a tensor of the same shape and "
         f"dtype (copied in); set step counts in optimizer.param_steps[{fqn!r}], on every rank")
@@ -33,11 +28,10 @@ _INPLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "f
 
 
 class _StepCount(torch.Tensor):
-    """``optimizer.state[param]["step"]``: a 0-dim float tensor holding the param's step
-    count, as torch keeps it, but a copy (the counts live in ``optimizer.param_steps``): an
-    in-place write (``zero_()``, ``+=``, ``out=``) raises :class:`StateWriteError` naming the
-    param instead of changing nothing. Anything else computes on a plain tensor; copies and
-    pickles are plain tensors."""
+    """``optimizer.state[param]["step"]``: a 0-dim float copy of the param's step count (they
+    live in ``optimizer.param_steps``) whose in-place writes (``zero_()``, ``+=``, ``out=``)
+    raise :class:`StateWriteError`. Anything else computes, copies and pickles as a plain
+    tensor."""
 
     @staticmethod
     def __new__(cls, opt: Any, fqn: str) -> _StepCount:
@@ -74,11 +68,9 @@ class _StepCount(torch.Tensor):
 
 
 class _Entry(dict):
-    """``optimizer.state[param]``: its tensors view the live state, so in-place writes reach
-    it, and assigning a tensor of the same shape and dtype to one of them copies it in (torch's
-    optimizers take the new tensor; frameworks moving state between devices do this).
-    Anything else that would replace or remove an entry raises instead of being silently
-    dropped. Copies and pickles are plain dicts."""
+    """``optimizer.state[param]``: tensors viewing the live state; assigning a tensor of the
+    same shape and dtype copies it in (frameworks moving state between devices do this);
+    anything else that would replace or remove an entry raises. Copies and pickles are dicts."""
 
     def __init__(self, opt: Any, fqn: str, values: dict[str, Any]) -> None:
         super().__init__(values)
@@ -116,37 +108,36 @@ class _Entry(dict):
 
 class LocalState(defaultdict):
     """``optimizer.state``: a ``defaultdict`` keyed by param, as torch's, whose entries are
-    computed on access from this rank's live state: ``step`` (a tensor), and for the
-    part of the param this rank holds, ``master_param`` (fp32) and, once they exist,
-    ``exp_avg`` and ``exp_avg_sq``, all 1-D views starting at element ``offset`` of the
-    flattened param. Writing into the views changes the optimizer's state, and so does
-    assigning a tensor like one of them (copied in); ``step`` is a copy that refuses
-    in-place writes naming the param, and any other replacing or removing of an entry (of a
-    param or of the mapping) raises :class:`StateWriteError`: it could not reach the state."""
+    computed on access: ``step``, and for the part of the param this rank holds ``offset``,
+    ``master_param`` and, once they exist, the moments, as 1-D views starting at element
+    ``offset`` of the flattened param. Replacing or removing an entry raises
+    :class:`StateWriteError`: the change could not reach the state."""
 
     def __init__(self, opt: Any) -> None:
         super().__init__(dict)
         self._opt = opt
+        self._fqn_of = opt.shard_state.fqn_of
 
     def _entry(self, fqn: str) -> dict[str, Any]:
         opt = self._opt
+        st = opt.shard_state
         out: dict[str, Any] = {"step": _StepCount(opt, fqn)}
-        shard = opt.shard_of.get(fqn)
+        shard = st.shard_of.get(fqn)
         if shard is not None:
             out["offset"] = shard.range_param.start
-            out["master_param"] = opt.state_view("master_param", shard)
-            if opt.has_moments:
-                out.update({name: view(opt.moment_view(name.removesuffix(".scale"), shard),
-                                        name) for name in names(opt)[:-1]})
+            out["master_param"] = st.view("master_param", shard)
+            if st.has_moments:
+                out.update({name: view(st.moment(name.removesuffix(".scale"), shard), name)
+                            for name in names(opt)[:-1]})
         return _Entry(opt, fqn, out)
 
     def __getitem__(self, param: Any) -> Any:
-        fqn = self._opt.fqn_of.get(param)
+        fqn = self._fqn_of.get(param)
         return self._entry(fqn) if fqn is not None else super().__getitem__(param)
 
     def _check_not_owned(self, params: Any) -> None:
         for param in params:
-            fqn = self._opt.fqn_of.get(param)
+            fqn = self._fqn_of.get(param)
             if fqn is not None:
                 raise _refuse_write(self._opt, fqn, "replacing or removing")
 
@@ -172,21 +163,21 @@ class LocalState(defaultdict):
         super().update(items)
 
     def clear(self) -> None:
-        self._check_not_owned(self._opt.fqn_of)  # resetting the state this way would be lost
+        self._check_not_owned(self._fqn_of)  # resetting the state this way would be lost
 
     def get(self, param: Any, default: Any = None) -> Any:
         return self[param] if param in self else default
 
     def __contains__(self, param: object) -> bool:
-        return param in self._opt.fqn_of or super().__contains__(param)
+        return param in self._fqn_of or super().__contains__(param)
 
     def __iter__(self) -> Iterator[Any]:
-        yield from self._opt.fqn_of
-        yield from (p for p in super().__iter__() if p not in self._opt.fqn_of)
+        yield from self._fqn_of
+        yield from (p for p in super().__iter__() if p not in self._fqn_of)
 
     def __len__(self) -> int:
-        return len(self._opt.fqn_of) + sum(1 for p in super().__iter__()
-                                           if p not in self._opt.fqn_of)
+        return len(self._fqn_of) + sum(1 for p in super().__iter__()
+                                           if p not in self._fqn_of)
 
     def keys(self) -> Any:  # type: ignore[override]
         return list(self)
@@ -198,4 +189,4 @@ class LocalState(defaultdict):
         return [(p, self[p]) for p in self]
 
     def __repr__(self) -> str:
-        return f"LocalState({len(self)} params, dp rank {self._opt.dp.rank})"
+        return f"LocalState({len(self)} params, dp rank {self._opt.shard_state.dp.rank})"

@@ -1,19 +1,11 @@
 """``model.state_dict()`` of a model the optimizer holds: each weight its own tensor.
 
-The optimizer lays the trainable params out as views of one flat buffer per dtype, so the
-tensors torch's ``state_dict()`` returns (``param.detach()``) would all share that storage.
-The ecosystem's savers treat shared storage as tied weights: ``safetensors.torch.save_model``
-refuses them, Accelerate's ``save_model`` keeps one of them, and ``torch.save`` of a
-submodule's state dict writes the whole buffer. So a post-hook on every module that owns
-such params replaces their entries with copies: each weight then has a storage of its own
-size, as in a model the optimizer does not hold. A param reached under two names (tied
-weights) gets one copy for both within one ``state_dict()`` call, which shares storage as
-torch's entries for tied weights do.
-
-``state_dict(keep_vars=True)`` returns the live Parameters, as asked, uncopied (shardopt's
-checkpoint code reads them so). The copies are what ``model.state_dict()`` costs here: the
-trainable params' size, on their device, while the state dict lives. Loading goes through
-``model.load_state_dict``, which writes into the params in place, as always.
+The params are views of one flat buffer per dtype, and savers treat shared storage as tied
+weights (``safetensors`` refuses them, ``torch.save`` of a submodule's state dict writes the
+whole buffer). So a post-hook on every module owning such params replaces their entries with
+copies; a param under two names (tied weights) gets one copy for both within one call.
+``state_dict(keep_vars=True)`` returns the live Parameters uncopied (docs/optimizer.md,
+"What the model hands out").
 """
 
 from __future__ import annotations
@@ -24,9 +16,6 @@ from typing import Any
 
 import torch
 
-# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
-# this module, never the reverse.
-
 
 class StateDictCopies:
     """The post-hooks of one optimizer, and the copies made in the ``state_dict()`` call in
@@ -34,7 +23,7 @@ class StateDictCopies:
 
     def __init__(self, opt: Any, model: torch.nn.Module) -> None:
         self._opt = weakref.ref(opt)
-        owned: Mapping[torch.nn.Parameter, str] = opt.fqn_of
+        owned: Mapping[torch.nn.Parameter, str] = opt.shard_state.fqn_of
         self._own = {}  # module -> names of its params the optimizer holds
         for module in model.modules():
             mine = tuple(n for n, p in module._parameters.items() if p is not None and p in owned)
@@ -54,10 +43,10 @@ class StateDictCopies:
         opt = self._opt()
         if opt is None:
             return value.clone()
-        opt.check_onloaded("model.state_dict() (it copies the params)", ("params",))
+        opt.shard_state.check_onloaded("model.state_dict() (it copies the params)", ("params",))
         if self._dest is None or self._dest() is not state_dict:
             self._dest, self._made = weakref.ref(state_dict), {}
-        stamp = (opt.param_writes, p._version)
+        stamp = (opt.shard_state.param_writes, p._version)
         made = self._made.get(id(p))
         if made is not None and made[1:] == stamp:
             copy = made[0]()

@@ -1,39 +1,17 @@
 """``grad_mode="torch"``: every param's ``.grad`` is its gradient after backward, as with DDP.
 
-Schedule of one backward (``dp_size`` ranks, buckets in the launch order of :mod:`.sync`):
+Schedule of one backward (buckets in the launch order of :mod:`.sync`): per param, when
+autograd has accumulated its gradient, it reaches the grad buffer and ``p.grad`` becomes the
+param's view of it in the param's dtype; outside ``no_sync()``, when every param of the next
+bucket has reported, that bucket's all-reduce (average) starts. When backward ends (the
+autograd engine's final callback, as DDP's) the rest is launched with one all-reduce of "got
+a gradient" flags, and every param that got a gradient on some rank holds its average; one
+that got none anywhere keeps ``p.grad`` None. ``step()`` takes what ``p.grad`` holds.
 
-* Per param, when autograd has accumulated its gradient (post-accumulate-grad hook): the
-  gradient reaches the grad buffer and ``p.grad`` becomes the param's view of it, in the
-  param's dtype (:mod:`.buffers`). Where ``p.grad`` already was that view (a second backward
-  before ``step()``, ``zero_grad(set_to_none=False)``), autograd has added into it in place
-  and nothing is copied. Outside ``no_sync()``, with ``overlap_grad_reduce``, when every
-  param of the next bucket has reported, that bucket's all-reduce (average) starts.
-* When backward ends (the autograd engine's final callback, as DDP's): the buckets not
-  launched yet are, a param without a gradient here counting as zero, with one all-reduce of
-  "got a gradient" flags beside them; once they are done ``p.grad`` of every param that got
-  a gradient on some rank is its averaged gradient on every rank, and one that got none
-  anywhere is left as it was (``None``), as DDP leaves it. Under ``no_sync()``, and at
-  ``dp_size == 1``, nothing is communicated: ``p.grad`` holds this rank's sum.
-* ``step()`` (:meth:`ParamGrads.before_step`) takes what ``p.grad`` holds: edited in place
-  (``clip_grad_norm_``, ``GradScaler.unscale_``) it is the buffer the step reads; replaced
-  by another tensor it is copied in; ``None`` it is no gradient. Gradients that no backward
-  averaged since the previous ``step()`` or ``zero_grad()`` (set by hand before any
-  backward, or micro-batches all under ``no_sync()``) are averaged first. The gradients
-  stay in ``p.grad`` after ``step()``, as in torch, until ``zero_grad()``.
-
-A second backward before ``step()`` adds to ``p.grad``; at ``dp_size > 1`` outside
-``no_sync()`` its all-reduce averages ``p.grad`` again, which holds the first backward's
-average (the same on every rank) plus this rank's new gradient, so the result is the
-average of the sum, as DDP computes it.
-
-bf16/fp16 params with an fp32 grad buffer (``grad_dtype=torch.float32``) keep two copies:
-the grad buffer, where micro-batches and ranks are summed in fp32, and a buffer of the
-param's dtype that ``p.grad`` views, rounded once from it after each backward, which the
-step reads. So that a second backward still sums in fp32, a pre-hook on the param's
-gradient accumulator takes ``p.grad`` away (``None``) just before autograd would add to
-the rounded copy: autograd then hands over the new gradient alone, which the hook adds to
-the exact fp32 sum. Where the rounded copy was written by someone else since (a user's
-edit), the fp32 sum is first taken from it: ``p.grad`` is what counts.
+bf16/fp16 params with fp32 grads keep two copies: the fp32 sum and the rounded ``p.grad``
+the step reads; a pre-hook on the param's gradient accumulator takes ``p.grad`` away before
+a second backward would add into the rounded copy, so sums stay in fp32. docs/optimizer.md,
+"What p.grad is" and "Dtypes", has the rules.
 """
 
 from __future__ import annotations
@@ -49,6 +27,7 @@ from . import build, comm
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .layout import Layout
+from .param_watch import Replacements
 from .sync import GradSync, _grad
 
 
@@ -57,8 +36,8 @@ class ParamGrads(GradSync):
 
     def __init__(self, dp: comm.DPGroup, buffers: FlatBuffers, layout: Layout,
                  config: OptimizerConfig, named: build.Named,
-                 fqn_of: Mapping[torch.nn.Parameter, str]) -> None:
-        super().__init__(dp, buffers, layout, config, named, fqn_of)
+                 fqn_of: Mapping[torch.nn.Parameter, str], replaced: Replacements) -> None:
+        super().__init__(dp, buffers, layout, config, named, fqn_of, replaced)
         self._fqns = [fqn for fqn, _ in named]
         self._param_of = dict(named)
         self._views = [buffers.param_grad_views[fqn] for fqn in self._fqns]
@@ -94,7 +73,7 @@ class ParamGrads(GradSync):
                 self._accumulators.append(acc)
                 handles.append(acc.register_prehook(
                     _WeakPrehook(me, fqn, p, self.buffers.param_grad_views[fqn])))
-        weakref.finalize(self, _remove, list(handles))
+        weakref.finalize(self, build.remove_hooks, list(handles))
         return handles
 
     def before_accumulate(self, fqn: str) -> None:
@@ -143,13 +122,8 @@ class ParamGrads(GradSync):
         if self.dp.size == 1 or not self._enabled:
             return
         self._reported.add(fqn)
-        if not self.config.overlap_grad_reduce:
-            return
-        pos = self._launch_pos[fqn]
-        self._bucket_pending[pos] -= 1
-        while (self._next_launch < len(self.launch_order)
-               and self._bucket_pending[self._next_launch] <= 0):
-            self._launch_next()
+        if self.config.overlap_grad_reduce:
+            self._count_in(fqn)
 
     def _queue_end(self) -> None:
         """Queue :meth:`_end_of_backward` once per backward, on its first hook."""
@@ -204,8 +178,7 @@ class ParamGrads(GradSync):
     def _reduce_all(self) -> None:
         """Collective. Launch every bucket not launched, with the flags of which params have
         a gradient here; wait; give every param with a gradient on some rank its average."""
-        while self._next_launch < len(self.launch_order):
-            self._launch_next()
+        self._launch_rest()
         grads = list(map(_grad, self._params))
         missing = grads.count(None)
         if missing:
@@ -328,8 +301,3 @@ class _WeakPrehook:
             owner = self.owner()
             if owner is not None:
                 owner.before_accumulate(self.fqn)
-
-
-def _remove(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()

@@ -1,32 +1,17 @@
 """Low-precision storage of Adam moments: bf16, and blockwise 8-bit ("int8").
 
-The optimizer math always runs in fp32; this module only says how a moment is
-kept between steps and converts a rank's local state tensor to and from fp32.
+The optimizer math runs in fp32; this module says how a moment is kept between steps and
+converts a rank's local state tensor to and from fp32 (docs/lowprec.md, "Formats").
 
-* ``torch.bfloat16``: the fp32 result rounded to nearest even (torch's cast).
-* ``"int8"``: 8-bit codes and one fp32 scale per block of :data:`QBLOCK`
-  elements, linear within the block (absmax scaling). ``exp_avg`` is stored as
-  signed codes ``q = rne(m * (127 / max|m|))`` in ``[-127, 127]`` with
-  ``scale = max|m| / 127``. ``exp_avg_sq`` is stored as its square root, in
-  unsigned codes ``q = rne(sqrt(v) * (255 / max sqrt(v)))`` in ``[0, 255]`` with
-  ``scale = max sqrt(v) / 255``, and read back as ``v = (q * scale) ** 2``: v
-  spans many decades, sqrt halves that in exponent, so far fewer small entries of
-  a block flush to zero next to a large one (a flushed v makes that element's
-  step ``m / eps``); sqrt(v) is never negative, so the sign bit buys resolution.
-  Rounding is to nearest, ties to even (``torch.round``). Why int8 and not e4m3:
-  docs/lowprec.md, with the measured errors.
+* ``torch.bfloat16``: the fp32 result rounded to nearest even.
+* ``"int8"``: codes and one fp32 scale per block of :data:`QBLOCK` elements (absmax):
+  ``exp_avg`` as signed codes ``rne(m * 127 / max|m|)``, ``exp_avg_sq`` as unsigned codes of
+  its square root ``rne(sqrt(v) * 255 / max sqrt(v))``, read back as ``(q * scale) ** 2``.
 
-Why a block is defined in the param's flattened (model) space: block ``k`` of a
-param is its elements ``[k * QBLOCK, (k + 1) * QBLOCK)``. The layout
-(``build_layout(param_align=QBLOCK)``) starts every param on a multiple of
-QBLOCK in its buffer and cuts shards at multiples of it, so a block lies whole on
-one rank at every DP size and a rank's local tensor is a whole number of blocks.
-A checkpoint can then store each param's codes (``numel`` bytes) and scales
-(``ceil(numel / QBLOCK)`` fp32) by FQN and load them at another DP size without
-re-quantising. Padding elements are always zero (code 0 whatever the scale).
-
-Memory per element: 1 + 4 / QBLOCK bytes (1.0625 with QBLOCK = 64), against 4
-for fp32 and 2 for bf16.
+A block is defined in the param's flattened space (block ``k``: elements ``[k * QBLOCK,
+(k + 1) * QBLOCK)``); the layout (``param_align=QBLOCK``) keeps each block whole on one rank
+at every DP size, so a checkpoint stores codes and scales by FQN and loads them at another DP
+size without re-quantising. Padding elements are zero.
 """
 
 from __future__ import annotations
@@ -36,9 +21,7 @@ import torch
 from .config import INT8
 
 QBLOCK = 64
-"""Elements per scale. Divides the default ``align_numel`` (64), so the default shard cut
-already falls on block boundaries; 64 rather than 128 or 256 because a smaller block tracks
-local magnitude better (docs/lowprec.md) for 1/16 byte per element more than 128."""
+"""Elements per scale: divides the default ``align_numel``; why 64: docs/lowprec.md."""
 
 
 def storage_dtype(kind: torch.dtype | str, sqrt: bool = False) -> torch.dtype:

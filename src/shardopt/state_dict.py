@@ -1,43 +1,22 @@
 """torch.optim's state-dict contract for :class:`~shardopt.DistributedOptimizer`.
 
-A rank's ``state_dict()`` follows ``torch.distributed.checkpoint.state_dict``'s
-``get_optimizer_state_dict`` layout, keyed by param FQN, never by position::
+A rank's ``state_dict()`` follows ``torch.distributed.checkpoint.state_dict``'s layout, keyed
+by param FQN, never by position::
 
     {"state": {fqn: {"step": tensor(7.), "exp_avg": FlatShard, "exp_avg_sq": FlatShard,
-                     "master_param": FlatShard, "param_dtype": "bfloat16"}, ...},
-     "param_groups": [{"lr": ..., "betas": ..., "eps": ..., "weight_decay": ...,
-                       "params": [fqn, ...]}, ...]}
+                     "master_param": FlatShard, "param_dtype": "bfloat16", ...}, ...},
+     "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}, ...]}
 
 Every trainable param has an entry on every rank; each state tensor is a
-:class:`~shardopt.flat_shard.FlatShard` holding this rank's range of the
-param's flattened fp32 state (possibly empty) and its offset, so DCP saves and
-reloads it as a sharded tensor (at any DP size) and ``torch.save`` keeps the
-offsets. The values are views of the live state, as torch's optimizers return
-references. Before the first step the Adam moments do not exist: their
-FlatShards make host zeros on demand (what the first step would start from),
-so a DCP load into a fresh optimizer's ``state_dict()`` has somewhere to put
-them; an empty ``state``, torch's choice, would silently drop them.
+:class:`~shardopt.flat_shard.FlatShard` of this rank's range of the param's flattened state
+(possibly empty), viewing the live state, so DCP saves and loads it at any DP size. Before
+the first step the moments' FlatShards make host zeros on demand. bf16/int8 moments appear as
+stored (int8 with ``"{moment}.scale"`` entries), with ``"{moment}_dtype"`` naming how they
+were kept; ``load_state_dict`` refuses a dict whose 8-bit moments were kept otherwise.
 
-Moments kept in bf16 or int8 (``exp_avg_dtype`` / ``exp_avg_sq_dtype``) appear as
-stored, never widened: ``exp_avg`` is a FlatShard of bf16 values or int8 codes
-(uint8 codes of the square root for ``exp_avg_sq``), and an 8-bit moment adds
-``"exp_avg.scale"`` / ``"exp_avg_sq.scale"``: FlatShards of the fp32 scales, one
-per 64-element block of the flattened param (offset ``offset // 64``), the keys
-and encoding of a checkpoint (docs/lowprec.md). ``load_state_dict`` takes a dict
-of the same dtypes only (same DP size and layout, as for fp32 state); converting
-between formats is ``shardopt.checkpoint.load``'s. Each entry also names how the
-moments were kept (``"exp_avg_dtype"``, ``"exp_avg_sq_dtype"``: ``"float32"``,
-``"bfloat16"``, ``"int8"``): ``torch.distributed.checkpoint`` casts what is stored into
-the tensors it loads into, which for 8-bit codes read into another format gives codes
-as values, so ``load_state_dict`` refuses a dict whose moments were kept otherwise; a
-cast between float dtypes is the conversion ``checkpoint.load`` would make, and is
-logged.
-
-``load_state_dict`` is collective: every rank validates its own dict, the ranks
-agree, and only then is anything written (master params and moments, step
-counts, param-group hyperparameters; params are rebuilt from the master params
-and all-gathered). On any mismatch every rank raises :class:`StateDictError`
-naming the FQN and nothing has changed. No file I/O here.
+``load_state_dict`` is collective: every rank validates its dict, the ranks agree, and only
+then is anything written; on any mismatch every rank raises :class:`StateDictError` naming
+the FQN and nothing has changed (docs/optimizer.md, docs/lowprec.md). No file I/O here.
 """
 
 from __future__ import annotations
@@ -51,16 +30,16 @@ from typing import Any
 import torch
 
 from . import comm, quant
-from . import moments as moments_
+from .moments import NAMES as MOMENTS
 from .config import GROUP_KEYS, INT8, dtype_name, group_value
 from .flat_shard import FlatShard
+from .moments import piece
 from .layout import ParamShard, Range
 from .errors import StateDictError, StateWriteError
 
 # ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
 # this module, never the reverse.
 
-MOMENTS = moments_.NAMES
 log = logging.getLogger("shardopt.state_dict")
 
 
@@ -72,30 +51,39 @@ def names(opt: Any) -> list[str]:
     """The state entries of each param: moments (with ``".scale"`` entries for 8-bit ones),
     then the master param."""
     out = []
-    for name, kind in moments_.kinds(opt).items():
+    for name, kind in opt.shard_state.moment_kinds.items():
         out += [name, f"{name}.scale"] if kind == INT8 else [name]
     return out + ["master_param"]
 
 
-def _expected(opt: Any, name: str, fqn: str, shard: ParamShard | None
-              ) -> tuple[torch.dtype, int, int, int]:
-    """dtype, global numel, offset and local numel of entry ``name`` of ``fqn`` on this rank."""
+@dataclass(frozen=True)
+class _Expected:
+    """Entry ``name`` of a param on this rank: dtype, the param's global numel of it, and
+    this rank's offset and local numel."""
+
+    dtype: torch.dtype
+    numel: int
+    offset: int
+    size: int
+
+
+def _expected(opt: Any, name: str, fqn: str, shard: ParamShard | None) -> _Expected:
     numel = _numel(opt, fqn)
     r = shard.range_param if shard else Range(0, 0)
     if name.endswith(".scale"):  # a piece starts on a block boundary (the layout's param_align)
         r = r.blocks(quant.QBLOCK)
-        return torch.float32, quant.num_scales(numel), r.start, r.size
+        return _Expected(torch.float32, quant.num_scales(numel), r.start, r.size)
     if name == "master_param":
-        return torch.float32, numel, r.start, r.size
-    kind = moments_.kinds(opt)[name]
-    return quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, r.start, r.size
+        return _Expected(torch.float32, numel, r.start, r.size)
+    kind = opt.shard_state.moment_kinds[name]
+    return _Expected(quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, r.start, r.size)
 
 
 def _kind_names(opt: Any) -> dict[str, str]:
     """How ``opt`` keeps each moment, by config name (``"float32"``, ``"bfloat16"``,
     ``"int8"``)."""
     return {name: kind if isinstance(kind, str) else dtype_name(kind)
-            for name, kind in moments_.kinds(opt).items()}
+            for name, kind in opt.shard_state.moment_kinds.items()}
 
 
 def _check_kinds(opt: Any, fqn: str, entry: Mapping, cast: set[str]) -> None:
@@ -123,16 +111,17 @@ def view(m: quant.Moment, name: str) -> torch.Tensor:
 
 def _value(opt: Any, name: str, fqn: str, shard: ParamShard | None
            ) -> FlatShard:
-    dtype, numel, offset, size = _expected(opt, name, fqn, shard)
+    e = _expected(opt, name, fqn, shard)
+    st = opt.shard_state
     if shard is None:
-        return FlatShard(torch.empty(0, dtype=dtype, device=opt.device), 0, numel)
+        return FlatShard(torch.empty(0, dtype=e.dtype, device=st.device), 0, e.numel)
     if name == "master_param":
-        return FlatShard(opt.state_view(name, shard), offset, numel)
-    if opt.has_moments:
+        return FlatShard(st.view(name, shard), e.offset, e.numel)
+    if st.has_moments:
         base = name.removesuffix(".scale")
-        return FlatShard(view(opt.moment_view(base, shard), name), offset, numel)
-    return FlatShard.lazy(lambda: torch.zeros(size, dtype=dtype), offset, numel, size, dtype,
-                          torch.device("cpu"))
+        return FlatShard(view(st.moment(base, shard), name), e.offset, e.numel)
+    return FlatShard.lazy(lambda: torch.zeros(e.size, dtype=e.dtype), e.offset, e.numel, e.size,
+                          e.dtype, torch.device("cpu"))
 
 
 def state_dict(opt: Any) -> dict[str, Any]:
@@ -147,28 +136,38 @@ def state_dict(opt: Any) -> dict[str, Any]:
 
 
 def _build(opt: Any) -> dict[str, Any]:
-    opt.finish_param_sync()
-    opt.reseed_written()  # weights written since the last step are what the dict holds
+    st = opt.shard_state
+    st.finish_param_sync()
+    st.reseed_written()  # weights written since the last step are what the dict holds
     state: dict[str, dict[str, Any]] = {}
-    for fqn in opt.fqn_of.values():
+    for fqn in st.fqn_of.values():
         entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
         for name in names(opt):
-            entry[name] = _value(opt, name, fqn, opt.shard_of.get(fqn))
+            entry[name] = _value(opt, name, fqn, st.shard_of.get(fqn))
         entry["param_dtype"] = dtype_name(opt.layout.buffers[
             opt.layout.slots[fqn].buffer_index].dtype)
         entry.update({f"{name}_dtype": kind for name, kind in _kind_names(opt).items()})
         state[fqn] = entry
     groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [opt.fqn_of[p] for p in g["params"]]} for g in opt.param_groups]
+               "params": [st.fqn_of[p] for p in g["params"]]} for g in opt.param_groups]
     return {"state": state, "param_groups": groups}
 
 
 # ---------------------------------------------------------------------------- load
 @dataclass(frozen=True)
-class _Plan:
-    """What a validated state dict writes: (shard, state name, source) and the rest."""
+class _Copy:
+    """One tensor of a validated state dict and the state of ``shard`` it goes into."""
 
-    copies: list[tuple[ParamShard, str, torch.Tensor]]
+    shard: ParamShard
+    name: str
+    source: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a validated state dict writes."""
+
+    copies: list[_Copy]
     steps: dict[str, int]
     groups: list[dict[str, Any]]
     cast: set[str]  # moments a DCP load cast from another float dtype
@@ -185,15 +184,16 @@ def load_state_dict(opt: Any, sd: Any) -> None:
 
 
 def _load(opt: Any, sd: Any) -> None:
-    opt.finish_param_sync()
-    old_steps = {fqn: opt.param_steps[fqn] for fqn in opt.fqn_of.values()}
+    st = opt.shard_state
+    st.finish_param_sync()
+    old_steps = {fqn: opt.param_steps[fqn] for fqn in st.fqn_of.values()}
     plan, error = None, None
     try:
         plan = _check(opt, sd)
         opt.param_steps.update(plan.steps)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error, plan = e, None
-    problems = comm.agree(opt.dp, error)[1]
+    problems = comm.agree(st.dp, error)[1]
     if problems:
         if plan is not None:
             opt.param_steps.update(old_steps)
@@ -202,16 +202,16 @@ def _load(opt: Any, sd: Any) -> None:
     if plan.cast:  # the tensors already hold this optimizer's dtypes: a DCP load cast them
         log.info("load_state_dict: Adam moments kept in another float dtype, cast on "
                  "loading: %s", ", ".join(sorted(plan.cast)))
-    for shard, name, src in plan.copies:
-        if name == "master_param":
-            opt.state_view(name, shard).copy_(src)
+    for c in plan.copies:
+        if c.name == "master_param":
+            st.view(c.name, c.shard).copy_(c.source)
     host = opt.config.low_memory_resume
-    moments = moments_.load_target(opt, host)[0]
-    for shard, name, src in plan.copies:
-        if name != "master_param":
-            m = moments.of(name.removesuffix(".scale"))[shard.buffer_index]
-            view(moments_.piece(m, shard.range_local), name).copy_(src)
-    opt.adopt_state(moments, {f: opt.param_steps[f] for f in opt.fqn_of.values()}, on_host=host)
+    moments = st.load_target(host)[0]
+    for c in plan.copies:
+        if c.name != "master_param":
+            m = moments.of(c.name.removesuffix(".scale"))[c.shard.buffer_index]
+            view(piece(m, c.shard.range_local), c.name).copy_(c.source)
+    st.adopt(moments, {f: opt.param_steps[f] for f in st.fqn_of.values()}, on_host=host)
     for group, saved in zip(opt.param_groups, plan.groups):
         group.update(saved)  # as torch's load_state_dict: lr & co. resume as saved
 
@@ -244,7 +244,7 @@ def _check(opt: Any, sd: Any) -> _Plan:
 
 
 def _check_groups(opt: Any, groups: list) -> list[dict[str, Any]]:
-    here = opt.group_of
+    here = opt.shard_state.group_of
     there: dict[str, int] = {}
     for gi, g in enumerate(groups):
         params = g.get("params") if isinstance(g, Mapping) else None
@@ -265,7 +265,7 @@ def _check_groups(opt: Any, groups: list) -> list[dict[str, Any]]:
     out = []
     for gi, g in enumerate(groups):
         values = {k: v for k, v in g.items() if k != "params"}
-        first = opt.fqn_of[opt.param_groups[gi]["params"][0]]
+        first = opt.shard_state.fqn_of[opt.param_groups[gi]["params"][0]]
         for key in GROUP_KEYS:
             v = values[key] = group_value(key, g.get(key))
             if v is None:
@@ -276,7 +276,7 @@ def _check_groups(opt: Any, groups: list) -> list[dict[str, Any]]:
 
 def _check_steps(opt: Any, state: Mapping) -> dict[str, int]:
     steps = {}
-    for fqn in opt.fqn_of.values():
+    for fqn in opt.shard_state.fqn_of.values():
         step = state[fqn].get("step")
         if isinstance(step, torch.Tensor) and step.numel() == 1:
             step = step.item()
@@ -288,13 +288,14 @@ def _check_steps(opt: Any, state: Mapping) -> dict[str, int]:
 
 
 def _check_state(opt: Any, state: Mapping, cast: set[str]
-                 ) -> list[tuple[ParamShard, str, torch.Tensor]]:
+                 ) -> list[_Copy]:
     for fqn in state:
         if fqn not in opt.layout.slots:
             raise StateDictError(f"state of param {fqn!r} in the state dict: no trainable "
                                  "param of this optimizer's model has that name")
+    st = opt.shard_state
     copies = []
-    for fqn in opt.fqn_of.values():
+    for fqn in st.fqn_of.values():
         entry = state.get(fqn)
         if not isinstance(entry, Mapping):
             raise StateDictError(f"param {fqn!r} of the model has no state in the state dict")
@@ -303,9 +304,10 @@ def _check_state(opt: Any, state: Mapping, cast: set[str]
         if entry.get("param_dtype") != dtype:
             raise StateDictError(f"param {fqn!r} is {dtype} here but was "
                                  f"{entry.get('param_dtype')!r} in the state dict")
-        shard = opt.shard_of.get(fqn)
+        shard = st.shard_of.get(fqn)
         for name in names(opt):
-            dtype, numel, offset, size = _expected(opt, name, fqn, shard)
+            e = _expected(opt, name, fqn, shard)
+            dtype, numel, offset, size = e.dtype, e.numel, e.offset, e.size
             v = entry.get(name)
             where = f"param {fqn!r}: {name} of the state dict"
             if not isinstance(v, FlatShard):
@@ -318,13 +320,13 @@ def _check_state(opt: Any, state: Mapping, cast: set[str]
             if (v.offset, v.local_numel) != (offset, size):
                 raise StateDictError(
                     f"{where} holds elements [{v.offset}, {v.offset + v.local_numel}) on dp "
-                    f"rank {opt.dp.rank}, which holds [{offset}, {offset + size}) here "
-                    f"(dp size {opt.dp.size}): it was saved at another DP size or bucket "
+                    f"rank {st.dp.rank}, which holds [{offset}, {offset + size}) here "
+                    f"(dp size {st.dp.size}): it was saved at another DP size or bucket "
                     "layout; reshard with shardopt.checkpoint or torch.distributed.checkpoint")
             local = v.local
             if local.dim() != 1 or local.numel() != size or local.dtype != dtype:
                 raise StateDictError(f"{where}: its local tensor is {local.dtype} of shape "
                                      f"{tuple(local.shape)}, expected ({size},) {dtype}")
             if shard is not None:
-                copies.append((shard, name, local))
+                copies.append(_Copy(shard, name, local))
     return copies

@@ -1,17 +1,10 @@
 """Which params one optimizer step updates, and at which step count.
 
-As ``torch.optim.AdamW`` does, a param that got no gradient on any DP rank in a
-step is left alone (no decay, no moment update) and its own step count stays;
-bias correction uses each param's own count. So step counts are per param
-(``DistributedOptimizer.param_steps``, FQN -> updates applied).
-
-The common case keeps the update's fast path, one launch per (buffer, param
-group): every param of a group got a gradient and the group's params share one
-count. :func:`next_steps` says per group whether that holds; groups where it
-does not are split into (buffer, step count) subsets by :func:`split`.
-
-``got`` below is the set of FQNs that got a gradient on some rank in this step,
-or None when every param did.
+As ``torch.optim.AdamW`` does, a param that got no gradient on any DP rank is left alone and
+its own step count stays (``DistributedOptimizer.param_steps``, FQN -> updates applied). The
+common case keeps one launch per (buffer, param group): :func:`next_steps` says per group
+whether all its params are updated at one count; others are split by :func:`split`. ``got``
+is the set of FQNs that got a gradient on some rank in this step, or None for all.
 """
 
 from __future__ import annotations
@@ -59,9 +52,8 @@ def split(shard_ids: Sequence[int], shards: Sequence[ParamShard], param_steps: d
 
 
 class KeptGrads:
-    """The zero grads ``zero_grad(set_to_none=False)`` keeps. torch keeps a zero ``p.grad``
-    for every param that got a gradient since the last ``zero_grad(set_to_none=True)``, and
-    AdamW steps such a param (decay, moments) even when no new gradient reaches it."""
+    """The zero grads ``zero_grad(set_to_none=False)`` keeps: torch keeps a zero ``p.grad`` for
+    every param that got a gradient since ``set_to_none=True``, and AdamW steps such a param."""
 
     def __init__(self) -> None:
         self.had: set[str] | None = set()  # got a gradient since set_to_none (None: all)

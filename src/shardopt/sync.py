@@ -1,13 +1,11 @@
 """Phases 1 and 3 of the optimizer's schedule (:mod:`.optimizer`).
 
-:class:`GradSync`: gradients into the grad buffers and their reduce-scatters, bucket by
-bucket in a launch order every rank shares, so ranks whose hooks fire in different orders
-(unused params, MoE experts without tokens) still issue identical collectives. This is
-``grad_mode="buffer"``; ``"torch"`` (``p.grad`` after backward) is its subclass
-:class:`~shardopt.param_grads.ParamGrads`.
-:class:`ParamSync`: each rank's updated shard into the model-dtype param buffers and the
-all-gathers that give every rank the full params, in flight after ``step()`` with
-``overlap_param_gather`` (:meth:`ParamSync.register_hooks`).
+:class:`GradSync` (``grad_mode="buffer"``; ``"torch"`` is its subclass
+:class:`~shardopt.param_grads.ParamGrads`): gradients into the grad buffers and their
+reduce-scatters, bucket by bucket in a launch order every rank shares, so ranks whose hooks
+fire in different orders (unused params, experts without tokens) issue identical collectives.
+:class:`ParamSync`: each rank's updated shard into the param buffers and the all-gathers,
+left in flight after ``step()`` with ``overlap_param_gather``.
 """
 
 from __future__ import annotations
@@ -22,9 +20,10 @@ from . import build, comm
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .guards import UsageError
-from .layout import Bucket, Layout
-from .param_watch import ParamMovedError, Replacements, moved_message
 from .errors import GradientOrderError
+from .layout import Bucket, Layout
+from .param_watch import ParamMovedError, Placement, Replacements, moved_message
+from .shard_state import ShardState
 
 
 _grad = attrgetter("grad")
@@ -36,8 +35,9 @@ class GradSync:
 
     def __init__(self, dp: comm.DPGroup, buffers: FlatBuffers, layout: Layout,
                  config: OptimizerConfig, named: build.Named,
-                 fqn_of: Mapping[torch.nn.Parameter, str]) -> None:
+                 fqn_of: Mapping[torch.nn.Parameter, str], replaced: Replacements) -> None:
         self.dp, self.buffers, self.config, self.fqn_of = dp, buffers, config, fqn_of
+        self.replaced = replaced
         self.layout = layout
         self._params = list(fqn_of)
         self.launch_order = build.launch_order(layout, named)
@@ -50,7 +50,6 @@ class GradSync:
         self.written: set[str] = set()
         self._handles: list[object] = []
         self._enabled = True
-        self.replaced: Replacements | None = None  # the optimizer's (param_watch)
         self.reset()
 
     def reset(self) -> None:
@@ -83,9 +82,8 @@ class GradSync:
                 "where a second backward accumulates as in torch (what a framework's "
                 "gradient_accumulation_steps or accumulate_grad_batches needs); call step() "
                 "or zero_grad() between iterations")
-        hooks = param._post_accumulate_grad_hooks
-        if hooks is not None and len(hooks) > 1 and not isinstance(
-                next(reversed(hooks.values())), build.WeakGradHook):
+        hooks = build.post_accumulate_grad_hooks(param)
+        if len(hooks) > 1 and not isinstance(next(reversed(hooks)), build.WeakGradHook):
             raise UsageError(
                 f"[dp rank {self.dp.rank}] param {fqn!r} has a post-accumulate-grad hook "
                 "registered after the optimizer was built: with grad_mode='buffer' the "
@@ -103,13 +101,18 @@ class GradSync:
             self.written.add(fqn)
         param.grad = None
         # One rank launches nothing: a second backward just accumulates.
-        if not (self._enabled and self.config.overlap_grad_reduce and self.dp.size > 1):
-            return
-        self._bucket_pending[pos] -= 1
-        while (
-            self._next_launch < len(self.launch_order)
-            and self._bucket_pending[self._next_launch] <= 0
-        ):
+        if self._enabled and self.config.overlap_grad_reduce and self.dp.size > 1:
+            self._count_in(fqn)
+
+    def _count_in(self, fqn: str) -> None:
+        """``fqn``'s gradient is in: launch every bucket now complete, in launch order."""
+        self._bucket_pending[self._launch_pos[fqn]] -= 1
+        while (self._next_launch < len(self.launch_order)
+               and self._bucket_pending[self._next_launch] <= 0):
+            self._launch_next()
+
+    def _launch_rest(self) -> None:
+        while self._next_launch < len(self.launch_order):
             self._launch_next()
 
     def check_placed(self, param: torch.nn.Parameter, fqn: str) -> None:
@@ -117,13 +120,11 @@ class GradSync:
         in its place in the param buffer (``param.data`` re-bound, as
         ``resize_token_embeddings`` does), before its gradient of another shape or dtype
         reaches the grad buffer."""
-        if self.replaced is not None and self.replaced.problems:
-            self.replaced.check()
+        self.replaced.check_in_backward()
         if param.data_ptr() != self.buffers.param_views[fqn].data_ptr():
             slot = self.layout.slots[fqn]
-            raise ParamMovedError(moved_message(
-                self.dp.rank, fqn, param, self.layout.buffers[slot.buffer_index].dtype,
-                self.buffers.device, slot.shape))
+            raise ParamMovedError(moved_message(self.dp.rank, fqn, param, Placement(
+                self.layout.buffers[slot.buffer_index].dtype, self.buffers.device, slot.shape)))
 
     def take_assigned(self) -> None:
         """Grads set by hand (``p.grad = g``: ``torch.autograd.grad``, ``torch.func``,
@@ -177,8 +178,7 @@ class GradSync:
 
     def finish(self) -> None:
         """Collective. Reduce every bucket not yet launched (missing grads count as zero) and wait."""
-        while self._next_launch < len(self.launch_order):
-            self._launch_next()
+        self._launch_rest()
         self.wait()
 
     @contextlib.contextmanager
@@ -203,9 +203,9 @@ class GradSync:
 class ParamSync:
     """The param all-gathers of one optimizer, and those still in flight."""
 
-    def __init__(self, dp: comm.DPGroup, buffers: FlatBuffers, layout: Layout,
-                 main: Sequence[torch.Tensor | None], launch_order: Sequence[Bucket]) -> None:
-        self.dp, self.buffers, self.layout, self.main = dp, buffers, layout, main
+    def __init__(self, state: ShardState, launch_order: Sequence[Bucket]) -> None:
+        self.dp, self.buffers, self.layout, self.state = (state.dp, state.buffers,
+                                                          state.layout, state)
         self.launch_order = launch_order
         # overlap_param_gather: all-gathers in flight, keyed (buffer index, bucket index).
         self.handles: dict[tuple[int, int], object] = {}
@@ -251,7 +251,7 @@ class ParamSync:
         self.finish()
         for bucket in reversed(self.launch_order):
             full = self.buffers.bucket_params(bucket)
-            main = self.main[bucket.buffer_index]
+            main = self.state.main(bucket.buffer_index)
             if main is not None and not own_written:
                 own = full.narrow(0, self.dp.rank * bucket.shard_numel, bucket.shard_numel)
                 offset = self.layout.buffers[bucket.buffer_index].local_offset(bucket.index)

@@ -1,25 +1,24 @@
-"""The AdamW update of a rank's local shard, by torch's fused AdamW or the Triton kernel
-(:mod:`.kernels`), each param group at its step count (:mod:`.step_plan`).
-
-Both paths do the same arithmetic: torch's widens low-precision moments to fp32 copies
-and stores them back after (the reference), the Triton kernel does it in registers.
-"""
+"""The AdamW update of a rank's local shard, by torch's fused AdamW (the reference: it widens
+low-precision moments to fp32 copies and stores them back) or the Triton kernel
+(:mod:`.kernels`: in registers), each param group at its step count (:mod:`.step_plan`)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from . import kernels, step_plan
 from .layout import STATE_NAMES
+from .shard_state import ShardState
 
-# ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
-# this module, never the reverse.
 
-class Launch(NamedTuple):
+@dataclass(frozen=True)
+class Launch:
     """One kernel launch of a step: buffer and param group, the step count, the launch
-    table, and the shards it covers when not the group's whole (indices into ``opt.shards``)."""
+    table, and the shards it covers when not the group's whole (indices into ``shards``)."""
 
     buffer_index: int
     group_index: int
@@ -29,70 +28,90 @@ class Launch(NamedTuple):
 
 
 class Update:
-    """The update paths of one optimizer and what they cache between steps."""
+    """The update path of one optimizer (``kernel``: ``"triton"`` or ``"torch"``) and what it
+    caches between steps. ``param_groups``, ``group_shards`` (per group, the indices into
+    ``state.shards`` of its params' shards) and ``param_steps`` are the optimizer's."""
 
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
+    def __init__(self, state: ShardState, kernel: str, param_groups: list[dict[str, Any]],
+                 group_shards: Sequence[Sequence[int]], group_of: dict[str, int],
+                 param_steps: dict[str, int]) -> None:
+        self.state, self.kernel = state, kernel
+        self.param_groups, self.group_shards = param_groups, group_shards
+        self.group_of, self.param_steps = group_of, param_steps
+        # The Triton kernel writes the model-dtype params; without clipping it also sums the
+        # squared grads it reads, so the step needs no norm pass of its own.
+        self.writes_params = kernel == "triton"
+        self.fuses_norm = kernel == "triton" and not state.config.max_grad_norm
         self.chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
         self._subset_tables: dict[tuple[int, ...], kernels.ChunkTable] = {}
-        self.views: list[list[list[torch.Tensor]]] | None = None  # reset when moments move
+        self._views: list[list[list[torch.Tensor]]] | None = None
+        self._views_of = -1  # the shard state's generation the views were taken at
         self._fp32_grads: dict[int, torch.Tensor] | None = None  # buffer -> fp32 grads read
         self._fixed: list[torch.Tensor | None] = []
 
-    def triton(self, grad_scale: torch.Tensor | None, sum_sq: bool,
-               steps: list[int | None], got: frozenset[str] | None) -> torch.Tensor | None:
+    def run(self, grad_scale: torch.Tensor | None, steps: list[int | None],
+            got: frozenset[str] | None) -> torch.Tensor | None:
+        """Update every param this step updates (``steps``, ``got``: :mod:`.step_plan`) and,
+        with :attr:`fuses_norm`, return the local sum of squared grads (a device scalar)."""
+        if self.kernel == "triton":
+            return self._triton(grad_scale, self.fuses_norm, steps, got)
+        self._torch(grad_scale, steps, got)
+        return None
+
+    def _triton(self, grad_scale: torch.Tensor | None, sum_sq: bool,
+                steps: list[int | None], got: frozenset[str] | None) -> torch.Tensor | None:
         """Two kernel launches per (buffer, param group), or per (buffer, param group, step
-        count) for a group that is not updated whole at one count (``steps``, ``got``: see
-        :mod:`.step_plan`): update and write model-dtype params. With ``sum_sq``,
-        return the local sum of squared grads (a device scalar)."""
-        opt = self.opt
+        count) for a group not updated whole at one count: update and write the params."""
+        state = self.state
         if self.chunk_tables is None:
             ids: dict[tuple[int, int], list[int]] = {}
-            for i, s in enumerate(opt.shards):
-                ids.setdefault((s.buffer_index, opt.group_of[s.fqn]), []).append(i)
+            for i, s in enumerate(state.shards):
+                ids.setdefault((s.buffer_index, self.group_of[s.fqn]), []).append(i)
             self.chunk_tables = {k: self._chunk_table(v) for k, v in ids.items()}
         launches = [Launch(bi, gi, steps[gi], table)
                     for (bi, gi), table in self.chunk_tables.items() if steps[gi] is not None]
         for gi, n in enumerate(steps):
             if n is None:
-                parts = step_plan.split(opt.group_shards[gi], opt.shards, opt.param_steps, got)
+                parts = step_plan.split(self.group_shards[gi], state.shards, self.param_steps,
+                                        got)
                 launches += [Launch(bi, gi, count, self._subset_table(tuple(ids)), tuple(ids))
                              for (bi, count), ids in parts.items()]
         partials = None
         if sum_sq:
             partials = torch.empty(sum(launch.table.num_blocks for launch in launches),
-                                   dtype=torch.float32, device=opt.device)
-        moments = opt.moments
+                                   dtype=torch.float32, device=state.device)
+        moments = state.device_moments()
         assert moments is not None
         first = 0
-        for bi, gi, count, table, _ in launches:
-            group = opt.param_groups[gi]
-            main = opt.main_params[bi]
-            params = opt.buffers.param_buffers[bi]
+        for launch in launches:
+            bi, table = launch.buffer_index, launch.table
+            group = self.param_groups[launch.group_index]
+            main = state.main(bi)
+            params = state.buffers.param_buffers[bi]
             kernels.adamw_(
-                table, params if main is None else main, opt.buffers.step_grads[bi],
+                table, params if main is None else main, state.buffers.step_grads[bi],
                 moments.exp_avg[bi], moments.exp_avg_sq[bi], None if main is None else params,
                 main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
                 beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-                step=count, grad_scale=grad_scale,
+                step=launch.count, grad_scale=grad_scale,
                 sum_sq=None if partials is None else partials[first:first + table.num_blocks],
             )
             first += table.num_blocks
         return None if partials is None else partials.sum()
 
     def _chunk_table(self, shard_ids: tuple[int, ...] | list[int]) -> kernels.ChunkTable:
-        """The Triton launch table of ``opt.shards[i]`` for ``i`` in ``shard_ids`` (one buffer)."""
-        opt = self.opt
+        """The Triton launch table of ``shards[i]`` for ``i`` in ``shard_ids`` (one buffer)."""
+        state = self.state
         parts = []
         for i in shard_ids:
-            s = opt.shards[i]
-            buf = opt.layout.buffers[s.buffer_index]
+            s = state.shards[i]
+            buf = state.layout.buffers[s.buffer_index]
             local_base = buf.local_offset(s.bucket_index)
-            global_base = buf.buckets[s.bucket_index].shard_range_global(opt.dp.rank).start
+            global_base = buf.buckets[s.bucket_index].shard_range_global(state.dp.rank).start
             start = s.range_local.start - local_base
             parts.append(kernels.ChunkPart(local_base, global_base, start,
                                            start + s.range_local.size))
-        return kernels.chunk_table(parts, opt.device)
+        return kernels.chunk_table(parts, state.device)
 
     def _subset_table(self, shard_ids: tuple[int, ...]) -> kernels.ChunkTable:
         """Cached: once a param skipped a step its group splits in every later step too."""
@@ -103,41 +122,40 @@ class Update:
             table = self._subset_tables[shard_ids] = self._chunk_table(shard_ids)
         return table
 
-    def torch(self, grad_scale: torch.Tensor | None, steps: list[int | None],
+    def _torch(self, grad_scale: torch.Tensor | None, steps: list[int | None],
               got: frozenset[str] | None) -> None:
-        """torch's fused AdamW on the fp32 main params of each param group (only the params
-        this step updates, each at its own step count: ``steps``, ``got``, :mod:`.step_plan`).
-        Low-precision moments are widened to fp32 copies first and stored back after (the
-        reference for the Triton path, which does it in registers)."""
-        opt = self.opt
+        """torch's fused AdamW on the fp32 main params of each param group (the params this
+        step updates, each at its own count); low-precision moments through fp32 copies."""
+        state = self.state
+        shards = state.shards
         grads = self._grad_shards()
         work = None
-        moments = opt.moments
+        moments = state.device_moments()
         assert moments is not None
-        if not opt.config.lowprec_moments:
+        if not state.config.lowprec_moments:
             views = self._state_views()
         else:
             work = ([m.to_fp32() for m in moments.exp_avg],
                     [m.to_fp32() for m in moments.exp_avg_sq])
-            main_views = [opt.state_view("master_param", s) for s in opt.shards]
+            main_views = [state.view("master_param", s) for s in shards]
             views = [[[main_views[i] for i in idx]]
-                     + [[w[opt.shards[i].buffer_index][opt.shards[i].range_local.as_slice()]
-                         for i in idx] for w in work] for idx in opt.group_shards]
-        for gi, group in enumerate(opt.param_groups):
-            idx = opt.group_shards[gi]
+                     + [[w[shards[i].buffer_index][shards[i].range_local.as_slice()]
+                         for i in idx] for w in work] for idx in self.group_shards]
+        for gi, group in enumerate(self.param_groups):
+            idx = self.group_shards[gi]
             main, exp_avg, exp_avg_sq = views[gi]
             grad = [grads[i] for i in idx]
             if steps[gi] is not None:
                 counts = [steps[gi]] * len(idx)
             else:
-                keep = [k for k, i in enumerate(idx) if got is None or opt.shards[i].fqn in got]
+                keep = [k for k, i in enumerate(idx) if got is None or shards[i].fqn in got]
                 main, exp_avg, exp_avg_sq, grad = ([t[k] for k in keep]
                                                    for t in (main, exp_avg, exp_avg_sq, grad))
-                counts = [opt.param_steps[opt.shards[idx[k]].fqn] + 1 for k in keep]
+                counts = [self.param_steps[shards[idx[k]].fqn] + 1 for k in keep]
             if not counts:
                 continue
             beta1, beta2 = group["betas"]
-            step_of = {n: torch.tensor(float(n), device=opt.device) for n in set(counts)}
+            step_of = {n: torch.tensor(float(n), device=state.device) for n in set(counts)}
             torch._fused_adamw_(
                 main, grad, exp_avg, exp_avg_sq, [], [step_of[n] for n in counts],
                 lr=float(group["lr"]), beta1=beta1, beta2=beta2,
@@ -149,40 +167,39 @@ class Update:
                     moment.store_(w)
 
     def _state_views(self) -> list[list[list[torch.Tensor]]]:
-        """Per param group: views of main params, exp_avg, exp_avg_sq (cached until moments move)."""
-        opt = self.opt
-        if self.views is None:
-            self.views = [
-                [[opt.state_view(name, opt.shards[i]) for i in idx] for name in STATE_NAMES]
-                for idx in opt.group_shards
+        """Per param group: views of main params, exp_avg, exp_avg_sq (cached until a record's
+        device tensor changes)."""
+        state = self.state
+        if self._views is None or self._views_of != state.generation:
+            self._views = [
+                [[state.view(name, state.shards[i]) for i in idx] for name in STATE_NAMES]
+                for idx in self.group_shards
             ]
-        return self.views
+            self._views_of = state.generation
+        return self._views
 
     def _grad_shards(self) -> list[torch.Tensor]:
-        """This rank's grad of each shard in fp32, for torch's fused AdamW: views of the grad
-        the step reads (:attr:`FlatBuffers.step_grads`) where it is fp32; where it is the
-        bf16/fp16 copy ``p.grad`` views of an fp32 grad buffer, that buffer's part of this
-        rank, overwritten with the copy's values first (what ``p.grad`` holds is what the
-        step takes; one cast per bucket); else one fp32 copy per bucket."""
-        opt = self.opt
+        """This rank's grad of each shard in fp32: views of the step's grads where they are
+        fp32; where they are the bf16/fp16 copy of an fp32 grad buffer, that buffer's part of
+        this rank, overwritten with the copy's values (``p.grad`` counts); else fp32 copies."""
+        state, buffers = self.state, self.state.buffers
         if self._fp32_grads is None:
             self._fp32_grads = {}
-            for bi, (step, accum) in enumerate(zip(opt.buffers.step_grads,
-                                                   opt.buffers.grad_buffers)):
+            for bi, (step, accum) in enumerate(zip(buffers.step_grads, buffers.grad_buffers)):
                 if step.dtype == torch.float32 or accum.dtype == torch.float32:
                     self._fp32_grads[bi] = step if step.dtype == torch.float32 else accum
             self._fixed = [self._fp32_grads[s.buffer_index][s.range_global.as_slice()]
-                           if s.buffer_index in self._fp32_grads else None for s in opt.shards]
+                           if s.buffer_index in self._fp32_grads else None for s in state.shards]
         wide: dict[int, torch.Tensor] = {}
-        for bi, step in enumerate(opt.buffers.step_grads):
+        for bi, step in enumerate(buffers.step_grads):
             if step.dtype == torch.float32:
                 continue
-            buf = opt.layout.buffers[bi]
+            buf = state.layout.buffers[bi]
             target = self._fp32_grads.get(bi)
             if target is None:
-                wide[bi] = torch.empty(buf.local_numel, dtype=torch.float32, device=opt.device)
+                wide[bi] = torch.empty(buf.local_numel, dtype=torch.float32, device=state.device)
             for b in buf.buckets:
-                own = b.shard_range_global(opt.dp.rank)
+                own = b.shard_range_global(state.dp.rank)
                 src = step.narrow(0, own.start, b.shard_numel)
                 if target is not None:
                     target.narrow(0, own.start, b.shard_numel).copy_(src)
@@ -191,4 +208,4 @@ class Update:
         if not wide:
             return self._fixed
         return [wide[s.buffer_index][s.range_local.as_slice()] if v is None else v
-                for s, v in zip(opt.shards, self._fixed)]
+                for s, v in zip(state.shards, self._fixed)]

@@ -1,20 +1,12 @@
 """Loud errors for a model trained the wrong way around its optimizer: wrapped in
-``DistributedDataParallel`` or copied after the optimizer was built.
+``DistributedDataParallel`` (which would reduce the gradients a second time, over the
+optimizer's) or deep-copied after the optimizer was built (whose params it does not hold).
 
-:class:`~shardopt.DistributedOptimizer` reduces the gradients itself, bucket by bucket, from
-its own hooks. DDP reduces them again in its own buckets and writes its result over them, so
-a model wrapped in DDP after the optimizer was built trains wrongly. The frameworks wrap the
-model in DDP by default at several ranks; their adapters in :mod:`shardopt.integrations`
-keep it unwrapped. A ``copy.deepcopy`` of the model made after the optimizer was built has
-params the optimizer does not hold: trained in place of the original, the optimizer would
-step with no gradient at all.
-
-:class:`WrapGuard` puts one forward pre-hook on the model the optimizer was built over. Its
-forward inside a DDP forward raises :class:`WrappedModelError`, naming the wrapper and the
-adapters. A deep copy of the model gets a copy of the hook that notes the copy's first
-param to get a gradient; ``step()`` raises if one did while none of the optimizer's own
-params got a gradient. Pickling the model (``torch.save(model)``) stores an inert hook.
-No communication.
+:class:`WrapGuard` puts one forward pre-hook on the model: its forward inside a DDP forward
+raises :class:`WrappedModelError`, naming the framework adapters. A deep copy of the model
+gets a copy of the hook that notes the copy's first param to get a gradient; ``step()``
+raises if one did while none of the optimizer's own params got one. Pickling the model stores
+an inert hook. No communication.
 """
 
 from __future__ import annotations
@@ -35,10 +27,11 @@ ADAPTERS = (
 
 
 class WrapGuard:
-    """The checks of one optimizer over one model (module docstring)."""
+    """The checks of one optimizer over one model (module docstring), through the optimizer's
+    gradient sync ``grad_sync`` (held weakly: the model's hook must not keep it alive)."""
 
-    def __init__(self, opt: Any, model: torch.nn.Module) -> None:
-        self.opt = weakref.ref(opt)
+    def __init__(self, grad_sync: Any, model: torch.nn.Module) -> None:
+        self.sync = weakref.ref(grad_sync)
         self.model = weakref.ref(model)
         # FQN of the first param of a deep copy of the model that got a gradient since the
         # last step, and of which copy.
@@ -46,7 +39,7 @@ class WrapGuard:
         self._ddp_holds: weakref.WeakKeyDictionary[torch.nn.Module, bool] = \
             weakref.WeakKeyDictionary()
         self.handle = model.register_forward_pre_hook(_ForwardCheck(weakref.ref(self)))
-        weakref.finalize(opt, self.handle.remove)
+        weakref.finalize(grad_sync, self.handle.remove)
 
     def check_forward(self, module: torch.nn.Module) -> None:
         """Raise if ``module`` (the model) runs inside the forward of a DDP that reduces its
@@ -59,8 +52,8 @@ class WrapGuard:
         if holds is None:
             holds = self._ddp_holds[ddp] = self._reduced_by(ddp)
         if holds:
-            opt = self.opt()
-            rank = opt.dp.rank if opt is not None else "?"
+            sync = self.sync()
+            rank = sync.dp.rank if sync is not None else "?"
             raise WrappedModelError(
                 f"[dp rank {rank}] the model the DistributedOptimizer was built over runs "
                 f"inside {type(ddp).__name__}, which would reduce "
@@ -69,10 +62,10 @@ class WrapGuard:
                 f"wrap it unless told not to. {ADAPTERS}")
 
     def _reduced_by(self, ddp: torch.nn.Module) -> bool:
-        opt = self.opt()
-        if opt is None:
+        sync = self.sync()
+        if sync is None:
             return False
-        ours = {id(p) for p in opt.fqn_of}
+        ours = {id(p) for p in sync.fqn_of}
         ignored = getattr(ddp, "parameters_to_ignore", ())
         return any(id(p) in ours for name, p in ddp.module.named_parameters()
                    if name not in ignored)
@@ -87,13 +80,13 @@ class WrapGuard:
         """At ``step()``: raise if a deep copy of the model got gradients since the last
         step and the optimizer's own params got none."""
         fqn, self.copy_grad = self.copy_grad, None
-        opt = self.opt()
-        if fqn is None or opt is None:
+        sync = self.sync()
+        if fqn is None or sync is None:
             return
-        if opt.wait_grad_reductions() or any(p.grad is not None for p in opt.fqn_of):
+        if sync.wait() or any(p.grad is not None for p in sync.fqn_of):
             return
         raise WrappedModelError(
-            f"[dp rank {opt.dp.rank}] step(): no param of the optimizer got a gradient since "
+            f"[dp rank {sync.dp.rank}] step(): no param of the optimizer got a gradient since "
             f"the last step, but param {fqn!r} of a deep copy of its model (copy.deepcopy "
             "after the optimizer was built) did: the optimizer holds the original model's "
             "params and would train nothing. Build the optimizer over the model you train, "

@@ -53,7 +53,7 @@ def train(model: Net, opt: DistributedOptimizer, first: int, last: int) -> None:
     for i in range(first, last):
         g = torch.Generator().manual_seed(1000 + i)
         x, y = torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)
-        x, y = x.to(opt.device), y.to(opt.device)
+        x, y = x.to(opt.shard_state.device), y.to(opt.shard_state.device)
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         opt.step()
@@ -62,9 +62,9 @@ def train(model: Net, opt: DistributedOptimizer, first: int, last: int) -> None:
 def pieces(opt: DistributedOptimizer) -> dict[str, Any]:
     """This rank's moments by FQN as stored: (start in the param, values, scales)."""
     out: dict[str, Any] = {}
-    for s in opt.shards:
+    for s in opt.shard_state.shards:
         for name in MOMENTS:
-            m = opt.moment_view(name, s)
+            m = opt.shard_state.moment(name, s)
             out.setdefault(f"{s.fqn}.{name}", []).append(
                 (s.range_param.start, m.values.cpu().clone(),
                  None if m.scales is None else m.scales.cpu().clone()))
@@ -211,7 +211,7 @@ def test_load_converts_to_the_optimizers_format_and_says_so(src, dst, into, tmp_
         train(model2, opt2, 5, 6)
     with caplog.at_level(logging.INFO, logger="shardopt.checkpoint"):
         checkpoint.load(path, model2, opt2, low_memory_resume=into == "low_memory")
-    assert (opt2.moments is None) == (into == "low_memory")
+    assert (opt2.shard_state.held["exp_avg.0"].where == "staged") == (into == "low_memory")
     lines = [r for r in caplog.records if "converting Adam moments" in r.getMessage()]
     assert len(lines) == 1 and lines[0].name == "shardopt.checkpoint"
     got = assemble([pieces(opt2)])
@@ -235,10 +235,11 @@ def test_low_memory_resume_with_int8_moments(device, tmp_path):
     train(model, opt, 3, 5)
     model2, opt2 = make(INT8, INT8, device)
     checkpoint.load(path, model2, opt2, low_memory_resume=True)
-    assert opt2.moments is None and opt2.has_moments  # staged on the host until step()
+    assert opt2.shard_state.held["exp_avg.0"].where == "staged"  # on the host until step()
     train(model2, opt2, 3, 5)
-    assert opt2.moments is not None
-    assert all(t.device == opt2.device for t in opt2.moments.tensors())
+    moments = [h for h in opt2.shard_state.held.values() if h.kind == "moments"]
+    assert all(h.where == "device" and h.tensor.device == opt2.shard_state.device
+               for h in moments)
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
 
@@ -267,7 +268,7 @@ def test_verify_and_load_detect_damage_in_the_scales(tmp_path):
     model2, opt2 = make(INT8, INT8)
     with pytest.raises(checkpoint.CheckpointError, match=hits[0].name):
         checkpoint.load(path, model2, opt2, config=checkpoint.CheckpointConfig(verify=True))
-    assert opt2.moments is None
+    assert not opt2.shard_state.has_moments  # the failed load left the optimizer as it was
 
 
 def _save_rank(rank: int, world_size: int, root: str, kinds: tuple) -> dict[str, Any]:

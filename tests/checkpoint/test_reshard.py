@@ -149,7 +149,7 @@ def _tiny(seed: int) -> tuple[Tiny, DistributedOptimizer]:
 def tiny_rank(rank: int, world_size: int, base: str, save: bool) -> dict[str, torch.Tensor]:
     model, opt = _tiny(0 if save else 1)
     if save:
-        assert rank == 0 or not opt.shards  # every bucket fits in rank 0's shard
+        assert rank == 0 or not opt.shard_state.shards  # every bucket fits in rank 0's shard
         model(torch.ones(world_size, 2)[rank:rank + 1]).backward()
         opt.step()
         checkpoint.save(f"{base}/saved", model, opt, step=1)

@@ -52,8 +52,8 @@ def test_low_memory_resume_moves_moments_to_the_device_at_the_first_step(tmp_pat
     checkpoint.save(tmp_path, model, opt, step=1)
     model2, opt2 = make()
     checkpoint.load(tmp_path, model2, opt2, low_memory_resume=True)
-    assert opt2.moments is None and opt2._host.staged is not None
-    staged = opt2._host.staged.tensors()
+    assert opt2.shard_state.held["exp_avg.0"].where == "staged"
+    staged = [h.host for h in opt2.shard_state.held.values() if h.kind == "moments"]
     for t in staged:
         assert t.device.type == "cpu" and t.is_pinned() == (device == "cuda")
     if device == "cuda":  # before the first step the GPU holds what a fresh run holds
@@ -63,13 +63,14 @@ def test_low_memory_resume_moves_moments_to_the_device_at_the_first_step(tmp_pat
     train_step(model, opt)
     torch.manual_seed(1)
     train_step(model2, opt2)
-    assert opt2._host.staged is None
-    for t in opt2.moments.tensors():
-        assert t.device == opt2.device
+    moments = [h for h in opt2.shard_state.held.values() if h.kind == "moments"]
+    assert moments and all(h.where == "device" and h.host is None for h in moments)
+    for h in moments:
+        assert h.tensor.device == opt2.shard_state.device
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
     if device == "cuda":  # the host copies were unlocked once they had reached the device
-        assert opt2._host._unpin_after is None and opt2._host._staged_pinned == []
+        assert opt2._host._unpin is None
         assert all(not t.is_pinned() for t in staged)
 
 

@@ -69,9 +69,9 @@ def test_a_run_that_did_not_resume_from_the_root_cannot_roll_it_back(tmp_path: P
             handle = checkpoint.save(root, model, opt, step=2, blocking=blocking)
             handle.wait()
     assert {p.name: read_json(p)["checksum"] for p in commit.complete_steps(root)} == before
-    assert opt.loaded_from is None
+    assert opt.shard_state.loaded_from is None
     checkpoint.load(root / "step_00000003", model, opt)
-    assert opt.loaded_from == commit.Resumed(root.resolve(), 3)  # held by the optimizer
+    assert opt.shard_state.loaded_from == commit.Resumed(root.resolve(), 3)  # held by the optimizer
     with pytest.raises(checkpoint.CheckpointError, match="this run resumed from step 3 of it"):
         checkpoint.save(root, model, opt, step=2)
     checkpoint.save(root, model, opt, step=3)  # resumed at 3: 3 and 4 are the abandoned branch

@@ -98,7 +98,7 @@ def test_checkpoint_with_a_model_the_optimizer_does_not_own(tmp_path):
     model, opt = build(0)
     other, _ = build(0)
     with pytest.raises(ValueError, match="param 'emb.weight' of the model passed in is not one"):
-        opt.check_model(other)
+        opt.shard_state.check_model(other)
     with pytest.raises(checkpoint.CheckpointError, match="'emb.weight' of the model passed in"):
         checkpoint.save(tmp_path, other, opt, step=1)
     assert checkpoint.latest(tmp_path) is None and not os.listdir(tmp_path)
@@ -108,12 +108,12 @@ def test_checkpoint_with_a_model_the_optimizer_does_not_own(tmp_path):
         checkpoint.load(path, other, opt)
     assert model_state(other).keys() == before.keys()
     model.up.weight.requires_grad_(False)  # frozen since construction: still the optimizer's
-    opt.check_model(model)
+    opt.shard_state.check_model(model)
     with pytest.raises(ValueError, match="the optimizer's param 'up.weight' is not in the mod"):
-        opt.check_model(nn.ModuleDict({"emb": model.emb}))
+        opt.shard_state.check_model(nn.ModuleDict({"emb": model.emb}))
     renamed = nn.ModuleDict({"embedding": model.emb})
     with pytest.raises(ValueError, match="'embedding.weight' .* is the optimizer's 'emb.weight'"):
-        opt.check_model(renamed)
+        opt.shard_state.check_model(renamed)
     # A save checks the params its one walk of the model's state dict finds, alike.
     for blocking in (True, False):
         for wrong, match in ((nn.ModuleDict({"emb": model.emb}), "param 'up.weight' is not in"),
@@ -204,7 +204,7 @@ def test_adamw_group_options_this_optimizer_lacks_are_refused_not_ignored(key, v
     model(torch.randn(4, 3)).sum().backward()
     before = [p.detach().clone() for p in model.parameters()]
     opt.param_groups[-1][key] = value
-    first = opt.fqn_of[opt.param_groups[-1]["params"][0]]
+    first = opt.shard_state.fqn_of[opt.param_groups[-1]["params"][0]]
     with pytest.raises(UsageError, match=rf"param_groups\[1\]\['{key}'\]={value}.*'{first}'"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

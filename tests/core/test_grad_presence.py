@@ -165,13 +165,13 @@ def test_param_frozen_at_construction_then_unfrozen_is_a_clear_error():
     opt = DistributedOptimizer(model, mlp_config("torch"))
     mlp_train_step(model, opt, 0, 0, [frozenset()])
     model.b.weight.requires_grad_(True)
-    held = [t.clone() for t in opt.buffers.param_buffers]
+    held = [t.clone() for t in opt._buffers.param_buffers]
     steps = dict(opt.param_steps)
     mlp_loss(model, 1, 0, 0, frozenset()).backward()
     with pytest.raises(ValueError, match=r"param 'b\.weight' was frozen .* built"):
         opt.step()
     assert opt.param_steps == steps
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, opt.buffers.param_buffers))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, opt._buffers.param_buffers))
     model.b.weight.requires_grad_(False)  # frozen again: fine
     model.b.weight.grad = None
     opt.step()
@@ -221,9 +221,9 @@ def no_grad_rank(rank: int, world_size: int, kernel: str, clip: float | None,
             model.norm.requires_grad_(False)  # frozen after construction: never updated again
         mlp_train_step(model, opt, step, rank, skips_for(step, world_size, micro_batches)[rank])
         history.append(param_copies(model))
-        moments.append({f"{s.fqn}@{s.range_param.start}": (opt.state_view("exp_avg", s).clone(),
-                                                             opt.state_view("exp_avg_sq", s).clone())
-                        for s in opt.shards})
+        moments.append({f"{s.fqn}@{s.range_param.start}": (opt.shard_state.view("exp_avg", s).clone(),
+                                                             opt.shard_state.view("exp_avg_sq", s).clone())
+                        for s in opt.shard_state.shards})
         steps.append(dict(opt.param_steps))
     return {"history": history, "moments": moments, "steps": steps}
 
@@ -282,7 +282,7 @@ def count_step_all_reduces(rank: int, world_size: int, kernel: str,
     for step in range(3):
         skip = frozenset({"b"}) if step == 1 and rank == 0 else frozenset()
         mlp_loss(model, step, rank, 0, skip).backward()
-        opt.finish_grad_sync()
+        opt._grad_sync.finish()
         dist.all_reduce = counted
         calls["n"] = 0
         try:

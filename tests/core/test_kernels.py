@@ -106,7 +106,7 @@ def test_triton_kernel_unavailable_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="step_kernel='triton' needs Triton"):
         DistributedOptimizer(torch.nn.Linear(2, 2), OptimizerConfig(step_kernel="triton"))
     opt = DistributedOptimizer(torch.nn.Linear(2, 2), OptimizerConfig(step_kernel="auto"))
-    assert opt.step_kernel == "torch"
+    assert opt._update.kernel == "torch"
 
 
 def test_step_kernel_is_validated():

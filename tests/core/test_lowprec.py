@@ -262,19 +262,18 @@ def test_memory_bytes_per_bf16_param(m, v, g, state, grad, grad_mode):
     assert got == {"params": 2 * numel, "grads": grad * numel, "optimizer_state": state * numel}
 
 
-def test_grad_accum_fp32_is_an_alias_of_grad_dtype():
-    assert OptimizerConfig(grad_accum_fp32=False).grad_dtype == BF16
-    assert OptimizerConfig(grad_accum_fp32=True).grad_dtype == torch.float32
+def test_grad_dtype_is_the_one_setting_of_the_grad_buffers():
     assert OptimizerConfig().grad_dtype == torch.float32
-    # The alias is read once: copies and round trips change grad_dtype freely.
+    with pytest.raises(TypeError, match="grad_accum_fp32"):
+        OptimizerConfig(grad_accum_fp32=False)
     assert dataclasses.replace(OptimizerConfig(), grad_dtype=BF16).grad_dtype == BF16
     assert dataclasses.replace(OptimizerConfig(grad_dtype=BF16),
                                grad_dtype=torch.float32).grad_dtype == torch.float32
-    assert OptimizerConfig.from_dict(OptimizerConfig(grad_accum_fp32=False).to_dict()) == \
+    assert OptimizerConfig.from_dict(OptimizerConfig(grad_dtype=BF16).to_dict()) == \
         OptimizerConfig(grad_dtype=BF16)
-    assert OptimizerConfig(grad_accum_fp32=False) == OptimizerConfig(grad_dtype=BF16)
-    with pytest.raises(ValueError, match="grad_accum_fp32=True contradicts"):
-        OptimizerConfig(grad_dtype=BF16, grad_accum_fp32=True)
+    # A config stored by an earlier version (a checkpoint's manifest) still reads.
+    stored = {**OptimizerConfig(grad_dtype=BF16).to_dict(), "grad_accum_fp32": None}
+    assert OptimizerConfig.from_dict(stored) == OptimizerConfig(grad_dtype=BF16)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -299,15 +298,15 @@ def test_config_round_trips_through_json_names():
 
 
 @pytest.mark.parametrize("setting", [dict(exp_avg_dtype=BF16), dict(exp_avg_sq_dtype="int8")])
-def test_state_view_refuses_an_fp32_view_of_lowprec_moments(setting):
+def test_shard_state_view_refuses_an_fp32_view_of_lowprec_moments(setting):
     model = nn.Linear(8, 4)
     opt = DistributedOptimizer(model, OptimizerConfig(**setting))
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     assert issubclass(LowPrecisionStateError, ValueError)
-    with pytest.raises(LowPrecisionStateError, match="state_view.*moment_view"):
-        opt.state_view(next(iter(setting)).removesuffix("_dtype"), opt.shards[0])
-    assert opt.state_view("master_param", opt.shards[0]).dtype == torch.float32
+    with pytest.raises(LowPrecisionStateError, match=r"shard_state\.view.*shard_state\.moment\(\)"):
+        opt.shard_state.view(next(iter(setting)).removesuffix("_dtype"), opt.shard_state.shards[0])
+    assert opt.shard_state.view("master_param", opt.shard_state.shards[0]).dtype == torch.float32
 
 
 def test_default_layout_is_unchanged_and_int8_aligns_params():

@@ -209,12 +209,13 @@ def train_mixed_rank(rank: int, world_size: int, backend: str | None,
             "grads": grads}
 
 
-@pytest.mark.parametrize("world_size,grad_accum_fp32", [(1, True), (2, True), (3, True), (2, False)],
+@pytest.mark.parametrize("world_size,grad_dtype", [(1, torch.float32), (2, torch.float32),
+                                                   (3, torch.float32), (2, torch.bfloat16)],
                          ids=["1-fp32_grads", "2-fp32_grads", "3-fp32_grads", "2-model_dtype_grads"])
-def test_mixed_precision_trains_and_ranks_agree(backend, world_size, grad_accum_fp32, tmp_path):
+def test_mixed_precision_trains_and_ranks_agree(backend, world_size, grad_dtype, tmp_path):
     require_world_size(backend, world_size)
     results = run_distributed(train_mixed_rank, world_size, backend,
-                              {"grad_accum_fp32": grad_accum_fp32},
+                              {"grad_dtype": grad_dtype},
                               backend=backend, tmp_path=tmp_path)
     assert_ranks_identical(results)
     for res in results:

@@ -68,7 +68,7 @@ def test_state_dict_tensors_own_their_storage():
     model = Mixed()
     opt = trained(model)
     sd = model.state_dict()
-    buffers = {t.untyped_storage().data_ptr() for t in opt.buffers.param_buffers}
+    buffers = {t.untyped_storage().data_ptr() for t in opt._buffers.param_buffers}
     for key, t in sd.items():
         assert t.untyped_storage().data_ptr() not in buffers, key
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
@@ -80,9 +80,9 @@ def test_state_dict_tensors_own_their_storage():
     # Copies: editing the state dict leaves the model alone; load_state_dict writes it.
     sd["body.bias"].add_(1)
     assert not torch.equal(sd["body.bias"], model.body.bias)
-    before = opt.param_writes
+    before = opt.shard_state.param_writes
     model.load_state_dict(sd)
-    assert torch.equal(model.body.bias, sd["body.bias"]) and opt.param_writes == before
+    assert torch.equal(model.body.bias, sd["body.bias"]) and opt.shard_state.param_writes == before
     again = model.state_dict()
     assert again["body.bias"] is not sd["body.bias"]  # a new call: new copies
 

@@ -31,11 +31,11 @@ SAVE_STEP, END_STEP = 3, 6
 def everything(model: torch.nn.Module, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
     """Copies of all a load may change on this rank: weights, state, steps, hyperparameters."""
     out = {f"model.{k}": v for k, v in model_state(model).items()}
-    names = STATE_NAMES if opt.has_moments else ("master_param",)
-    for s in opt.shards:
-        out.update({f"{s.fqn}.{n}@{s.range_param.start}": opt.state_view(n, s).clone()
+    names = STATE_NAMES if opt.shard_state.has_moments else ("master_param",)
+    for s in opt.shard_state.shards:
+        out.update({f"{s.fqn}.{n}@{s.range_param.start}": opt.shard_state.view(n, s).clone()
                     for n in names})
-    out["steps"] = torch.tensor([opt.param_steps[f] for f in opt.fqn_of.values()])
+    out["steps"] = torch.tensor([opt.param_steps[f] for f in opt.shard_state.fqn_of.values()])
     out["hparams"] = torch.tensor([[g["lr"], *g["betas"], g["eps"], g["weight_decay"]]
                                    for g in opt.param_groups], dtype=torch.float64)
     return out
@@ -92,9 +92,9 @@ def contract_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     model = MixedLM()
     opt = DistributedOptimizer(model, make_config(bucket_numel=300), param_group_fn=param_groups)
     other_layout = refused(opt, model, torch.load(f"{root}/sd-{rank}.pt")["optim"])
-    views = {opt.fqn_of[p]: sorted(s.keys()) for p, s in opt.state.items()}
+    views = {opt.shard_state.fqn_of[p]: sorted(s.keys()) for p, s in opt.state.items()}
     return {"reference": reference, "resumed": resumed, "saved_state": saved_state,
-            "other_layout": other_layout, "views": views, "shards": [s.fqn for s in opt.shards]}
+            "other_layout": other_layout, "views": views, "shards": [s.fqn for s in opt.shard_state.shards]}
 
 
 def reshard_rank(rank: int, world_size: int, root: str) -> list[tuple[str, int, int, dict]]:
@@ -103,7 +103,7 @@ def reshard_rank(rank: int, world_size: int, root: str) -> list[tuple[str, int, 
     # The optimizer as a DCP Stateful: DCP calls state_dict(), loads, calls load_state_dict().
     dcp.load({"model": model_sd, "optim": opt}, checkpoint_id=f"{root}/dcp")
     model.load_state_dict(model_sd)
-    assert all(opt.param_steps[f] == SAVE_STEP for f in opt.fqn_of.values())
+    assert all(opt.param_steps[f] == SAVE_STEP for f in opt.shard_state.fqn_of.values())
     return live_optimizer_state(opt)
 
 
@@ -206,9 +206,9 @@ def test_step_counts_load_per_param():
 
 def test_state_dict_before_the_first_step_resumes_as_fresh():
     model, opt = build(0)
-    assert not opt.has_moments
+    assert not opt.shard_state.has_moments
     sd = opt.state_dict()
-    assert not opt.has_moments  # the moments' zeros are made only when read
+    assert not opt.shard_state.has_moments  # the moments' zeros are made only when read
     fresh, fresh_opt = build(0)
     loaded_model, loaded = build(5)
     loaded_model.load_state_dict(model.state_dict())
@@ -236,7 +236,7 @@ def test_low_memory_resume_through_load_state_dict(device, tmp_path):
     sd = torch.load(tmp_path / "sd.pt")
     model.load_state_dict(sd["model"])
     opt.load_state_dict(sd["optim"])
-    assert opt.moments is None and opt._host.staged is not None  # on the host until step()
+    assert opt.shard_state.held["exp_avg.0"].where == "staged"  # on the host until step()
     assert opt.state[model.up.weight]["exp_avg"].device.type == "cpu"
     train(model, opt, range(SAVE_STEP, END_STEP), 0, 1)
     assert_tensors_equal(everything(model, opt), reference)
@@ -252,7 +252,7 @@ def test_optimizer_state_is_a_defaultdict_of_live_views():
     assert entry["exp_avg"].numel() == model.up.weight.numel()
     entry["exp_avg"].fill_(0.5)
     assert bool((opt.state_dict()["state"]["up.weight"]["exp_avg"].local == 0.5).all())
-    assert len(opt.state) == len(list(opt.state)) == len(opt.fqn_of)
+    assert len(opt.state) == len(list(opt.state)) == len(opt.shard_state.fqn_of)
     assert opt.state[torch.zeros(1)] == {}  # unknown keys behave as in torch's defaultdict
 
 
@@ -366,6 +366,6 @@ def test_weights_written_back_unchanged_keep_the_main_params():
     assert_tensors_equal(everything(model, opt), reference, "optimizer loaded first")
     with torch.no_grad():
         model.up.weight[0, 0] = 0.5
-    opt.reseed_written()
-    shard = opt.shard_of["up.weight"]
-    assert float(opt.state_view("master_param", shard)[0]) == 0.5
+    opt.shard_state.reseed_written()
+    shard = opt.shard_state.shard_of["up.weight"]
+    assert float(opt.shard_state.view("master_param", shard)[0]) == 0.5

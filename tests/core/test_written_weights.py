@@ -39,7 +39,7 @@ def write_weights(model: MixedMLP, how: str, opt: DistributedOptimizer) -> None:
         opt.reload_model_params()
         return
     model.load_state_dict(fresh.state_dict())
-    assert not opt.param_sync.handles  # it waited for gathers still in flight before writing
+    assert not opt._param_sync.handles  # it waited for gathers still in flight before writing
     ema = {f: p.detach() * 0.5 + 0.25 for f, p in model.c.named_parameters()}
     with torch.no_grad():
         model.a.weight.zero_()
@@ -61,14 +61,14 @@ def written_weights_rank(rank: int, world_size: int, kernel: str, how: str) -> d
     for g in opt.param_groups:
         g["lr"], g["weight_decay"] = 0.0, 0.0
     mlp_train_step(model, opt, 2, rank, no_skip)
-    opt.finish_param_sync()
+    opt.shard_state.finish_param_sync()
     kept = param_copies(model)
     for g in opt.param_groups:
         g["lr"], g["weight_decay"] = 2e-2, 0.1
     history = []
     for step in range(3, 6):
         mlp_train_step(model, opt, step, rank, no_skip)
-        opt.finish_param_sync()
+        opt.shard_state.finish_param_sync()
         history.append(param_copies(model))
     return {"written": written, "kept": kept, "history": history,
             "steps": dict(opt.param_steps)}
@@ -166,7 +166,7 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     model = MixedMLP()
     opt = DistributedOptimizer(model, mlp_config("torch"))
     mlp_train_step(model, opt, 0, 0, [frozenset()])
-    held = [t.clone() for t in opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]]
+    held = [t.clone() for t in opt._buffers.param_buffers + [h.device for h in opt.shard_state.held.values() if h.kind == "main_params"]]
     steps = dict(opt.param_steps)
     {"float": model.float, "double": lambda: model.to(torch.float64), "half": model.half}[move]()
     # d (fp16) is first to get a gradient; "half" leaves it as it was and moves a, b, c.
@@ -184,7 +184,7 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     with pytest.raises(ParamMovedError, match=r"'a\.weight'"):
         opt.reload_model_params()
     assert opt.param_steps == steps  # the failed step changed nothing
-    now = opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]
+    now = opt._buffers.param_buffers + [h.device for h in opt.shard_state.held.values() if h.kind == "main_params"]
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, now))
 
 

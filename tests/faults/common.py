@@ -63,13 +63,13 @@ def snapshot(model: nn.Module, opt: DistributedOptimizer,
              rng: bool = True) -> dict[str, torch.Tensor]:
     """Copies of everything a load may touch on this rank."""
     out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for s in opt.shards:
+    for s in opt.shard_state.shards:
         for name in STATE_NAMES:
             where = f"{s.fqn}.{name}@{s.range_param.start}"
-            if name == "master_param" or (opt.has_moments and not opt.config.lowprec_moments):
-                out[where] = opt.state_view(name, s).clone()
-            elif opt.has_moments:  # as stored: values (and 8-bit scales)
-                m = opt.moment_view(name, s)
+            if name == "master_param" or (opt.shard_state.has_moments and not opt.config.lowprec_moments):
+                out[where] = opt.shard_state.view(name, s).clone()
+            elif opt.shard_state.has_moments:  # as stored: values (and 8-bit scales)
+                m = opt.shard_state.moment(name, s)
                 out[where] = m.values.clone()
                 if m.scales is not None:
                     out[f"{where}.scale"] = m.scales.clone()

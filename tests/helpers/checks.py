@@ -149,13 +149,13 @@ def snapshot_bytes(model: nn.Module, opt: DistributedOptimizer) -> int:
     their dtypes and three fp32 states per shard (an fp32 param's main param is the param
     itself, copied once), and on rank 0 the frozen tensors and buffers. The RNG state is not
     copied: torch returns it as a new tensor at the call."""
-    fp32 = sum(s.range_param.size for s in opt.shards
+    fp32 = sum(s.range_param.size for s in opt.shard_state.shards
                if opt.layout.buffers[s.buffer_index].dtype == torch.float32)
-    state = sum(s.range_param.size for s in opt.shards) * 3 * 4
+    state = sum(s.range_param.size for s in opt.shard_state.shards) * 3 * 4
     model_bytes = sum(s.range_param.size * opt.layout.buffers[s.buffer_index].dtype.itemsize
-                      for s in opt.shards) - fp32 * 4
+                      for s in opt.shard_state.shards) - fp32 * 4
     frozen = 0
-    if opt.dp.rank == 0:
+    if opt.shard_state.dp.rank == 0:
         tensors = importlib.import_module("shardopt.checkpoint.state").frozen_tensors(model, opt)
         frozen = sum(t.numel() * t.element_size() for t in tensors.values())
     return state + model_bytes + frozen

@@ -128,8 +128,8 @@ def train(model: nn.Module, opt: DistributedOptimizer, steps: range, rank: int,
 def live_optimizer_state(opt: DistributedOptimizer) -> list[tuple[str, int, int, dict]]:
     """This rank's shards of every state tensor: ``(fqn, start, end, {name: tensor})``."""
     return [(s.fqn, s.range_param.start, s.range_param.end,
-             {n: opt.state_view(n, s).detach().cpu().clone() for n in STATE_NAMES})
-            for s in opt.shards]
+             {n: opt.shard_state.view(n, s).detach().cpu().clone() for n in STATE_NAMES})
+            for s in opt.shard_state.shards]
 
 
 @dataclasses.dataclass(frozen=True)

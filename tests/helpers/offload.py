@@ -48,7 +48,7 @@ def train(model: nn.Module, opt: DistributedOptimizer, steps: int, offload_at: t
     makes a round trip (``cycle(model, opt)`` between offload and onload): before the
     forward, or with ``after_backward`` between backward (its reductions maybe still in
     flight) and ``step()``."""
-    device = opt.device
+    device = opt.shard_state.device
     losses = []
     for i in range(steps):
         if i in offload_at and not (accumulate or after_backward):
@@ -77,9 +77,9 @@ def train(model: nn.Module, opt: DistributedOptimizer, steps: int, offload_at: t
 
 def state_of(model: nn.Module, opt: DistributedOptimizer) -> dict[str, torch.Tensor]:
     """Every param and this rank's main params and moments, copied."""
-    opt.finish_param_sync()
+    opt.shard_state.finish_param_sync()
     out = {f"p.{n}": p.detach().clone() for n, p in model.named_parameters()}
-    for s in opt.shards:
+    for s in opt.shard_state.shards:
         for name in ("master_param", "exp_avg", "exp_avg_sq"):
-            out[f"{s.fqn}.{name}"] = opt.state_view(name, s).clone()
+            out[f"{s.fqn}.{name}"] = opt.shard_state.view(name, s).clone()
     return out

@@ -62,8 +62,8 @@ def test_offload_returns_device_memory_and_reuses_pinned_host_buffers(allocator_
     (x @ x.T).sum().item()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved() - sum(
-        t.untyped_storage().nbytes() for t in opt.buffers.param_buffers + opt.buffers.grad_buffers
-        + [m for m in opt.main_params if m is not None])
+        t.untyped_storage().nbytes() for t in opt._buffers.param_buffers + opt._buffers.grad_buffers
+        + [h.device for h in opt.shard_state.held.values() if h.kind == "main_params"])
     for cycle in range(3):
         model(x).float().square().mean().backward()
         opt.step()
@@ -76,10 +76,9 @@ def test_offload_returns_device_memory_and_reuses_pinned_host_buffers(allocator_
         # fresh process with just a CUDA context reserves nothing at all
         assert torch.cuda.memory_reserved() - base <= 16 << 20
         assert held - torch.cuda.memory_reserved() >= 8 * sum(p.numel() for p in ref)
-        addresses = sorted(t.data_ptr() for ts in opt._host._copies.values() for t in ts
-                           if t is not None)
-        assert all(t.is_pinned() for ts in opt._host._copies.values() for t in ts
-                   if t is not None)
+        hosts = [h.host for h in opt.shard_state.held.values() if h.host is not None]
+        addresses = sorted(t.data_ptr() for t in hosts)
+        assert hosts and all(t.is_pinned() for t in hosts)
         if cycle:
             assert addresses == first  # noqa: F821 - the same host buffers every cycle
         first = addresses
@@ -87,7 +86,7 @@ def test_offload_returns_device_memory_and_reuses_pinned_host_buffers(allocator_
         for p, r in zip(model.parameters(), ref):
             assert torch.equal(p.cpu(), r)
         segments = {s["address"]: s for s in torch.cuda.memory_snapshot()}
-        for t in opt.buffers.param_buffers:
+        for t in opt._buffers.param_buffers:
             seg = max((a for a in segments if a <= t.data_ptr()), default=None)
             assert seg is not None and t.data_ptr() < seg + segments[seg]["total_size"]
             assert segments[seg].get("is_expandable", False) == allocator_expandable, \
@@ -125,7 +124,7 @@ def test_weights_written_while_params_are_offloaded_are_an_error_not_lost():
     model.load_state_dict(written)
     with pytest.raises(OffloadError, match=r"'up.weight'.*written.*offloaded"):
         opt.onload()
-    assert opt.offloaded == ()
+    assert opt.shard_state.offloaded == ()
     losses = []
     for i in (2, 3):  # as if nothing had been written
         x, y = batch(i)
@@ -160,8 +159,8 @@ def test_reload_model_params_while_params_are_offloaded_is_refused():
         p.data.fill_(0.5)
     opt.reload_model_params()
     opt.onload()
-    for s in opt.shards:
-        assert bool((opt.state_view("master_param", s) == 0.5).all())
+    for s in opt.shard_state.shards:
+        assert bool((opt.shard_state.view("master_param", s) == 0.5).all())
 
 
 def test_onload_copies_by_kernel_unless_the_allocator_has_expandable_segments(monkeypatch):

@@ -23,7 +23,7 @@ from shardopt.pinned import PinnedBuffer
 def check_refusals(model, opt):
     """While offloaded: forward and step raise, state still readable from host copies."""
     with pytest.raises(OffloadError, match=r"forward of module '<root>'.*onload\(\)"):
-        model(torch.zeros(2, 8, device=opt.device))
+        model(torch.zeros(2, 8, device=opt.shard_state.device))
     with pytest.raises(OffloadError, match=r"step\(\).*offloaded"):
         opt.step()
     with pytest.raises(OffloadError, match="already offloaded"):
@@ -53,9 +53,9 @@ def test_onload_refuses_an_unknown_way_to_copy_and_stays_offloaded():
     opt.offload()
     with pytest.raises(OffloadError, match=r"onload\(copy='dma'\): choose from"):
         opt.onload(copy="dma")
-    assert opt.offloaded  # nothing moved
+    assert opt.shard_state.offloaded  # nothing moved
     opt.onload(copy="copy_engine")
-    assert not opt.offloaded
+    assert not opt.shard_state.offloaded
 
 
 def test_pending_accumulated_grads_survive_a_round_trip():
@@ -72,13 +72,13 @@ def test_state_reads_come_from_host_copies_and_params_are_unusable_meanwhile():
     train(model, opt, 2)
     before = state_of(model, opt)
     opt.offload()
-    assert opt.offloaded == ("moments", "main_params", "grads", "params")
+    assert opt.shard_state.offloaded == ("moments", "main_params", "grads", "params")
     # on CPU the live tensors are poisoned, so nothing can read them by accident
     assert all(torch.isnan(p).all() for p in model.parameters())
     assert_tensors_equal({k: v for k, v in before.items() if not k.startswith("p.")},
                 {k: v for k, v in state_of(model, opt).items() if not k.startswith("p.")})
     opt.onload()
-    assert opt.offloaded == ()
+    assert opt.shard_state.offloaded == ()
     assert_tensors_equal(state_of(model, opt), before)
     opt.onload()  # nothing offloaded: a no-op
 
@@ -99,24 +99,24 @@ def test_partial_offload_keeps_forward_and_refuses_step_only():
         opt.offload(())
     with pytest.raises(OffloadError, match=r"offload\(what=None\): give kinds"):
         opt.offload(None)
-    assert opt.offloaded == ()
+    assert opt.shard_state.offloaded == ()
 
 
 def test_a_failed_offload_changes_nothing(monkeypatch):
     model, opt = make()
     train(model, opt, 2)
     before = state_of(model, opt)
-    real = opt._host._host_copies
+    real = opt._host._host_copy
 
-    def fail_on_params(kind, live):
-        if kind == "params":
+    def fail_on_params(name):
+        if name.startswith("params."):
             raise MemoryError("host memory exhausted")
-        return real(kind, live)
+        return real(name)
 
-    monkeypatch.setattr(opt._host, "_host_copies", fail_on_params)
+    monkeypatch.setattr(opt._host, "_host_copy", fail_on_params)
     with pytest.raises(MemoryError):
         opt.offload()
-    assert opt.offloaded == ()
+    assert opt.shard_state.offloaded == ()
     assert_tensors_equal(state_of(model, opt), before)
     model(torch.zeros(2, 8))  # no guard left behind
     opt.offload(("grads",))
@@ -198,7 +198,7 @@ def test_low_memory_resume_then_offload_continues_bitwise(tmp_path):
     ref_losses = train(model, opt, 3)
     model2, opt2 = make()
     checkpoint.load(tmp_path, model2, opt2, low_memory_resume=True)
-    assert opt2._host.staged is not None
+    assert opt2.shard_state.held["exp_avg.0"].where == "staged"
     opt2.offload()
     # Saved while offloaded with the moments still staged by the load: the same state.
     exports = []
@@ -243,9 +243,9 @@ def test_release_host_memory_reallocates_on_the_next_offload():
     opt.offload()
     opt.onload()
     kept = opt._host.host_bytes()
-    assert kept == sum(t.numel() * t.element_size() for t in
-                       opt.buffers.param_buffers + [m for m in opt.main_params if m is not None]
-                       + opt.moments.tensors())  # grads were not pending
+    assert kept == sum(h.device.numel() * h.device.element_size()
+                       for h in opt.shard_state.held.values()
+                       if h.kind != "grads")  # grads were not pending
     opt.release_host_memory()
     assert opt._host.host_bytes() == 0
     ref_model, ref_opt = make()

@@ -1,6 +1,7 @@
 """The background half of asynchronous saves: one optimizer's saves (:class:`Saves`, in
-``opt.attachments`` from its first asynchronous save, closed by :mod:`.shutdown`), the
-handle of the save in flight, and the gloo coordination group their exchanges run on.
+``opt.shard_state.attachments`` from its first asynchronous save, closed by
+:mod:`.shutdown`), the handle of the save in flight, and the gloo coordination group their
+exchanges run on.
 
 One save of an optimizer is in flight at a time: its next ``save``, a ``checkpoint.load``
 into it and the interpreter's exit wait for it. Its error is kept until someone sees it:
@@ -29,7 +30,7 @@ from . import shutdown, writer_process
 from .agree import CheckpointError
 from .snapshot import Snapshot
 
-_KEY = "shardopt.checkpoint.background"  # this module's entry in opt.attachments
+_KEY = "shardopt.checkpoint.background"  # this module's entry in shard_state.attachments
 log = logging.getLogger("shardopt.checkpoint")
 
 
@@ -165,9 +166,10 @@ class Saves:
 
 def of(opt: DistributedOptimizer) -> Saves:
     """``opt``'s :class:`Saves`, made at the first call and closed with ``opt``."""
-    saves = opt.attachments.get(_KEY)
+    attachments = opt.shard_state.attachments
+    saves = attachments.get(_KEY)
     if saves is None:
-        saves = opt.attachments[_KEY] = Saves(opt.device)
+        saves = attachments[_KEY] = Saves(opt.shard_state.device)
         shutdown.close_with(opt, saves.close)
     return saves
 
@@ -175,7 +177,7 @@ def of(opt: DistributedOptimizer) -> Saves:
 def wait_pending(opt: DistributedOptimizer) -> None:
     """Wait for ``opt``'s save in flight, leaving its error to be reported by wait() or the
     next save (``load`` calls this: it may read what that save writes)."""
-    saves = opt.attachments.get(_KEY)
+    saves = opt.shard_state.attachments.get(_KEY)
     if saves is not None and saves.pending is not None:
         saves.pending._thread.join()
 

@@ -283,7 +283,7 @@ def _delete(paths: list[Path]) -> None:
 @dataclass(frozen=True)
 class Resumed:
     """A checkpoint a run resumed from (``checkpoint.load``): its saves may roll the root
-    back (held by the optimizer as ``loaded_from``)."""
+    back (held by the optimizer as ``shard_state.loaded_from``)."""
 
     root: Path  # resolved
     step: int

@@ -50,7 +50,7 @@ def plan(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], files: Dat
         enc = saved[name]
         if enc == mine[name]:
             continue
-        for s in opt.shards:
+        for s in opt.shard_state.shards:
             r = s.range_param
             values = torch.empty(r.size, dtype=enc.dtype)
             reads += files.reads(f"{s.fqn}.{name}", r, values, in_place=False)

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from .. import moments as moments_
 from ..config import GROUP_KEYS, dtype_name
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
@@ -96,16 +95,16 @@ def load(
     in host memory until the first ``step()``; ``config`` sets the rest (verification,
     threads, staging, hyperparameters: :class:`~.config.CheckpointConfig`). On any error
     every rank raises a :class:`CheckpointError` and model and optimizer are left as they
-    were. The optimizer records where it resumed from (``loaded_from``): its saves may roll
-    that root back.
+    were. The optimizer records where it resumed from (``shard_state.loaded_from``): its
+    saves may roll that root back.
     """
     background.wait_pending(optimizer)  # it may write what this reads, and read what this writes
-    dp = optimizer.dp
-    optimizer.finish_param_sync()  # no all-gather may still write into params being loaded
+    dp = optimizer.shard_state.dp
+    optimizer.shard_state.finish_param_sync()  # no all-gather may write into loaded params
     what = f"loading {root_or_path}"
     mine, found, error = None, None, None
     try:
-        optimizer.check_model(model)
+        optimizer.shard_state.check_model(model)
         cfg = settings(config, low_memory_resume=low_memory_resume)
         host = bool(optimizer.config.low_memory_resume if low_memory_resume is None
                     else low_memory_resume)
@@ -135,7 +134,7 @@ def load(
     try:
         plan.read_in_place()
         # Inside the agreement: a rank that fails converting (out of memory, say) must not
-        # leave the others in the all-gather of adopt_state.
+        # leave the others in the all-gather of shard_state.adopt.
         convert.apply(optimizer, dict(plan.manifest.moments), plan.pieces, plan.moments,
                       str(plan.manifest.path))
     except Exception as e:  # noqa: BLE001 - the file changed after it was verified
@@ -144,7 +143,7 @@ def load(
         plan.files.close()
     agree(dp, error, f"reading {plan.manifest.path}")
 
-    optimizer.adopt_state(plan.moments, plan.steps, on_host=host)
+    optimizer.shard_state.adopt(plan.moments, plan.steps, on_host=host)
     for group, saved in zip(optimizer.param_groups, plan.hparams):
         group.update(saved)  # as torch's load_state_dict does: lr & co. resume as saved
     if "torch_cpu" in plan.rng:
@@ -152,7 +151,7 @@ def load(
     if "torch_cuda" in plan.rng:
         torch.cuda.set_rng_state(plan.rng["torch_cuda"])
     m = plan.manifest
-    optimizer.loaded_from = commit.Resumed(m.path.parent.resolve(), m.step)
+    optimizer.shard_state.loaded_from = commit.Resumed(m.path.parent.resolve(), m.step)
     return LoadInfo(m.step, dict(m.extra), str(m.path), m.dp_size)
 
 
@@ -199,12 +198,13 @@ def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, ver
              host: bool, staging_bytes: int, threads: int, keep_hyper: bool) -> _Plan:
     """Coordinator-free. Step 4: every check of a load of ``m``, and what it reads before
     writing."""
-    opt.check_onloaded("checkpoint.load")
+    opt.shard_state.check_onloaded("checkpoint.load")
     _check_compatible(m, model, opt)
     steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
     hparams = [{} for _ in opt.param_groups] if keep_hyper else _group_hyperparameters(m, opt)
-    moments, fresh = moments_.load_target(opt, host)
-    rng_file = data_file_name("rng", opt.dp.rank) if m.dp_size == opt.dp.size else None
+    moments, fresh = opt.shard_state.load_target(host)
+    dp = opt.shard_state.dp
+    rng_file = data_file_name("rng", dp.rank) if m.dp_size == dp.size else None
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
     try:
         reads: list[Read] = []
@@ -276,7 +276,7 @@ def _group_hyperparameters(m: Manifest, opt: DistributedOptimizer) -> list[dict[
     out: list[dict[str, Any]] = []
     seen: dict[str, tuple[str, Any]] = {}  # saved values but lr -> first FQN, current values
     for group in opt.param_groups:
-        fqns = [opt.fqn_of[p] for p in group["params"]]
+        fqns = [opt.shard_state.fqn_of[p] for p in group["params"]]
         saved = [m.params[fqn].hyper for fqn in fqns]
         odd = next((f for f, s in zip(fqns, saved) if s != saved[0]), None)
         if odd is not None:
@@ -306,6 +306,7 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
     """Every tensor of the model is in the checkpoint with its shape, and nothing else is.
     Reports every mismatching FQN (up to ten), not just the first."""
     frozen = state.frozen_tensors(model, opt)
+    aliases = opt.shard_state.aliases
     current = {fqn: (tuple(s.shape), True) for fqn, s in opt.layout.slots.items()}
     current.update({fqn: (tuple(t.shape), False) for fqn, t in frozen.items()})
     problems = []
@@ -325,16 +326,16 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
             problems.append(f"param {fqn!r} is trainable but the checkpoint holds no "
                             "optimizer state for it (it was frozen when saved)")
     problems += [f"checkpoint param {fqn!r} does not exist in the model"
-                 for fqn in m.params if fqn not in current and fqn not in opt.aliases
+                 for fqn in m.params if fqn not in current and fqn not in aliases
                  and fqn not in m.aliases.values()]
     for alias, target in m.aliases.items():  # current names were checked above
-        if alias not in current and opt.aliases.get(alias) != target:
+        if alias not in current and aliases.get(alias) != target:
             problems.append(f"checkpoint param {alias!r} (tied to {target!r}) "
-                            + (f"is tied to {opt.aliases[alias]!r} in the model"
-                               if alias in opt.aliases else "does not exist in the model"))
+                            + (f"is tied to {aliases[alias]!r} in the model"
+                               if alias in aliases else "does not exist in the model"))
     cast = [f"{fqn} ({dtype_name(m.params[fqn].dtype)} -> {dtype_name(t.dtype)})"
             for fqn, t in frozen.items() if fqn in m.params and m.params[fqn].dtype != t.dtype]
-    if cast and not problems and opt.dp.rank == 0:  # model.load_state_dict casts silently
+    if cast and not problems and opt.shard_state.dp.rank == 0:  # load_state_dict casts silently
         log.warning("loading %s: %d frozen tensor(s) stored in another dtype are cast into "
                     "the model's: %s", m.path, len(cast), ", ".join(cast[:5]))
     if problems:

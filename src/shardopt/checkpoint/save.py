@@ -125,8 +125,8 @@ def save(
     ``config.snapshot`` (GPU only): where the copy goes, ``"host"`` or ``"device_staged"``;
     :func:`prepare` allocates it ahead of the first such save.
     """
-    dp = optimizer.dp
-    optimizer.finish_param_sync()  # frozen and trainable params as the last step left them
+    dp = optimizer.shard_state.dp
+    optimizer.shard_state.finish_param_sync()  # the params as the last step left them
     root = Path(root)
     what = f"saving step {step!r} to {root}"
     staged: commit.Staged | None = None
@@ -140,7 +140,7 @@ def save(
             error = saves.settle(cfg.if_busy)
             if error is None:
                 frozen = state.frozen_tensors(model, optimizer, check_model=True)
-                optimizer.reseed_written()  # saved main params are the weights written since
+                optimizer.shard_state.reseed_written()  # main params: the weights written since
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
                 if blocking:
@@ -150,8 +150,9 @@ def save(
                                                      cfg.snapshot == "device_staged")
                 if dp.rank == 0:
                     base = _manifest_base(optimizer, step, extra_obj, frozen)
+                    resumed = optimizer.shard_state.loaded_from
                     staged = commit.begin(root, step_dir_name(step), 0 if cfg.rollback else
-                                          commit.resumed_step(optimizer.loaded_from, root))
+                                          commit.resumed_step(resumed, root))
         except Exception as e:  # noqa: BLE001 - reported to every rank by agree
             error = e
         payloads = agree(dp, error, what, (step if error is None else None, blocking,
@@ -165,7 +166,7 @@ def save(
         rank = dp.rank
         if blocking:
             _write_and_commit(tmp, staged, _split(contents, rank, threads), base, dp, cfg,
-                              keep_last, threads, optimizer.device, step, what)
+                              keep_last, threads, optimizer.shard_state.device, step, what)
             return path
         try:
             group = saves.coordination_group(dp)
@@ -177,8 +178,9 @@ def save(
 
         # A staged device snapshot goes out through pinned staging, on a stream of its own:
         # the background thread's current stream would be training's default stream.
-        staged_out = cfg.snapshot == "device_staged" and optimizer.device.type == "cuda"
-        device = optimizer.device if staged_out else torch.device("cpu")
+        staged_out = (cfg.snapshot == "device_staged"
+                      and optimizer.shard_state.device.type == "cuda")
+        device = optimizer.shard_state.device if staged_out else torch.device("cpu")
         stream = torch.cuda.Stream(device) if staged_out else None
         snap = saves.snapshot
 
@@ -221,26 +223,26 @@ def prepare(model: torch.nn.Module, optimizer: DistributedOptimizer,
     nothing. Out of host memory: :class:`CheckpointError` naming the rank and the bytes,
     and no snapshot memory held. What it holds and when it is freed: docs/async_save.md,
     First save."""
-    cfg = settings(config)
+    cfg, st = settings(config), optimizer.shard_state
     frozen = state.frozen_tensors(model, optimizer, check_model=True)
     background.wait_pending(optimizer)  # its drain and writer use the buffers
     snap = background.of(optimizer).snapshot
-    if cfg.snapshot == "device_staged" and optimizer.device.type == "cuda":
+    cuda = st.device.type == "cuda"
+    if cfg.snapshot == "device_staged" and cuda:
         nbytes, kind = _staging_layout(cfg)[0], "staging buffer"
         allocate = functools.partial(snap.staging, nbytes)
     else:
         sizes = buffer_sizes(_snapshot_extents(optimizer, frozen))
         nbytes, kind = sum(n * d.itemsize for d, n in sizes.items()), "host snapshot"
         allocate = functools.partial(snap.prepare, sizes)
-    cuda = optimizer.device.type == "cuda"
     try:  # registered for the optimizer's device (its context), whichever is current
-        with torch.cuda.device(optimizer.device) if cuda else nullcontext():
+        with torch.cuda.device(st.device) if cuda else nullcontext():
             allocate()
         return
     except Exception as e:  # noqa: BLE001 - raised below, without the frames that hold memory
         reason = f"{type(e).__name__}: {e}"
     raise CheckpointError(
-        f"[dp rank {optimizer.dp.rank}] checkpoint.prepare: allocating the {kind} of "
+        f"[dp rank {st.dp.rank}] checkpoint.prepare: allocating the {kind} of "
         f"asynchronous saves, {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of "
         f"{'page-locked ' if cuda else ''}host memory, failed "
         f"({reason}); none is held. Free host memory, or save with "
@@ -259,10 +261,10 @@ def _snapshot_extents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
     """Coordinator-free. Where the sources of what an asynchronous save of this rank
     snapshots (:func:`_state_contents`) lie once the first step has allocated the moments:
     before it, each moment (and its int8 scales) of each layout buffer as a storage yet to
-    be allocated, each shard's piece at its local range (as ``opt.moment_view``)."""
+    be allocated, each shard's piece at its local range (as ``shard_state.moment``)."""
     out = [Extent.of(e.source) for job in _state_contents(opt, frozen) for e in job.entries
            if e.source is not None]
-    if opt.has_moments:
+    if opt.shard_state.has_moments:
         return out
     storages: dict[tuple[str, int, str], int] = {}  # (moment, buffer, part) -> its name
 
@@ -271,7 +273,7 @@ def _snapshot_extents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
         return Extent(storage, dtype, r.start, r.size)
 
     for name, enc in state.encodings(opt).items():
-        for s in opt.shards:
+        for s in opt.shard_state.shards:
             out.append(piece(name, s, "values", enc.dtype, s.range_local))
             if enc.block:
                 out.append(piece(name, s, "scales", torch.float32,
@@ -311,7 +313,8 @@ def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
 
 
 def _rng_job(opt: DistributedOptimizer) -> Job:
-    return Job(data_file_name("rng", opt.dp.rank), _rng_entries())  # new tensors: no snapshot
+    rank = opt.shard_state.dp.rank
+    return Job(data_file_name("rng", rank), _rng_entries())  # new tensors: no snapshot
 
 
 def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
@@ -331,7 +334,7 @@ def _take_snapshot(saves: background.Saves, opt: DistributedOptimizer,
     snap, sources = saves.snapshot, state.sources(opt, frozen)
     # Buffers (not params) are what a forward may update in place while the copies run.
     hot = {t.untyped_storage().data_ptr() for t in frozen.values()
-           if not isinstance(t, torch.nn.Parameter)} if opt.dp.rank == 0 else set()
+           if not isinstance(t, torch.nn.Parameter)} if opt.shard_state.dp.rank == 0 else set()
     again = snap.retake(sources, on_device, hot)
     jobs, drain = again if again is not None else \
         snap.take(_state_contents(opt, frozen), on_device, sources, hot)
@@ -392,7 +395,7 @@ def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "step": step,
-        "dp_size": opt.dp.size,
+        "dp_size": opt.shard_state.dp.size,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "torch_version": torch.__version__,
         "optimizer": {"kind": OPTIMIZER_KIND, "state": list(STATE_NAMES),
@@ -400,7 +403,7 @@ def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
         "config": opt.config.to_dict(),
     }
     facts = state.ParamFacts.capture(opt, frozen)
-    tail = {"aliases": dict(opt.aliases), "extra": extra}
+    tail = {"aliases": dict(opt.shard_state.aliases), "extra": extra}
     return lambda: {**head, "params": state.describe(opt, facts), **tail}
 
 

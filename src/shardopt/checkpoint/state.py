@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import guards
-from .. import moments as moments_
 from ..config import GROUP_KEYS
 from ..layout import Range
 from ..moments import NAMES as MOMENT_NAMES
@@ -49,7 +47,7 @@ class Destination:
 def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer,
                    check_model: bool = False) -> dict[str, torch.Tensor]:
     """State-dict tensors the optimizer does not own (frozen params, persistent buffers).
-    With ``check_model``, also :func:`~shardopt.guards.check_model` on the params the same
+    With ``check_model``, also ``shard_state.check_model`` on the params the same
     walk of the model found (one walk instead of two: an asynchronous save's call)."""
     sd = model.state_dict(keep_vars=True)
     if check_model:
@@ -57,11 +55,12 @@ def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer,
         for fqn, t in sd.items():
             if isinstance(t, torch.nn.Parameter):
                 params.setdefault(id(t), (fqn, t))
-        guards.check_model(opt, model, params.values())
+        opt.shard_state.check_model(model, params.values())
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for fqn, t in sd.items():
-        if not isinstance(t, torch.Tensor) or fqn in opt.layout.slots or fqn in opt.aliases:
+        if (not isinstance(t, torch.Tensor) or fqn in opt.layout.slots
+                or fqn in opt.shard_state.aliases):
             continue
         if id(t) in seen:
             continue
@@ -98,7 +97,7 @@ def describe(opt: DistributedOptimizer, facts: ParamFacts) -> dict[str, dict]:
             "dtype": dtype_name(opt.layout.buffers[slot.buffer_index].dtype),
             "trainable": True,
             "step": facts.steps[fqn],
-            "group": dict(facts.groups[opt.group_of[fqn]]),
+            "group": dict(facts.groups[opt.shard_state.group_of[fqn]]),
         }
     return table | facts.frozen
 
@@ -106,11 +105,11 @@ def describe(opt: DistributedOptimizer, facts: ParamFacts) -> dict[str, dict]:
 def sources(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
             ) -> dict[str, torch.Tensor]:
     """The flat tensors everything :func:`model_entries` and :func:`optim_entries` write
-    is a view of: the optimizer's :meth:`~DistributedOptimizer.state_sources` and, on rank
+    is a view of: the optimizer's ``shard_state.sources()`` and, on rank
     0, the ``frozen`` tensors (:func:`frozen_tensors`) flattened (a view where they are
     contiguous)."""
-    out = opt.state_sources()
-    if opt.dp.rank == 0:
+    out = opt.shard_state.sources()
+    if opt.shard_state.dp.rank == 0:
         out.update({f"frozen.{fqn}": t.detach().reshape(-1) for fqn, t in frozen.items()})
     return out
 
@@ -121,10 +120,10 @@ def model_entries(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
     ``frozen`` tensors (:func:`frozen_tensors`)."""
     out = [
         WriteEntry(s.fqn, opt.layout.buffers[s.buffer_index].dtype, s.range_param.size,
-                   s.range_param.start, opt.buffers.shard_params(s))
-        for s in opt.shards
+                   s.range_param.start, opt.shard_state.view("params", s))
+        for s in opt.shard_state.shards
     ]
-    if opt.dp.rank == 0:
+    if opt.shard_state.dp.rank == 0:
         for fqn, t in frozen.items():
             out.append(WriteEntry(fqn, t.dtype, t.numel(), 0, t.detach().reshape(-1)))
     return out
@@ -132,7 +131,8 @@ def model_entries(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
 
 def encodings(opt: DistributedOptimizer) -> dict[str, MomentEncoding]:
     """How ``opt`` stores each Adam moment, as a checkpoint records it."""
-    return {name: MomentEncoding.of(kind, name) for name, kind in moments_.kinds(opt).items()}
+    return {name: MomentEncoding.of(kind, name)
+            for name, kind in opt.shard_state.moment_kinds.items()}
 
 
 def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
@@ -140,13 +140,14 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
     their scales under ``"{fqn}.{name}.scale"``); moments are zeros before the first step."""
     out = []
     enc = encodings(opt).get(name)
-    for s in opt.shards:
+    st = opt.shard_state
+    for s in st.shards:
         r = s.range_param
         if enc is None:  # the master param
             out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, r.size, r.start,
-                                  opt.state_view(name, s)))
+                                  st.view(name, s)))
             continue
-        m = opt.moment_view(name, s) if opt.has_moments else None
+        m = st.moment(name, s) if st.has_moments else None
         out.append(WriteEntry(f"{s.fqn}.{name}", enc.dtype, r.size, r.start,
                               None if m is None else m.values))
         if enc.block:  # the piece starts on a block boundary (param_align): whole blocks
@@ -163,9 +164,9 @@ def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
     :mod:`.convert`). Trainable weights are not read: the master params rebuild them."""
     out = []
     mine = encodings(opt)
-    for s in opt.shards:
+    for s in opt.shard_state.shards:
         out.append(Destination(f"{s.fqn}.master_param", s.range_param,
-                               tensor=opt.state_view("master_param", s)))
+                               tensor=opt.shard_state.view("master_param", s)))
         for name in MOMENT_NAMES:
             if saved[name] != mine[name]:
                 continue

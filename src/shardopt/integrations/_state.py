@@ -26,15 +26,15 @@ def check_optimizer(opt: Any, model: torch.nn.Module, world_size: int, fix: str)
     if not isinstance(opt, DistributedOptimizer):
         raise ValueError(f"got a {type(opt).__module__}.{type(opt).__qualname__}, not a "
                          f"shardopt.DistributedOptimizer: {fix}")
-    opt.check_model(model)
+    opt.shard_state.check_model(model)
     if not opt.config.param_grads:  # the frameworks clip, unscale and log p.grad
         raise ValueError(
             f"the DistributedOptimizer has grad_mode={opt.config.grad_mode!r}, which leaves "
             "p.grad None after backward: the framework's clipping, GradScaler and grad-norm "
             "logging would see no gradient. Build it with grad_mode='torch' (the default)")
-    if opt.dp.size != world_size:
+    if opt.shard_state.dp.size != world_size:
         raise ValueError(
-            f"the DistributedOptimizer spans {opt.dp.size} rank(s) but the framework runs "
+            f"the DistributedOptimizer spans {opt.shard_state.dp.size} rank(s) but the framework runs "
             f"{world_size}: it was built before the process group existed, or over another "
             f"group; {fix}")
 

@@ -70,9 +70,9 @@ def prepare_model_and_optimizer(accelerator: Accelerator, model: torch.nn.Module
         raise ValueError("the model is wrapped in DistributedDataParallel (by "
                          f"accelerator.prepare?): {_FIX} with the unwrapped model")
     _state.check_optimizer(optimizer, model, accelerator.num_processes, _FIX)
-    if not _same_device(optimizer.device, accelerator.device):
-        raise ValueError(f"the optimizer's params are on {optimizer.device} but Accelerate "
-                         f"trains on {accelerator.device}: {_FIX}")
+    if not _same_device(optimizer.shard_state.device, accelerator.device):
+        raise ValueError(f"the optimizer's params are on {optimizer.shard_state.device} but "
+                         f"Accelerate trains on {accelerator.device}: {_FIX}")
     model.no_sync = _NoSync(optimizer)
     model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
     wrapped = accelerator.prepare_optimizer(optimizer, device_placement=False)
