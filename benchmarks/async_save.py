@@ -30,8 +30,14 @@ them) and is timed. Phases, each into ``/dev/shm`` and ``/tmp``:
   the one before): throughput against ``none`` (``--every-iters 0``: no such phase).
 
 Every figure is a median with min and max over the phase's iterations or saves (the first
-save, which allocates the snapshot, is reported alone); ``--sparse-saves 6`` gives 5 saves
-after the first.
+save, which allocates the snapshot unless it was prepared, is reported alone);
+``--sparse-saves 6`` gives 5 saves after the first.
+
+Before the shardopt trainer's first iteration, outside every timed region, each rank calls
+``checkpoint.prepare`` once per snapshot kind its shardopt systems save with (the host
+snapshot, or ``device_staged``'s staging buffer, allocated and page-locked ahead of the
+first save); its seconds are in the result (``prepare_s``, by kind). ``--no-prepare``
+leaves the first save to allocate and lock them.
 
 ``--systems megatron`` adds megatron-core's asynchronous ``dist_checkpointing.save`` of its own
 DDP model and distributed optimizer (same preset, same batches, its own training loop and its
@@ -54,8 +60,8 @@ must save and iterate alike: rank 0 decides (the budget's skips, each phase's di
 its number of iterations) and tells the others before the phase, and ``--phase-cap-s``
 becomes a number of iterations agreed up front (from rank 0's baseline and how long its
 writes ran in the phase before) instead of a clock read inside the loop. Every rank
-measures its own phases (``phases_by_rank`` and ``host_rss_peak_bytes_by_rank`` in the
-result; ``phases`` are rank 0's).
+measures its own phases (``phases_by_rank``, ``prepare_s_by_rank`` and
+``host_rss_peak_bytes_by_rank`` in the result; ``phases`` are rank 0's).
 
 Each sparse phase of a shardopt system also checks every asynchronous checkpoint: before
 each save (outside the timed iteration) a blocking save of the same state is written beside
@@ -128,6 +134,14 @@ class ShardoptSaver:
 
     snapshot = "host"
     defaults: tuple[int, int] | None = None  # the library's drain setting, before any sweep
+
+    @classmethod
+    def prepare(cls, model, opt) -> float:
+        """``checkpoint.prepare`` for this system's snapshot kind; its seconds."""
+        from shardopt import checkpoint
+        t0 = time.perf_counter()
+        checkpoint.prepare(model, opt, config=checkpoint.CheckpointConfig(snapshot=cls.snapshot))
+        return time.perf_counter() - t0
 
     def __init__(self, model, opt, root: Path, drain: tuple[int, int] | None = None,
                  verify: bool = False) -> None:
@@ -378,7 +392,8 @@ def _phase(name: str, rows: list[dict], baseline: float | None, rss) -> dict:
         writing = [r["iter_s"] for r in rows if r["writing"] and not r["saved"]]
         out["baseline_iter_s"] = baseline
         if saves:
-            # The first save of a system allocates (and page-locks) its snapshot: apart.
+            # The first save of a system allocates (and page-locks) its snapshot unless it was
+            # prepared: apart.
             out["first_save_stall_s"] = saves[0]["iter_s"] - baseline
             saves = saves[1:] or saves
             # A save called while the previous one still writes waits for it first (the
@@ -473,6 +488,13 @@ class _Trainer:
         setup = _peers.setup_megatron if kind == "megatron" else _peers.setup_shardopt
         self.system = setup(self.model, _peers.Hyper(), device)
         self.opt = self.system.optimizer
+        # checkpoint.prepare's seconds by snapshot kind, before the first iteration.
+        self.prepare_s: dict[str, float] = {}
+        if kind == "shardopt" and args.prepare:
+            for system in args.systems.split(","):
+                saver = SAVERS[system.partition("@")[0]]
+                if issubclass(saver, ShardoptSaver) and saver.snapshot not in self.prepare_s:
+                    self.prepare_s[saver.snapshot] = saver.prepare(self.model, self.opt)
         counter, acc = [0], args.accumulate
         ddp = self.system.wrapped
 
@@ -605,6 +627,7 @@ def _run(rank: int, world: int, args: argparse.Namespace, device: torch.device,
                 shutil.rmtree(root, ignore_errors=True)
     return {"phases": phases, "skipped": skipped,
             "baseline_iter_s_by_trainer": {k: t.baseline for k, t in trainers.items()},
+            "prepare_s": trainers["shardopt"].prepare_s,
             "parameters": _common.param_count(trainers["shardopt"].model)}
 
 
@@ -640,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check each sparse phase's asynchronous checkpoints against a "
                    "blocking save of the same state (byte for byte) and with verify")
+    p.add_argument("--no-prepare", dest="prepare", action="store_false",
+                   help="do not call checkpoint.prepare before training: the first save "
+                   "allocates and page-locks its snapshot")
     p.add_argument("--phase-cap-s", type=float, default=25.0,
                    help="no iteration of a phase starts after this many seconds")
     p.add_argument("--budget-s", type=float, default=250.0,
@@ -680,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     r0 = ranks[0]
     by_rank = {} if args.nproc == 1 else {  # no failed phase at DP > 1: each has its RSS
         "phases_by_rank": [r["phases"] for r in ranks],
+        "prepare_s_by_rank": [r["prepare_s"] for r in ranks],
         "host_rss_peak_bytes_by_rank": [max(ph["host_rss"]["peak_bytes"] for ph in r["phases"])
                                         for r in ranks]}
     doc = {**_common.run_header(device, vars(args)), "benchmark": "async_save",
@@ -687,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
            "baseline_iter_s": r0["baseline_iter_s_by_trainer"]["shardopt"],
            "baseline_iter_s_by_trainer": r0["baseline_iter_s_by_trainer"],
            "phases": r0["phases"], "skipped": r0["skipped"],
-           **by_rank,
+           "prepare_s": r0["prepare_s"], **by_rank,
            "wall_s": time.perf_counter() - started, "pid": os.getpid()}
     ranks_name = f"{args.nproc}gpu" if device.type == "cuda" else (
         "cpu" if args.nproc == 1 else f"cpu_dp{args.nproc}")

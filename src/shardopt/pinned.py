@@ -52,7 +52,11 @@ class PinnedBuffer:
         self._registered: list[tuple[int, int]] = []  # (address, bytes) of each locked range
         self.locked_bytes = 0  # the first bytes locked so far
         if lock:
-            self._register(self.nbytes)
+            try:
+                self._register(self.nbytes)
+            except BaseException:  # nothing stays open or locked behind the error
+                self.release()
+                raise
 
     @property
     def pinned(self) -> bool:

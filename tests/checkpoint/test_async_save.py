@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.checks import checkpoint_bytes, model_state
+from helpers.checks import (SHARED_SNAPSHOTS, checkpoint_bytes, model_state,
+                            new_snapshot_buffers, snapshot_buffers, snapshot_bytes)
 from helpers.dist import device_for, require_world_size, run_distributed
 from helpers.models import build, train
 from shardopt import checkpoint
@@ -234,51 +235,17 @@ def test_snapshot_is_a_copy_that_offload_cannot_touch(trained_model, tmp_path, m
     assert got == want
 
 
-def _snapshot_buffers() -> dict[int, int]:
-    """Bytes of each host buffer of this process's asynchronous saves, by inode: the memfd
-    mappings the writer process reads, sized exactly."""
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed since the listing
-            continue
-        if target.startswith("/memfd:shardopt-snapshot"):
-            st = os.fstat(int(fd))
-            out[st.st_ino] = st.st_size
-    return out
-
-
-def _new_snapshot_buffers(known: dict[int, int]) -> dict[int, int]:
-    return {ino: size for ino, size in _snapshot_buffers().items() if ino not in known}
-
-
-SHARED_SNAPSHOTS = pytest.mark.skipif(not hasattr(os, "memfd_create"),
-                                      reason="the snapshot's shared buffers need memfd")
-
-
 @SHARED_SNAPSHOTS
 def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tmp_path):
     model, opt = trained_model
     gc.collect()  # earlier tests' optimizers and their buffers
-    known = _snapshot_buffers()
+    known = snapshot_buffers()
     checkpoint.save(tmp_path, model, opt, step=2, blocking=False).wait()
-    buffers = _new_snapshot_buffers(known)
-    # Model shards in their dtypes and three fp32 states per shard; an fp32 param's main
-    # param is the param itself, copied once. Frozen tensors and buffers on rank 0.
-    fp32 = sum(s.range_param.size for s in opt.shard_state.shards
-               if opt.layout.buffers[s.buffer_index].dtype == torch.float32)
-    state = sum(s.range_param.size for s in opt.shard_state.shards) * 3 * 4
-    model_bytes = sum(s.range_param.size * opt.layout.buffers[s.buffer_index].dtype.itemsize
-                      for s in opt.shard_state.shards) - fp32 * 4
-    frozen = sum(t.numel() * t.element_size()
-                 for t in importlib.import_module("shardopt.checkpoint.state")
-                 .frozen_tensors(model, opt).values())
-    # The RNG state is not copied: torch returns it as a new tensor at the call.
-    assert sum(buffers.values()) == state + model_bytes + frozen
+    buffers = new_snapshot_buffers(known)
+    assert sum(buffers.values()) == snapshot_bytes(model, opt)
     train(model, opt, range(2, 3), 0, 1)
     checkpoint.save(tmp_path, model, opt, step=3, blocking=False).wait()
-    assert _new_snapshot_buffers(known) == buffers  # the same buffers
+    assert new_snapshot_buffers(known) == buffers  # the same buffers
 
 
 @pytest.mark.cuda
@@ -384,7 +351,7 @@ def test_repeated_saves_reuse_the_snapshot_and_follow_the_state(trained_model, t
     plan). Each checkpoint equals a synchronous save of the same state."""
     model, opt = trained_model
     gc.collect()
-    known = _snapshot_buffers()
+    known = snapshot_buffers()
 
     def both(step):
         sync = checkpoint.save(tmp_path / "sync", model, opt, step=step)
@@ -392,7 +359,7 @@ def test_repeated_saves_reuse_the_snapshot_and_follow_the_state(trained_model, t
         assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
 
     both(2)
-    buffers = _new_snapshot_buffers(known)
+    buffers = new_snapshot_buffers(known)
     assert buffers
     train(model, opt, range(2, 3), 0, 1)
     both(3)
@@ -402,10 +369,10 @@ def test_repeated_saves_reuse_the_snapshot_and_follow_the_state(trained_model, t
     checkpoint.load(tmp_path / "sync", model, opt)  # moments replaced by loaded ones
     train(model, opt, range(4, 5), 0, 1)
     both(5)
-    assert _new_snapshot_buffers(known) == buffers  # one snapshot, its copies repeated
+    assert new_snapshot_buffers(known) == buffers  # one snapshot, its copies repeated
     model.register_buffer("spare", torch.arange(7.0))  # a frozen tensor more: a new plan
     both(6)
-    replanned = _new_snapshot_buffers(known)
+    replanned = new_snapshot_buffers(known)
     assert not replanned.keys() & buffers.keys()
     assert sum(replanned.values()) == sum(buffers.values()) + 7 * 4
 
@@ -435,10 +402,10 @@ def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between(trained_m
     saved as its own elements at the call, whatever is written into the storage after it."""
     model, opt = trained_model
     gc.collect()
-    known = _snapshot_buffers()
+    known = snapshot_buffers()
     k = 1024
     checkpoint.save(tmp_path / "first", model, opt, step=1, blocking=False).wait()
-    before = sum(_new_snapshot_buffers(known).values())
+    before = sum(new_snapshot_buffers(known).values())
     base = torch.arange(40 * k, dtype=torch.float32)
     other = torch.arange(100 * k, 110 * k, dtype=torch.float32)
     views = [base[0:10 * k], base[10 * k:16 * k], base[12 * k:20 * k], base[30 * k:40 * k],
@@ -450,7 +417,7 @@ def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between(trained_m
     base.zero_()  # after the call: the checkpoint holds the elements as they were
     other.zero_()
     assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(sync))
-    grown = sum(_new_snapshot_buffers(known).values()) - before
+    grown = sum(new_snapshot_buffers(known).values()) - before
     assert grown == (20 + 10 + 3) * k * 4  # [0, 20), [30, 40) of base, 3 k of other; no gap
 
 

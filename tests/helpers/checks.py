@@ -1,8 +1,10 @@
 """Comparisons the test modules share: raw bits, dicts of tensors, a checkpoint's bytes, an
-export, and an optimizer's whole state gathered from every rank."""
+export, an optimizer's whole state gathered from every rank, and the host buffers of
+asynchronous saves."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -116,3 +118,44 @@ def assert_trains_as_reference(ours: dict[str, Any], ref: dict[str, Any],
     assert max(ref["norms"]) > clip  # clipping changed the steps
     assert max_diff(ours["params"], ref["params"]) <= tol
     assert max_diff(ours["params"], rank0["params"]) == 0  # the ranks agree
+
+
+def snapshot_buffers() -> dict[int, int]:
+    """Bytes of each host buffer of this process's asynchronous saves, by inode: the memfd
+    mappings the writer process reads, sized exactly."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith("/memfd:shardopt-snapshot"):
+            st = os.fstat(int(fd))
+            out[st.st_ino] = st.st_size
+    return out
+
+
+def new_snapshot_buffers(known: dict[int, int]) -> dict[int, int]:
+    """:func:`snapshot_buffers` not in ``known`` (an earlier listing)."""
+    return {ino: size for ino, size in snapshot_buffers().items() if ino not in known}
+
+
+SHARED_SNAPSHOTS = pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                      reason="the snapshot's shared buffers need memfd")
+
+
+def snapshot_bytes(model: nn.Module, opt: DistributedOptimizer) -> int:
+    """Bytes of the host snapshot of one rank's state with fp32 moments: its model shards in
+    their dtypes and three fp32 states per shard (an fp32 param's main param is the param
+    itself, copied once), and on rank 0 the frozen tensors and buffers. The RNG state is not
+    copied: torch returns it as a new tensor at the call."""
+    fp32 = sum(s.range_param.size for s in opt.shard_state.shards
+               if opt.layout.buffers[s.buffer_index].dtype == torch.float32)
+    state = sum(s.range_param.size for s in opt.shard_state.shards) * 3 * 4
+    model_bytes = sum(s.range_param.size * opt.layout.buffers[s.buffer_index].dtype.itemsize
+                      for s in opt.shard_state.shards) - fp32 * 4
+    frozen = 0
+    if opt.shard_state.dp.rank == 0:
+        tensors = importlib.import_module("shardopt.checkpoint.state").frozen_tensors(model, opt)
+        frozen = sum(t.numel() * t.element_size() for t in tensors.values())
+    return state + model_bytes + frozen

@@ -1,8 +1,8 @@
 """Checkpoints: name-keyed, reshardable, pickle-free save and resume.
 
 ``save`` and ``load`` are collective over the optimizer's DP group (``save`` may finish
-in the background: ``blocking=False``); ``latest``,
-``export``, ``inspect`` and ``verify`` run in a single process.
+in the background: ``blocking=False``; ``prepare`` allocates its snapshot ahead, each rank
+its own); ``latest``, ``export``, ``inspect`` and ``verify`` run in a single process.
 How the threads, process and process groups of asynchronous saves end: :mod:`.shutdown`.
 """
 
@@ -13,7 +13,7 @@ from .config import SNAPSHOTS, CheckpointConfig
 from .export import export, inspect, verify
 from .format import FormatError
 from .load import LoadInfo, load
-from .save import save
+from .save import prepare, save
 
 __all__ = ["SNAPSHOTS", "CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo",
-           "SaveHandle", "export", "inspect", "latest", "load", "save", "verify"]
+           "SaveHandle", "export", "inspect", "latest", "load", "prepare", "save", "verify"]

@@ -7,14 +7,17 @@ filled by a :class:`~.drain.Drain`. ``"device_staged"``: spare GPU memory copied
 call, streamed to the files through one small page-locked buffer (:meth:`Snapshot.staging`).
 Each run of adjacent elements of the flat tensors the state lives in is one copy; a later
 save of tensors of the same names, sizes and dtypes repeats them (:meth:`Snapshot.retake`).
+:meth:`Snapshot.prepare` allocates (and page-locks) the host buffers ahead of the first save,
+sized by :func:`buffer_sizes` (docs/async_save.md, First save).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +51,7 @@ class Snapshot:
         self._stream: torch.cuda.Stream | None = None
         self._plan: _Plan | None = None  # the last take, to repeat with the same buffers
         self._waits_logged = False
+        self._prepared = False  # the host buffers held are prepare()'s, no take has differed
 
     def nbytes(self) -> int:
         """Memory the snapshot holds (kept between saves), on the device or the host."""
@@ -68,17 +72,44 @@ class Snapshot:
         """A page-locked, shared host buffer of ``nbytes`` that ``"device_staged"`` saves
         stream the device copy through, kept and reused while the size stays."""
         if self._staging is None or self._staging.nbytes != nbytes:
-            self._release([self._staging] if self._staging is not None else [])
+            old, self._staging = self._staging, None
+            self._release([old] if old is not None else [])
             self._staging = pinned.PinnedBuffer(nbytes, torch.uint8, shared=self.shared,
                                                 lock=self.cuda)
         return self._staging
 
+    def prepare(self, sizes: dict[torch.dtype, int]) -> None:
+        """Host buffers of ``sizes`` (elements by dtype: :func:`buffer_sizes`), page-locked
+        now on a GPU, for the next :meth:`take` whose buffers have those sizes; those held
+        are kept where they have them. All or nothing: where an allocation fails, no host
+        buffer is held and its error is raised."""
+        try:
+            if self.on_device or self._held_sizes() != sizes:
+                self._free(staging=False)
+                self._fill(sizes, on_device=False, lock=self.cuda)
+            elif self.cuda:  # a save's drain may have left them partly locked
+                for buf in self._host.values():
+                    buf.lock_to(buf.nbytes)
+        except BaseException:
+            self._free(staging=False)
+            raise
+        self._prepared = True
+
     def release(self) -> None:
         """Free every buffer (after the copies queued into them)."""
+        self._free(staging=True)
+
+    def _free(self, staging: bool) -> None:
+        """Free the buffers of the takes (after the copies queued into them), and with
+        ``staging`` the staging buffer."""
         if self._stream is not None:
             self._stream.synchronize()
-        self._release([*self._host.values(), *([self._staging] if self._staging else [])])
-        self._buffers, self._host, self._plan, self._staging = {}, {}, None, None
+        held = [*self._host.values()]
+        if staging and self._staging is not None:
+            held.append(self._staging)
+            self._staging = None
+        self._release(held)
+        self._buffers, self._host, self._plan, self._prepared = {}, {}, None, False
 
     def _release(self, buffers: Collection[pinned.PinnedBuffer]) -> None:
         for buf in set(buffers):
@@ -121,20 +152,19 @@ class Snapshot:
                 if e.source is not None:
                     unique.setdefault(_identity(e.source), e.source)
         runs = _runs(unique.values())
-        sizes: dict[torch.dtype, int] = {}
-        for run in runs:
-            sizes[run.dtype] = sizes.get(run.dtype, 0) + run.numel
+        sizes = _sizes(run.extent for run in runs)
         self._allocate(sizes, on_device and self.cuda)
         offsets = dict.fromkeys(sizes, 0)
         pairs, copies = [], {}
         for run in runs:
-            pos = offsets[run.dtype]
-            offsets[run.dtype] = pos + run.numel
-            dst = self._buffers[run.dtype][pos:pos + run.numel]
+            e = run.extent
+            pos = offsets[e.dtype]
+            offsets[e.dtype] = pos + e.numel
+            dst = self._buffers[e.dtype][pos:pos + e.numel]
             pairs.append((dst, run.source()))
-            for key, src in run.members:
-                at = src.storage_offset() - run.start
-                copies[key] = dst[at:at + src.numel()]
+            for src in run.members:
+                at = src.storage_offset() - e.start
+                copies[_identity(src)] = dst[at:at + src.numel()]
         out = [Job(job.name, [e if e.source is None else dataclasses.replace(
                    e, source=copies[_identity(e.source)]) for e in job.entries])
                for job in jobs]
@@ -142,18 +172,28 @@ class Snapshot:
                                                            self.on_device)
         return out, self._drain(pairs, hot)
 
+    def _held_sizes(self) -> dict[torch.dtype, int]:
+        return {d: t.numel() for d, t in self._buffers.items()}
+
     def _allocate(self, sizes: dict[torch.dtype, int], on_device: bool) -> None:
-        if {d: t.numel() for d, t in self._buffers.items()} == sizes and \
-                on_device == self.on_device:
+        if self._held_sizes() == sizes and on_device == self.on_device:
             return
-        self.release()
+        if self._prepared:
+            log.info("this asynchronous save's snapshot differs from the host buffers "
+                     "checkpoint.prepare allocated (other sizes or kind): it is allocated "
+                     "anew%s", "" if on_device or not self.cuda else
+                     " and page-locked by the drain while training runs")
+        self._free(staging=not on_device)  # a device snapshot streams through the staging
+        self._fill(sizes, on_device, lock=False)  # host buffers: page-locked by the drain
+
+    def _fill(self, sizes: dict[torch.dtype, int], on_device: bool, lock: bool) -> None:
         self.on_device = on_device
         for dtype, numel in sizes.items():
             if on_device:
                 self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
-            else:  # page-locked by the drain, piece by piece
+            else:
                 self._host[dtype] = pinned.PinnedBuffer(numel, dtype, shared=self.shared,
-                                                        lock=False)
+                                                        lock=lock)
                 self._buffers[dtype] = self._host[dtype].tensor
 
     def _drain(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int]
@@ -213,13 +253,14 @@ class _Plan:
         pos: dict[torch.dtype, int] = {}
         out = []
         for run in runs:
-            name, t = where.get((run.storage.data_ptr(), run.dtype), (None, None))
-            at = pos.get(run.dtype, 0)
-            pos[run.dtype] = at + run.numel
-            if t is None or not (t.storage_offset() <= run.start
-                                 and run.start + run.numel <= t.storage_offset() + t.numel()):
+            e = run.extent
+            name, t = where.get((e.storage, e.dtype), (None, None))
+            at = pos.get(e.dtype, 0)
+            pos[e.dtype] = at + e.numel
+            if t is None or not (t.storage_offset() <= e.start
+                                 and e.start + e.numel <= t.storage_offset() + t.numel()):
                 return None
-            out.append(_PlanRun(name, run.start - t.storage_offset(), run.numel, run.dtype, at))
+            out.append(_PlanRun(name, e.start - t.storage_offset(), e.numel, e.dtype, at))
         return cls(_key(sources, on_device), out, jobs)
 
 
@@ -235,32 +276,68 @@ def _key(sources: dict[str, torch.Tensor], on_device: bool) -> tuple:
     return (on_device, tuple(out))
 
 
-class _Run:
-    """Elements ``[start, start + numel)`` of one storage, covering the sources ``members``."""
+@dataclass(frozen=True)
+class Extent:
+    """Elements ``[start, start + numel)`` of ``dtype`` of one storage, named by ``storage``:
+    its address, or any negative number for storage yet to be allocated."""
 
-    def __init__(self, key, src: torch.Tensor) -> None:
-        self.storage, self.dtype, self.device = src.untyped_storage(), src.dtype, src.device
-        self.start, self.numel = src.storage_offset(), src.numel()
-        self.members = [(key, src)]
+    storage: int
+    dtype: torch.dtype
+    start: int
+    numel: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Extent:
+        return cls(t.untyped_storage().data_ptr(), t.dtype, t.storage_offset(), t.numel())
+
+
+def buffer_sizes(extents: Iterable[Extent]) -> dict[torch.dtype, int]:
+    """Elements by dtype of the host buffers a :meth:`Snapshot.take` of sources at
+    ``extents`` allocates (each run of adjacent or overlapping elements of one storage
+    once)."""
+    return _sizes(run for run, _ in _merge((e, e) for e in extents))
+
+
+def _sizes(runs: Iterable[Extent]) -> dict[torch.dtype, int]:
+    sizes: dict[torch.dtype, int] = {}
+    for run in runs:
+        sizes[run.dtype] = sizes.get(run.dtype, 0) + run.numel
+    return sizes
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A run of elements of one storage, covering the sources ``members``."""
+
+    extent: Extent
+    members: list[torch.Tensor]
 
     def source(self) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype, device=self.device).set_(
-            self.storage, self.start, (self.numel,))
+        m, e = self.members[0], self.extent
+        return torch.empty(0, dtype=e.dtype, device=m.device).set_(
+            m.untyped_storage(), e.start, (e.numel,))
 
 
 def _runs(sources) -> list[_Run]:
     """The sources (1-D, contiguous) as runs of adjacent or overlapping elements of one
     storage, each storage's runs in memory order."""
-    ordered = sorted(((src.untyped_storage().data_ptr(), src.dtype, src.storage_offset(), src)
-                      for src in sources), key=lambda x: (x[0], str(x[1]), x[2]))
-    runs: list[_Run] = []
-    for ptr, dtype, start, src in ordered:
+    sources = list(sources)
+    for src in sources:
         assert src.dim() == 1 and src.is_contiguous(), "snapshot sources are flat views"
-        last = runs[-1] if runs else None
-        if (last is not None and last.storage.data_ptr() == ptr and last.dtype == dtype
-                and start <= last.start + last.numel):
-            last.numel = max(last.numel, start + src.numel() - last.start)
-            last.members.append((_identity(src), src))
+    return [_Run(e, members) for e, members in _merge((Extent.of(s), s) for s in sources)]
+
+
+def _merge(items: Iterable[tuple[Extent, Any]]) -> list[tuple[Extent, list[Any]]]:
+    """Extents, each with what it belongs to, merged into runs of adjacent or overlapping
+    elements of one storage (with what they cover), each storage's runs in memory order."""
+    runs: list[tuple[Extent, list[Any]]] = []
+    for e, item in sorted(items, key=lambda x: (x[0].storage, str(x[0].dtype), x[0].start)):
+        last = runs[-1][0] if runs else None
+        if (last is not None and (last.storage, last.dtype) == (e.storage, e.dtype)
+                and e.start <= last.start + last.numel):
+            end = max(last.numel, e.start + e.numel - last.start)
+            runs[-1] = (dataclasses.replace(last, numel=end), runs[-1][1])
+            runs[-1][1].append(item)
         else:
-            runs.append(_Run(_identity(src), src))
+            runs.append((e, [item]))
     return runs
