@@ -13,7 +13,8 @@ from .config import SNAPSHOTS, CheckpointConfig
 from .export import export, inspect, verify
 from .format import FormatError
 from .load import LoadInfo, load
-from .save import prepare, save
+from .prepare import prepare
+from .save import save
 
 __all__ = ["SNAPSHOTS", "CheckpointConfig", "CheckpointError", "FormatError", "LoadInfo",
            "SaveHandle", "export", "inspect", "latest", "load", "prepare", "save", "verify"]
