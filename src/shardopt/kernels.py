@@ -239,13 +239,9 @@ if triton is not None:
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
     @triton.jit
-    def _sum_squares_kernel(table_ptr, x_ptr, out_ptr, BLOCK: tl.constexpr,
-                            ALIGNED: tl.constexpr):
+    def _sum_squares_kernel(table_ptr, x_ptr, out_ptr, BLOCK: tl.constexpr):
         row = table_ptr + tl.program_id(0).to(tl.int64) * 2
-        start = tl.load(row)
-        if ALIGNED:  # vectorised loads
-            start = tl.multiple_of(start, 16)
-        offs = start + tl.arange(0, BLOCK)
+        offs = tl.load(row) + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < tl.load(row + 1), other=0.0).to(tl.float32)
         tl.store(out_ptr + tl.program_id(0), tl.sum(x * x))
 
@@ -325,7 +321,6 @@ class SumSquaresPlan:
     seen as one flat tensor's element count and a (start, end) row per block, in view order."""
 
     storages: tuple[tuple[int, torch.Tensor], ...]  # (numel of the flat base, rows)
-    aligned: bool  # every block starts on a 16-element boundary
 
 
 def sum_squares_plan(views: Sequence[torch.Tensor]) -> SumSquaresPlan:
@@ -335,16 +330,15 @@ def sum_squares_plan(views: Sequence[torch.Tensor]) -> SumSquaresPlan:
     for v in views:
         assert v.is_contiguous()
         by_storage.setdefault(v.untyped_storage().data_ptr(), []).append(v)
-    storages, aligned = [], True
+    storages = []
     for group in by_storage.values():
         rows = [(start, min(start + SUM_SQ_BLOCK, v.storage_offset() + v.numel()))
                 for v in group for start in range(v.storage_offset(),
                                                   v.storage_offset() + v.numel(), SUM_SQ_BLOCK)]
-        aligned = aligned and all(start % 16 == 0 for start, _ in rows)
         numel = group[0].untyped_storage().nbytes() // group[0].element_size()
         storages.append((numel, torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
                          .to(group[0].device)))
-    return SumSquaresPlan(tuple(storages), aligned)
+    return SumSquaresPlan(tuple(storages))
 
 
 def sum_squares(views: Sequence[torch.Tensor], plan: SumSquaresPlan) -> torch.Tensor:
@@ -359,12 +353,11 @@ def sum_squares(views: Sequence[torch.Tensor], plan: SumSquaresPlan) -> torch.Te
     partials = torch.empty(sum(rows.shape[0] for _, rows in plan.storages), dtype=torch.float32,
                            device=views[0].device)
     first = 0
-    aligned = plan.aligned
     for v, (numel, rows) in zip(by_storage.values(), plan.storages):
         base = torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage(), 0,
                                                                     (numel,))
         if rows.shape[0]:
             _sum_squares_kernel[(rows.shape[0],)](rows, base, partials[first:], BLOCK=SUM_SQ_BLOCK,
-                                                  ALIGNED=aligned, num_warps=SUM_SQ_WARPS)
+                                                  num_warps=SUM_SQ_WARPS)
         first += rows.shape[0]
     return partials.sum()
