@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import comm, kernels
+from . import comm
 
 if TYPE_CHECKING:
     from .buffers import FlatBuffers
@@ -26,7 +26,6 @@ class GradNorm:
         self.written = written  # the optimizer's: params that got a gradient on this rank
         self._views: list[torch.Tensor] | None = None  # each bucket's own grad shard
         self._all_present: torch.Tensor | None = None  # flags of a rank that has every grad
-        self._plan: kernels.SumSquaresPlan | None = None  # the views' blocks, on a GPU
 
     def global_norm(self) -> tuple[torch.Tensor, torch.Tensor | None, frozenset[str] | None]:
         """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model), the
@@ -37,11 +36,7 @@ class GradNorm:
                 self.buffers.bucket_step_grads(b).narrow(0, self.dp.rank * b.shard_numel,
                                                        b.shard_numel)
                 for buf in self.layout.buffers for b in buf.buckets]
-        if self._views and self.device.type == "cuda" and kernels.available(self.device):
-            if self._plan is None:
-                self._plan = kernels.sum_squares_plan(self._views)
-            sq = kernels.sum_squares(self._views, self._plan)
-        elif self._views:
+        if self._views:
             norms = torch._foreach_norm(self._views, 2, dtype=torch.float32)
             sq = torch.stack(norms).square().sum()
         else:

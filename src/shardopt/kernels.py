@@ -239,13 +239,6 @@ if triton is not None:
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
     @triton.jit
-    def _sum_squares_kernel(table_ptr, x_ptr, out_ptr, BLOCK: tl.constexpr):
-        row = table_ptr + tl.program_id(0).to(tl.int64) * 2
-        offs = tl.load(row) + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < tl.load(row + 1), other=0.0).to(tl.float32)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(x * x))
-
-    @triton.jit
     def _to_bf16_rne(x):
         """fp32 -> bf16, rounding to nearest even as torch does (NaN stays NaN). Spelled out
         in integer ops so that compiled and interpreted kernels round alike (Triton's
@@ -308,56 +301,3 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     block = max(1, COPY_BLOCK_BYTES // dst.element_size())
     _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=COPY_WARPS)
-
-
-# Elements per program of sum_squares: 16 KiB of bf16 grads, 32 elements per thread.
-SUM_SQ_BLOCK = 8192
-SUM_SQ_WARPS = 8
-
-
-@dataclass(frozen=True)
-class SumSquaresPlan:
-    """The blocks of :func:`sum_squares` over some views: per storage they view, the storage
-    seen as one flat tensor's element count and a (start, end) row per block, in view order."""
-
-    storages: tuple[tuple[int, torch.Tensor], ...]  # (numel of the flat base, rows)
-
-
-def sum_squares_plan(views: Sequence[torch.Tensor]) -> SumSquaresPlan:
-    """Plan :func:`sum_squares` over contiguous ``views``; views of one storage (the bucket
-    shards of one flat grad buffer) share one launch."""
-    by_storage: dict[int, list[torch.Tensor]] = {}
-    for v in views:
-        assert v.is_contiguous()
-        by_storage.setdefault(v.untyped_storage().data_ptr(), []).append(v)
-    storages = []
-    for group in by_storage.values():
-        rows = [(start, min(start + SUM_SQ_BLOCK, v.storage_offset() + v.numel()))
-                for v in group for start in range(v.storage_offset(),
-                                                  v.storage_offset() + v.numel(), SUM_SQ_BLOCK)]
-        numel = group[0].untyped_storage().nbytes() // group[0].element_size()
-        storages.append((numel, torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
-                         .to(group[0].device)))
-    return SumSquaresPlan(tuple(storages))
-
-
-def sum_squares(views: Sequence[torch.Tensor], plan: SumSquaresPlan) -> torch.Tensor:
-    """The fp32 sum of the squares of every element of ``views`` (``plan`` from
-    :func:`sum_squares_plan` of views at the same offsets), queued on the current stream: one
-    launch per storage writes a partial sum per block, then one ``sum`` adds them in the same
-    order every time (no atomics), so the result is deterministic. torch's ``_foreach_norm``
-    of bf16 tensors into fp32 runs one reduction per tensor at about two thirds of this rate."""
-    by_storage: dict[int, torch.Tensor] = {}
-    for v in views:
-        by_storage.setdefault(v.untyped_storage().data_ptr(), v)
-    partials = torch.empty(sum(rows.shape[0] for _, rows in plan.storages), dtype=torch.float32,
-                           device=views[0].device)
-    first = 0
-    for v, (numel, rows) in zip(by_storage.values(), plan.storages):
-        base = torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage(), 0,
-                                                                    (numel,))
-        if rows.shape[0]:
-            _sum_squares_kernel[(rows.shape[0],)](rows, base, partials[first:], BLOCK=SUM_SQ_BLOCK,
-                                                  num_warps=SUM_SQ_WARPS)
-        first += rows.shape[0]
-    return partials.sum()

@@ -143,23 +143,3 @@ def test_chunk_table_rows_come_in_order_of_local_base_and_cover_every_block_once
         assert torch.equal(rows[:, 0], rows[:, 0].sort().values)
     bases = sorted(table.full[:, 0].tolist() + table.partial[:, 0].tolist())
     assert bases == [k * B for k in range(8)]  # the shared block is one row
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sum_squares_matches_torch_and_repeats_bit_for_bit(dtype):
-    """The grad norm's reduction on a GPU: sizes that end mid-block, one element, none, a
-    view that starts inside a buffer; the same inputs give the same bits every time."""
-    g = torch.Generator().manual_seed(0)
-    block = kernels.SUM_SQ_BLOCK
-    flat = torch.randn(3 * block + 41, generator=g).to(dtype).to(DEVICE)
-    parts = [flat[:1], flat[1:1], flat[5:block + 2], flat[block + 2:]]
-    other = torch.randn(block + 3, generator=g).to(dtype).to(DEVICE)[2:]  # a second storage
-    parts.append(other)
-    plan = kernels.sum_squares_plan(parts)
-    assert len(plan.storages) == 2
-    got = kernels.sum_squares(parts, plan)
-    want = sum(p.double().square().sum() for p in parts)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=1e-5, atol=0)
-    assert torch.equal(kernels.sum_squares(parts, plan), got)
