@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .state_dict import StateWriteError, names, view
+from .state_dict import names, view
+from .errors import StateWriteError
 
 
 def _refuse_write(opt: Any, fqn: str, what: str) -> StateWriteError:
@@ -83,6 +84,7 @@ class _Entry(dict):
         if (key != "step" and isinstance(current, torch.Tensor)
                 and isinstance(value, torch.Tensor) and value.shape == current.shape
                 and value.dtype == current.dtype):
+            self._opt._before_state_write(host=True)  # a background save may be reading it
             current.copy_(value)
             return
         shown = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"

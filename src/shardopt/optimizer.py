@@ -32,10 +32,9 @@ from torch.utils.hooks import RemovableHandle
 
 from . import build, comm, guards, host_state, quant, step_plan
 from . import state_dict as state_dicts
-from .build import SUPPORTED_DTYPES, Named, ParamGroupFn
+from .build import Named, ParamGroupFn
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
-from .errors import LowPrecisionStateError
 from .grad_norm import GradNorm
 from .host_state import HostState
 from .layout import STATE_NAMES, Layout, ParamShard, ParamSpec, build_layout
@@ -45,12 +44,11 @@ from .moments import Moments
 from .param_grads import ParamGrads
 from .param_watch import ParamWatch, Replacements
 from .shard_state import DEVICE, KINDS, STAGED, Held, ShardState
-from .sync import GradientOrderError, GradSync, ParamSync
+from .sync import GradSync, ParamSync
 from .update import Update
 from .wrap_guard import WrapGuard
 
-__all__ = ["SUPPORTED_DTYPES", "STATE_NAMES", "DistributedOptimizer", "GradientOrderError",
-           "LowPrecisionStateError", "ParamGroupFn", "ShardStateAccess"]
+__all__ = ["STATE_NAMES", "DistributedOptimizer", "ParamGroupFn", "ShardStateAccess"]
 
 
 @dataclass(frozen=True)
@@ -239,6 +237,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def release_host_memory(self) -> None:
         """Free the host copies :meth:`offload` keeps between cycles (refused while offloaded)."""
+        self._before_state_write(host=True)  # a background save may be reading them
         self._host.release()
 
     def iter_param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
@@ -290,10 +289,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state_dicts.load_state_dict(self, state_dict)
 
     def register_state_write_hook(self, hook: Callable[[bool], None]) -> RemovableHandle:
-        """Register ``hook(host)``, run before anything writes or frees this rank's state
-        (``step()``, loads, ``offload()``, re-seeding). It returns once the state may be
-        overwritten: the host has waited for its readers where ``host`` is true, else the
-        current CUDA stream waits. A background save registers one while it copies the state."""
+        """Register ``hook(host)``, run before ``step()``, ``load_state_dict()``, ``offload()``,
+        ``release_host_memory()``, re-seeding or a write to ``opt.state`` change or free this
+        rank's state; it returns once the state may be overwritten (``host``: the host waited for
+        its readers, else the current CUDA stream waits). ``checkpoint.load`` waits for the
+        optimizer's own background saves instead; a background save registers one."""
         handle = RemovableHandle(self._state_write_hooks)
         self._state_write_hooks[handle.id] = hook
         return handle

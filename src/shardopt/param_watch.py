@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .errors import ParamMovedError
-from .guards import UsageError, unowned_trainable
+from .errors import ParamMovedError, UsageError
+from .guards import unowned_trainable
 from .wrap_guard import ADAPTERS
 
 _version = attrgetter("_version")

@@ -19,10 +19,9 @@ import torch
 from . import build, comm
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
-from .guards import UsageError
-from .errors import GradientOrderError
+from .errors import GradientOrderError, ParamMovedError, UsageError
 from .layout import Bucket, Layout
-from .param_watch import ParamMovedError, Placement, Replacements, moved_message
+from .param_watch import Placement, Replacements, moved_message
 from .shard_state import ShardState
 
 

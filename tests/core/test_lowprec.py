@@ -23,7 +23,7 @@ from helpers.checks import bits
 from helpers.dist import device_for, run_distributed
 from helpers.models import MixedNet, mixed_config, mixed_data
 from shardopt import DistributedOptimizer, OptimizerConfig, kernels
-from shardopt.optimizer import LowPrecisionStateError
+from shardopt.errors import LowPrecisionStateError
 from shardopt.quant import QBLOCK, Moment
 
 BF16, FP32 = torch.bfloat16, torch.float32

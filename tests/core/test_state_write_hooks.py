@@ -263,3 +263,25 @@ def test_step_right_after_an_async_save_never_overwrites_what_it_still_copies(tm
         opt.step()
     same = checkpoint_bytes(Path(sync)) == checkpoint_bytes(Path(handle.wait()))
     assert same == waits
+
+
+def test_a_write_to_opt_state_and_release_host_memory_run_the_hooks_first():
+    """A framework moving state through ``opt.state[p][k] = t`` and ``release_host_memory()``
+    (which frees the host copies an offloaded save may read) both change or free the state:
+    the hooks run before, with the state still as it was."""
+    model, opt = _make()
+    _grads(model, 0)
+    opt.step()
+    rec = _Recorder(opt)
+    opt.register_state_write_hook(rec)
+    before = _state(opt)
+    p = next(model.parameters())
+    opt.state[p]["exp_avg"] = torch.ones_like(opt.state[p]["exp_avg"])
+    assert [host for host, _ in rec.calls] == [True]
+    _assert_same(rec.calls[0][1], before)
+    assert torch.equal(opt.state[p]["exp_avg"], torch.ones_like(opt.state[p]["exp_avg"]))
+    opt.offload()
+    opt.onload()
+    calls = len(rec.calls)
+    opt.release_host_memory()
+    assert len(rec.calls) == calls + 1 and rec.calls[-1][0] is True

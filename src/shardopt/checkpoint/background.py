@@ -27,8 +27,8 @@ import torch.distributed as dist
 from .. import comm
 from ..optimizer import DistributedOptimizer
 from . import shutdown, writer_process
-from .agree import CheckpointError
 from .snapshot import Snapshot
+from ..errors import CheckpointError
 
 _KEY = "shardopt.checkpoint.background"  # this module's entry in shard_state.attachments
 log = logging.getLogger("shardopt.checkpoint")

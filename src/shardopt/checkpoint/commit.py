@@ -51,10 +51,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .agree import CheckpointError
-from .format import LATEST, MANIFEST, STEP_DIR, FormatError
+from .format import LATEST, MANIFEST, STEP_DIR
 from .storage import open_regular
-from ..errors import LockTimeout
+from ..errors import CheckpointError, FormatError, LockTimeout
 
 LOCK = ".lock"
 TMP_PREFIX = ".tmp-"

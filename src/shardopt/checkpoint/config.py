@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .agree import CheckpointError
 from .format import DEFAULT_BLOCK_BYTES, MAX_BLOCK_BYTES, is_int
+from ..errors import CheckpointError
 
 # What a save does while another of this process is still being written.
 BUSY_POLICIES = ("wait", "error")

@@ -48,6 +48,9 @@ class Drain:
                  stream: torch.cuda.Stream | None, on_wait: Callable[[], None]) -> None:
         self.device, self.cuda = device, device.type == "cuda"
         self.piece_bytes, self.in_flight = PIECE_BYTES, IN_FLIGHT
+        if self.piece_bytes < 1 or self.in_flight < 1:
+            raise ValueError(f"drain pieces of {self.piece_bytes} bytes, {self.in_flight} in "
+                             "flight: both must be at least 1")
         self.finished = threading.Event()  # every copy done (or the drain failed)
         self._copies = copies  # not yet issued, in order
         self._offset = 0  # bytes of the first of them already issued

@@ -20,12 +20,12 @@ import torch
 
 from ..layout import STATE_NAMES, Range
 from . import commit
-from .agree import CheckpointError
-from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, FormatError, dtype_name
+from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, dtype_name
 from .manifest import Manifest, MomentEncoding, parse
 from .read import DataFiles, read_verified
 from .storage import write_parts
 from .transfer import Part, io_threads
+from ..errors import CheckpointError, FormatError
 
 EXPORT_MOMENTS = ("float32", "stored")
 

@@ -37,12 +37,13 @@ from ..config import GROUP_KEYS, dtype_name
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
 from . import background, commit, convert, state
-from .agree import CheckpointError, agree
+from .agree import agree
 from .config import CheckpointConfig, settings
-from .format import FormatError, data_file_name
+from .format import data_file_name
 from .manifest import Manifest, parse
 from .read import DataFiles, Read, read_verified
 from .transfer import io_threads as resolve_threads
+from ..errors import CheckpointError, FormatError
 
 log = logging.getLogger("shardopt.checkpoint")
 

@@ -23,11 +23,9 @@ from .. import quant
 from ..config import GROUP_KEYS, INT8, group_value
 from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
-from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
-                     MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES,
-                     ChunkRecord, FileRecord, FormatError, StoredTensor, data_file_name,
-                     dtype_name, is_int, manifest_checksum, parse_json_object)
+from .format import DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES, ChunkRecord, FileRecord, StoredTensor, data_file_name, dtype_name, is_int, manifest_checksum, parse_json_object
 from .storage import open_regular
+from ..errors import FormatError
 
 _HASH = re.compile(r"^[0-9a-f]{16}$")
 

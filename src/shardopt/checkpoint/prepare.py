@@ -13,9 +13,9 @@ import torch
 from ..layout import ParamShard, Range
 from ..optimizer import DistributedOptimizer
 from . import background, save, state
-from .agree import CheckpointError
 from .config import CheckpointConfig, settings
 from .snapshot import Extent, buffer_sizes
+from ..errors import CheckpointError
 
 
 def prepare(model: torch.nn.Module, optimizer: DistributedOptimizer,

@@ -18,11 +18,11 @@ import xxhash
 
 from ..layout import Range
 from .config import STAGING_BYTES
-from .format import FormatError
 from .index import ChunkIndex
 from .manifest import Manifest
 from .storage import FileReader, Scratch, host_bytes, scratch_for
 from .transfer import PIECE_BYTES, run_parallel, vectored
+from ..errors import FormatError
 
 
 @dataclass(frozen=True)

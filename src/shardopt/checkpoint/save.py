@@ -39,7 +39,7 @@ from ..layout import STATE_NAMES
 from ..optimizer import DistributedOptimizer
 from . import background, commit, state, writer_process
 from .background import SaveHandle
-from .agree import CheckpointError, agree
+from .agree import agree
 from .config import CheckpointConfig, settings
 from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, data_file_name,
                      manifest_checksum, state_file_kind, step_dir_name)
@@ -49,6 +49,7 @@ from .drain import Drain
 from .snapshot import Job
 from .transfer import io_threads as resolve_threads
 from .transfer import run_parallel
+from ..errors import CheckpointError
 
 
 def _rng_entries() -> list[WriteEntry]:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .format import (FileHeader, FileRecord, FormatError, StoredChunk, StoredTensor, build_header,
-                     parse_header)
+from .format import FileHeader, FileRecord, StoredChunk, StoredTensor, build_header, parse_header
 from .transfer import PIECE_BYTES, Part, Parts, write_file as write_pieces
+from ..errors import FormatError
 
 
 @dataclass(frozen=True)
