@@ -165,7 +165,7 @@ class Saves:
 
 
 def of(opt: DistributedOptimizer) -> Saves:
-    """``opt``'s :class:`Saves`, made at the first call and closed with ``opt``."""
+    """``opt``'s :class:`Saves`, made when first asked for and closed with ``opt``."""
     attachments = opt.shard_state.attachments
     saves = attachments.get(_KEY)
     if saves is None:
