@@ -53,30 +53,11 @@
 # suite is  BENCH_ARGS="--device cpu --preset tiny" OUT=/tmp/out bash benchmarks/gpu_suite.sh
 # (with PROBE_ARGS="--device cpu --tiny --reps 2" for the probe of the realmodel part)
 set -u
-OUT=${OUT:?set OUT to the directory for results}
-PY=${PY:-python3}
+LOG=suite.log
+. "$(dirname "$0")/_suite.sh"
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 read -r -a PROBE <<< "${PROBE_ARGS:-}"
-export PYTHONPATH=${PYTHONPATH:-src}
-mkdir -p "$OUT"
-LOG="$OUT/suite.log"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
 PARTS=${*:-tests shm disk storage}
-status=0
-
-run() {  # name, command...: run one part, log it, remember a failure, go on
-  local name=$1
-  shift
-  echo "=== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-  local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
-  [ "$rc" -eq 0 ] || status=1
-}
 
 for part in $PARTS; do
   case $part in

@@ -22,15 +22,8 @@
 # Each result is one JSON under $OUT with "world_size"; copy them to benchmarks/results/ and
 # put the tables in benchmarks/README.md.
 set -u
-OUT=${OUT:?set OUT to the directory for results}
-PY=${PY:-python3}
-export PYTHONPATH=${PYTHONPATH:-src}
-mkdir -p "$OUT"
-LOG="$OUT/multi_gpu.log"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
+LOG=multi_gpu.log
+. "$(dirname "$0")/_suite.sh"
 GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU')
 if [ -z "${SIZES:-}" ]; then
   SIZES=""
@@ -38,19 +31,6 @@ if [ -z "${SIZES:-}" ]; then
 fi
 LARGEST=$(for n in $SIZES; do echo "$n"; done | sort -n | tail -n 1)
 PARTS=${*:-iter resume reshard async ckpt offload}
-status=0
-
-run() {  # name, command...: run one part, log it, remember a failure, go on
-  local name=$1
-  shift
-  echo "=== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-  if [ -n "${DRY:-}" ]; then return; fi
-  local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
-  [ "$rc" -eq 0 ] || status=1
-}
 
 [ -n "$SIZES" ] || { echo "no DP size to run: $GPUS GPU(s) found" | tee -a "$LOG"; exit 1; }
 for part in $PARTS; do
