@@ -9,6 +9,9 @@ carry, in ``grad_dtype``. With ``param_grads`` (``grad_mode="torch"``) each ``p.
 tensor of the param's dtype: a view of the grad buffer where it has that dtype, else of a
 second buffer (``param_grad_buffers``) holding the gradient rounded once, which is then what
 the step reads (``step_grads``).
+
+A DTensor param's local tensor is its view (:mod:`.parallel`), and its grad views are
+DTensors of its placements over the buffers, so ``p.grad`` can be one of them.
 """
 
 from __future__ import annotations
@@ -17,17 +20,21 @@ from collections.abc import Sequence
 
 import torch
 
+from . import comm
 from .layout import Bucket, Layout
+from .parallel import bind_local, face, local_tensor
 
 
 class FlatBuffers:
     """Param and grad buffers laid out by ``layout``; owns no optimizer state."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], layout: Layout,
-                 device: torch.device, grad_dtype: torch.dtype, param_grads: bool = False
-                 ) -> None:
+                 device: torch.device, grad_dtype: torch.dtype, dp_groups: Sequence[comm.DPGroup],
+                 param_grads: bool = False) -> None:
         self.layout = layout
         self.device = device
+        # The DP group each buffer's buckets are reduced and gathered over, by buffer index.
+        self.dp: list[comm.DPGroup] = [dp_groups[buf.dp_group] for buf in layout.buffers]
         self.param_buffers: list[torch.Tensor] = []
         self.grad_buffers: list[torch.Tensor] = []
         for buf in layout.buffers:
@@ -49,12 +56,13 @@ class FlatBuffers:
             for fqn, slot in layout.slots.items():
                 p, where = params[fqn], slot.range_global.as_slice()
                 flat = self.param_buffers[slot.buffer_index][where]
-                flat.copy_(p.detach().reshape(-1))
-                p.data = flat.view(slot.shape)
+                flat.copy_(local_tensor(p.detach()).reshape(-1))
+                bind_local(p, flat.view(slot.shape))
                 self.param_views[fqn] = flat
-                self.grad_views[fqn] = self.grad_buffers[slot.buffer_index][where].view(slot.shape)
-                self.param_grad_views[fqn] = self.param_grad_buffers[slot.buffer_index][
-                    where].view(slot.shape)
+                self.grad_views[fqn] = face(
+                    p, self.grad_buffers[slot.buffer_index][where].view(slot.shape))
+                self.param_grad_views[fqn] = face(
+                    p, self.param_grad_buffers[slot.buffer_index][where].view(slot.shape))
 
     def mirrored(self, buffer_index: int) -> bool:
         """Whether buffer ``buffer_index``'s ``p.grad`` lives apart from its grad buffer."""

@@ -30,14 +30,8 @@ class GradNorm:
     def global_norm(self) -> tuple[torch.Tensor, torch.Tensor | None, frozenset[str] | None]:
         """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model), the
         clipping divisor the update applies (None without clipping), and which params got a
-        gradient (:meth:`agree`). Reads each bucket's own shard whole: padding is zero."""
-        if self._views is None:
-            self._views = contiguous_runs([
-                self.buffers.bucket_step_grads(b).narrow(0, self.dp.rank * b.shard_numel,
-                                                       b.shard_numel)
-                for buf in self.layout.buffers for b in buf.buckets])
-        sq = sum_of_squares(self._views, self.device)
-        total, got = self.agree(sq)
+        gradient (:meth:`agree`)."""
+        total, got = self.agree(self.local_sq())
         assert total is not None
         max_norm = self.config.max_grad_norm
         if not max_norm:
@@ -45,6 +39,15 @@ class GradNorm:
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its
         # reciprocal inside the update saves a pass over the grads (no host sync either).
         return total, torch.clamp((total + 1e-6) / max_norm, min=1.0), got
+
+    def local_sq(self) -> torch.Tensor:
+        """This rank's sum of squared grads: each bucket's own shard whole (padding is zero)."""
+        if self._views is None:
+            self._views = contiguous_runs([
+                self.buffers.bucket_step_grads(b).narrow(
+                    0, self.buffers.dp[b.buffer_index].rank * b.shard_numel, b.shard_numel)
+                for buf in self.layout.buffers for b in buf.buckets])
+        return sum_of_squares(self._views, self.device)
 
     def finish(self, local_sq: torch.Tensor) -> torch.Tensor:
         """Collective. sqrt of the sum over ranks of each rank's sum of squared grads."""

@@ -3,8 +3,9 @@
 Pure arithmetic over named, frozen records, with no storage and no ``torch.distributed``; the
 optimizer, the checkpoint layer and export read the same :class:`Layout`.
 
-* Params are grouped by model dtype into one flat buffer per dtype, in reverse registration
-  order (roughly the order backward produces their gradients).
+* Params are grouped by model dtype into one flat buffer per dtype (per DP group and dtype
+  where params have several DP groups), in reverse registration order (roughly the order
+  backward produces their gradients).
 * Each buffer is cut into buckets at param boundaries, each padded to split into ``dp_size``
   equal shards of a multiple of ``align_numel`` elements.
 * Rank ``r`` owns ``[r * S, (r + 1) * S)`` of every bucket (``S``: the shard size). Shards
@@ -18,7 +19,7 @@ rank's local tensor, ``*_param`` in the flattened param.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -67,6 +68,7 @@ class ParamSpec:
     fqn: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    dp_group: int = 0  # which of the optimizer's DP groups shards it
 
     @property
     def numel(self) -> int:
@@ -122,6 +124,8 @@ class BufferLayout:
     numel: int  # padded total
     buckets: tuple[Bucket, ...]
     params: tuple[ParamSlot, ...]
+    dp_group: int = 0
+    dp_size: int = 1  # of its DP group: each bucket splits into this many shards
 
     @property
     def local_numel(self) -> int:
@@ -147,14 +151,20 @@ class Layout:
     def fqns(self) -> tuple[str, ...]:
         return tuple(self.slots)
 
-    def shards(self, dp_rank: int) -> tuple[ParamShard, ...]:
-        """Every (param, ``dp_rank``) intersection, in buffer then position order."""
+    def shards(self, dp_rank: int, group_ranks: Mapping[int, int] | None = None
+               ) -> tuple[ParamShard, ...]:
+        """Every (param, ``dp_rank``) intersection, in buffer then position order;
+        ``group_ranks``: this rank's rank in each DP group (default: ``dp_rank`` in all)."""
         if not 0 <= dp_rank < self.dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {self.dp_size}")
         out: list[ParamShard] = []
         for buf in self.buffers:
+            rank = dp_rank if group_ranks is None else group_ranks[buf.dp_group]
+            if not 0 <= rank < buf.dp_size:
+                raise ValueError(f"dp_rank {rank} out of range for dp_size {buf.dp_size} of "
+                                 f"DP group {buf.dp_group}")
             for bucket in buf.buckets:
-                own = bucket.shard_range_global(dp_rank)
+                own = bucket.shard_range_global(rank)
                 local_base = buf.local_offset(bucket.index) - own.start
                 for fqn in bucket.param_fqns:
                     slot = self.slots[fqn]
@@ -164,7 +174,7 @@ class Layout:
                     out.append(
                         ParamShard(
                             fqn=fqn,
-                            dp_rank=dp_rank,
+                            dp_rank=rank,
                             buffer_index=buf.index,
                             bucket_index=bucket.index,
                             range_global=hit,
@@ -185,9 +195,13 @@ def build_layout(
     bucket_numel: int,
     align_numel: int = 64,
     param_align: int = 1,
+    group_sizes: Mapping[int, int] | None = None,
 ) -> Layout:
     """Lay ``params`` (in registration order) out for ``dp_size`` ranks, each buffer and the
     params in it in reverse registration order, so the first bucket fills first in backward.
+
+    ``group_sizes`` (DP group index -> size; default ``{0: dp_size}``) gives each param's
+    ``dp_group`` its size: buffers are per (DP group, dtype), so no bucket mixes groups.
 
     ``param_align`` > 1 (blockwise 8-bit state; it must divide ``align_numel``) starts every
     param at a multiple of it in its buffer, so every shard of a param starts on a multiple of
@@ -207,13 +221,19 @@ def build_layout(
         if p.fqn in seen:
             raise ValueError(f"duplicate param name {p.fqn!r}")
         seen.add(p.fqn)
+    sizes = {0: dp_size} if group_sizes is None else dict(group_sizes)
+    for p in params:
+        if sizes.get(p.dp_group, 0) < 1:
+            raise ValueError(f"param {p.fqn!r} is in DP group {p.dp_group}, which has no size "
+                             f"(group sizes {sizes})")
 
-    by_dtype: dict[torch.dtype, list[ParamSpec]] = {}
+    by_dtype: dict[tuple[int, torch.dtype], list[ParamSpec]] = {}
     for p in reversed(params):
-        by_dtype.setdefault(p.dtype, []).append(p)
+        by_dtype.setdefault((p.dp_group, p.dtype), []).append(p)
 
     buffers: list[BufferLayout] = []
-    for buffer_index, (dtype, group) in enumerate(by_dtype.items()):
+    for buffer_index, ((dp_group, dtype), group) in enumerate(by_dtype.items()):
+        group_size = sizes[dp_group]
         buckets: list[Bucket] = []
         slots: list[ParamSlot] = []
         cursor = 0
@@ -230,10 +250,10 @@ def build_layout(
                 )
                 offset = _round_up(offset + spec.numel, param_align)
             used = offset - start
-            padded = _round_up(max(used, 1), dp_size * align_numel)
+            padded = _round_up(max(used, 1), group_size * align_numel)
             buckets.append(
                 Bucket(buffer_index, len(buckets), Range(start, start + padded), used,
-                       padded // dp_size, tuple(s.fqn for s in pending))
+                       padded // group_size, tuple(s.fqn for s in pending))
             )
             cursor = start + padded
             pending.clear()
@@ -247,5 +267,6 @@ def build_layout(
             pending_numel += spec.numel
         if pending:
             close_bucket()
-        buffers.append(BufferLayout(buffer_index, dtype, cursor, tuple(buckets), tuple(slots)))
+        buffers.append(BufferLayout(buffer_index, dtype, cursor, tuple(buckets), tuple(slots),
+                                    dp_group, group_size))
     return Layout(dp_size, tuple(buffers))

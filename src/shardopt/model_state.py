@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .parallel import local_tensor
+
 
 class StateDictCopies:
     """The post-hooks of one optimizer, and the copies made in the ``state_dict()`` call in
@@ -74,7 +76,8 @@ class CopyOwnParams:
             p = module._parameters.get(name)
             if value is None or value is p or p is None:  # keep_vars=True: as asked
                 continue
-            if value.untyped_storage().nbytes() <= value.numel() * value.element_size():
+            local = local_tensor(value)  # a DTensor's storage is its local tensor's
+            if local.untyped_storage().nbytes() <= local.numel() * local.element_size():
                 continue  # its own storage already (a param moved out, a copied model's)
             state_dict[key] = (value.clone() if self.copies is None
                                else self.copies.copy(p, value, state_dict))

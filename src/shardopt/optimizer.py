@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import build, comm, guards, host_state, quant, step_plan
+from . import build, comm, guards, host_state, parallel, quant, step_plan
 from . import state_dict as state_dicts
 from .build import Named, ParamGroupFn
 from .buffers import FlatBuffers
@@ -42,6 +42,7 @@ from .local_state import LocalState
 from .model_state import StateDictCopies
 from .moments import Moments
 from .param_grads import ParamGrads
+from .parallel_norm import ParallelGradNorm
 from .param_watch import ParamWatch, Replacements
 from .shard_state import DEVICE, KINDS, STAGED, Held, ShardState
 from .sync import GradSync, ParamSync
@@ -71,15 +72,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
     :meth:`reload_model_params`; moving or casting the model raises. ``state_dict()`` and
     ``state[param]`` follow torch.optim, keyed by FQN. docs/optimizer.md has the semantics;
     the layers above the optimizer use :attr:`shard_state` (:class:`ShardStateAccess`).
+
+    Params may be DTensors (``parallelize_module``); ``dp_group_fn(fqn, param)`` returns the
+    DP group of a param whose group is not ``process_group`` (experts), or None
+    (:mod:`.parallel`; docs/optimizer.md, "Tensor and expert parallelism").
     """
 
     def __init__(self, model: torch.nn.Module, config: OptimizerConfig | None = None,
                  process_group: Any = None, param_group_fn: ParamGroupFn | None = None,
-                 **torch_kwargs: Any) -> None:
+                 dp_group_fn: parallel.DPGroupFn | None = None, **torch_kwargs: Any) -> None:
         guards.check_args(model, config, torch_kwargs)
         self.config = config if config is not None else OptimizerConfig()
         dp = comm.DPGroup.resolve(process_group)
         named, device = build.trainable(model)
+        self._parallel = parallel.plan(named, dp, dp_group_fn)
         self._init_layout(model, named, dp, device)
         self._init_groups(named, param_group_fn)
         self.shard_state = ShardStateAccess(self)
@@ -89,12 +95,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _init_layout(self, model: torch.nn.Module, named: Named, dp: comm.DPGroup,
                      device: torch.device) -> None:
         """Collective: the ranks agree on params and settings, then lay the params out."""
-        specs = [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named]
+        par = self._parallel
+        specs = ([ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named] if par is None
+                 else par.specs(named))
         guards.check_same_layout(dp, specs, self.config, guards.ownership_problem(named))
         self.layout: Layout = build_layout(specs, dp.size, self.config.bucket_numel,
-                                           *build.alignment(self.config))
+                                           *build.alignment(self.config),
+                                           group_sizes=None if par is None else par.group_sizes())
         self._buffers = FlatBuffers(named, self.layout, device, self.config.grad_dtype,
-                                    self.config.param_grads)
+                                    [dp] if par is None else par.groups, self.config.param_grads)
         self._state = ShardState(self.layout, self._buffers, dp, self.config, device)
         self._aliases = build.tied_aliases(model)
         self._fqn_of = {p: fqn for fqn, p in named}
@@ -130,8 +139,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             or any(p in self._fqn_of for p in m.parameters(recurse=False))])
         self._offload_versions: list[int] | None = None  # the params' versions at offload()
         self._hooks = build.grad_hooks(self, self._grad_sync, self._host, named)
-        self._norm = GradNorm(dp, self._buffers, self.layout, self.config, self._fqns,
-                              self._grad_sync.written)
+        if self._parallel is None:
+            self._norm = GradNorm(dp, self._buffers, self.layout, self.config, self._fqns,
+                                  self._grad_sync.written)
+        else:  # the fused kernel's sum of squares would count every copy of a param
+            self._update.fuses_norm = False
+            self._norm = ParallelGradNorm(self._parallel, self._buffers, self.layout,
+                                          self.config, self._fqns, self._grad_sync.written,
+                                          self._state.shards)
         self._param_sync = ParamSync(self._state, self._grad_sync.launch_order)
         self._hooks += self._param_sync.register_hooks(model, self.config, self._fqn_of)
         self._hooks += StateDictCopies(self, model).register()  # model.state_dict(): copies

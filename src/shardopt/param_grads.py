@@ -159,7 +159,8 @@ class ParamGrads(GradSync):
             if fqn not in self._reported:
                 self._take_param_grad(fqn)
         self._handles.append(
-            comm.all_reduce_avg_(self.buffers.bucket_grads(bucket), self.dp, async_op=True))
+            comm.all_reduce_avg_(self.buffers.bucket_grads(bucket),
+                                 self.buffers.dp[bucket.buffer_index], async_op=True))
         self._next_launch += 1
 
     def _take_param_grad(self, fqn: str) -> None:

@@ -21,9 +21,11 @@ from operator import attrgetter
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .errors import ParamMovedError, UsageError
 from .guards import unowned_trainable
+from .parallel import local_data_ptr
 from .wrap_guard import ADAPTERS
 
 _version = attrgetter("_version")
@@ -53,7 +55,10 @@ class ParamWatch:
         self._frozen_params = [p for _, p in self._frozen]
         self._placed = [Placement(p.dtype, p.device, tuple(p.shape)) for p in self.params]
         self._dp_rank = dp_rank
-        self._ptrs = list(map(_data_ptr, self.params))
+        # A DTensor's own data_ptr() is 0: where its local tensor lives is what counts.
+        self._ptr = (local_data_ptr if any(isinstance(p, DTensor) for p in self.params)
+                     else _data_ptr)
+        self._ptrs = list(map(self._ptr, self.params))
         self._versions = list(map(_version, self.params))
         # Until the optimizer first writes the params (record()), every param counts as
         # written: writes no counter sees before the first step (a broadcast, p.data) count.
@@ -93,7 +98,7 @@ class ParamWatch:
         param, with ``record``), recording the current versions unless ``record`` is False.
         Raises :class:`ParamMovedError` if a param left the buffer or was replaced, a
         :class:`~shardopt.guards.UsageError` if a param frozen at construction was unfrozen."""
-        if list(map(_data_ptr, self.params)) != self._ptrs:
+        if list(map(self._ptr, self.params)) != self._ptrs:
             self._raise_moved()
         self.replaced.check()
         if any(map(_requires_grad, self._frozen_params)):
@@ -121,7 +126,7 @@ class ParamWatch:
 
     def _raise_moved(self) -> None:
         for fqn, p, ptr, placed in zip(self.fqns, self.params, self._ptrs, self._placed):
-            if p.data_ptr() != ptr:
+            if self._ptr(p) != ptr:
                 raise ParamMovedError(moved_message(self._dp_rank, fqn, p, placed))
 
 

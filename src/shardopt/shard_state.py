@@ -62,7 +62,8 @@ class ShardState:
                  config: OptimizerConfig, device: torch.device) -> None:
         self.layout, self.buffers, self.dp, self.config = layout, buffers, dp, config
         self.device = device
-        self.shards: tuple[ParamShard, ...] = layout.shards(dp.rank)
+        self.shards: tuple[ParamShard, ...] = layout.shards(
+            dp.rank, {b.dp_group: g.rank for b, g in zip(layout.buffers, buffers.dp)})
         # A param lies in one bucket, so this rank holds at most one shard of it.
         self.shard_of = {s.fqn: s for s in self.shards}
         self.kinds = {"exp_avg": config.exp_avg_dtype, "exp_avg_sq": config.exp_avg_sq_dtype}
@@ -83,7 +84,7 @@ class ShardState:
         main = torch.zeros(buf.local_numel, dtype=torch.float32, device=self.device)
         for b in buf.buckets:
             main.narrow(0, buf.local_offset(b.index), b.shard_numel).copy_(
-                self.buffers.bucket_params(b).narrow(0, self.dp.rank * b.shard_numel,
+                self.buffers.bucket_params(b).narrow(0, self.buffers.dp[i].rank * b.shard_numel,
                                                      b.shard_numel))
         return main
 

@@ -21,6 +21,7 @@ from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .errors import GradientOrderError, ParamMovedError, UsageError
 from .layout import Bucket, Layout
+from .parallel import local_tensor
 from .param_watch import Placement, Replacements, moved_message
 from .shard_state import ShardState
 
@@ -120,7 +121,7 @@ class GradSync:
         ``resize_token_embeddings`` does), before its gradient of another shape or dtype
         reaches the grad buffer."""
         self.replaced.check_in_backward()
-        if param.data_ptr() != self.buffers.param_views[fqn].data_ptr():
+        if local_tensor(param).data_ptr() != self.buffers.param_views[fqn].data_ptr():
             slot = self.layout.slots[fqn]
             raise ParamMovedError(moved_message(self.dp.rank, fqn, param, Placement(
                 self.layout.buffers[slot.buffer_index].dtype, self.buffers.device, slot.shape)))
@@ -171,7 +172,8 @@ class GradSync:
             if fqn not in self.written:  # no gradient here this iteration: it counts as zero
                 self.buffers.grad_views[fqn].zero_()
         self._handles.append(
-            comm.reduce_scatter_avg_(self.buffers.bucket_grads(bucket), self.dp, async_op=True)
+            comm.reduce_scatter_avg_(self.buffers.bucket_grads(bucket),
+                                     self.buffers.dp[bucket.buffer_index], async_op=True)
         )
         self._next_launch += 1
 
@@ -251,11 +253,12 @@ class ParamSync:
         for bucket in reversed(self.launch_order):
             full = self.buffers.bucket_params(bucket)
             main = self.state.main(bucket.buffer_index)
+            dp = self.buffers.dp[bucket.buffer_index]
             if main is not None and not own_written:
-                own = full.narrow(0, self.dp.rank * bucket.shard_numel, bucket.shard_numel)
+                own = full.narrow(0, dp.rank * bucket.shard_numel, bucket.shard_numel)
                 offset = self.layout.buffers[bucket.buffer_index].local_offset(bucket.index)
                 own.copy_(main.narrow(0, offset, bucket.shard_numel))
-            handle = comm.all_gather_(full, self.dp, async_op=True)
+            handle = comm.all_gather_(full, dp, async_op=True)
             if handle is not comm.DONE:
                 self.handles[(bucket.buffer_index, bucket.index)] = handle
         if wait:

@@ -107,7 +107,8 @@ class Update:
             s = state.shards[i]
             buf = state.layout.buffers[s.buffer_index]
             local_base = buf.local_offset(s.bucket_index)
-            global_base = buf.buckets[s.bucket_index].shard_range_global(state.dp.rank).start
+            global_base = buf.buckets[s.bucket_index].shard_range_global(
+                state.buffers.dp[s.buffer_index].rank).start
             start = s.range_local.start - local_base
             parts.append(kernels.ChunkPart(local_base, global_base, start,
                                            start + s.range_local.size))
@@ -199,7 +200,7 @@ class Update:
             if target is None:
                 wide[bi] = torch.empty(buf.local_numel, dtype=torch.float32, device=state.device)
             for b in buf.buckets:
-                own = b.shard_range_global(state.dp.rank)
+                own = b.shard_range_global(state.buffers.dp[bi].rank)
                 src = step.narrow(0, own.start, b.shard_numel)
                 if target is not None:
                     target.narrow(0, own.start, b.shard_numel).copy_(src)

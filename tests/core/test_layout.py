@@ -7,6 +7,7 @@ params of billions of elements cost nothing to check.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -330,3 +331,44 @@ def test_invalid_range_raises(start, end):
 def test_range_blocks_are_the_blocks_it_touches(start, size, block):
     got = Range(start, start + size).blocks(block)
     assert list(range(got.start, got.end)) == sorted({i // block for i in range(start, start + size)})
+
+
+def _buffer_rows(buffers):
+    return [(b.dtype, b.numel, b.dp_size, [(k.index, k.range_global, k.numel_unpadded,
+                                            k.shard_numel, k.param_fqns) for k in b.buckets],
+             [(p.fqn, p.shape, p.bucket_index, p.range_global) for p in b.params])
+            for b in buffers]
+
+
+def _shard_rows(shards):
+    return [(s.fqn, s.dp_rank, s.bucket_index, s.range_global, s.range_local, s.range_param)
+            for s in shards]
+
+
+@given(param_lists(), st.lists(st.integers(0, 2), min_size=24, max_size=24),
+       st.lists(dp_sizes, min_size=3, max_size=3), bucket_numels, align_numels,
+       st.integers(0, 7))
+def test_each_dp_group_is_laid_out_as_if_alone(specs, groups, sizes, bucket_numel,
+                                               align_numel, rank):
+    """Params of several DP groups (experts): buffers per (group, dtype), no bucket mixes
+    groups, and each group's buffers and shards are those of its params alone at its size."""
+    specs = [dataclasses.replace(s, dp_group=g) for s, g in zip(specs, groups)]
+    layout = build_layout(specs, sizes[0], bucket_numel, align_numel,
+                          group_sizes=dict(enumerate(sizes)))
+    assert layout.dp_size == sizes[0]
+    ranks = {g: rank % size for g, size in enumerate(sizes)}
+    shards = layout.shards(ranks[0], ranks)
+    for g, size in enumerate(sizes):
+        mine = [dataclasses.replace(s, dp_group=0) for s in specs if s.dp_group == g]
+        alone = build_layout(mine, size, bucket_numel, align_numel)
+        check_layout(alone, mine, size, bucket_numel, align_numel)
+        in_group = [b for b in layout.buffers if b.dp_group == g]
+        assert _buffer_rows(in_group) == _buffer_rows(alone.buffers)
+        indices = {b.index for b in in_group}
+        assert (_shard_rows(s for s in shards if s.buffer_index in indices)
+                == _shard_rows(alone.shards(ranks[g])))
+
+
+def test_a_param_in_a_dp_group_without_a_size_is_refused():
+    with pytest.raises(ValueError, match="'w' is in DP group 1"):
+        build_layout([ParamSpec("w", (4,), torch.float32, dp_group=1)], 2, 100)
