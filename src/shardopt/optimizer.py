@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from . import build, comm, guards, host_state, parallel, quant, step_plan
 from . import state_dict as state_dicts
 from .build import Named, ParamGroupFn
+from .boxes import Box
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .grad_norm import GradNorm
@@ -340,14 +341,28 @@ class ShardStateAccess:
     views ``state_dict`` and ``opt.state``, :mod:`shardopt.checkpoint`,
     :mod:`shardopt.integrations`); docs/optimizer.md, "The shard state". Flat state tensors
     are named ``{name}.{i}`` for layout buffer ``i`` (:mod:`.shard_state`); reads give them
-    where their values are now: on the device, in host copies while offloaded, or staged."""
+    where their values are now: on the device, in host copies while offloaded, or staged.
+
+    With DTensor params or ``dp_group_fn`` (:mod:`.parallel`), ``dp`` is the world (the ranks
+    that save and load together), ``blocks`` holds each sharded param's local box of its
+    global tensor, and ``saved_shards`` leaves out the shards another rank's copy stores."""
 
     def __init__(self, opt: DistributedOptimizer) -> None:
         self._opt = opt
         state = opt._state
-        self.dp: comm.DPGroup = state.dp
+        par = opt._parallel
+        self.dp: comm.DPGroup = state.dp if par is None else par.world
         self.device: torch.device = state.device
         self.shards: tuple[ParamShard, ...] = state.shards
+        self.saved_shards: tuple[ParamShard, ...] = state.shards if par is None else tuple(
+            s for s in state.shards if par.params[s.fqn].writes)
+        self.global_shapes: Mapping[str, tuple[int, ...]] = MappingProxyType(
+            {f: s.shape for f, s in opt.layout.slots.items()} if par is None else
+            {f: r.global_shape for f, r in par.params.items()})
+        self.blocks: Mapping[str, Box] = MappingProxyType({} if par is None else {
+            f: r.block for f, r in par.params.items() if not r.whole})
+        self.placements: Mapping[str, tuple[str, ...]] = MappingProxyType({} if par is None else {
+            f: r.placements for f, r in par.params.items() if r.placements})
         self.shard_of: Mapping[str, ParamShard] = MappingProxyType(state.shard_of)
         self.fqn_of: Mapping[torch.nn.Parameter, str] = MappingProxyType(opt._fqn_of)
         self.aliases: Mapping[str, str] = MappingProxyType(opt._aliases)  # alias FQN -> FQN

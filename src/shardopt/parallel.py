@@ -10,12 +10,17 @@ number of pieces the DTensor's ``Shard`` placements cut it into (1 for a plain p
 global grad norm weighs each element by ``1 / copies``, so the world counts it once
 (docs/optimizer.md, "Tensor and expert parallelism").
 
-:func:`plan` is collective over the world (one exchange of a digest and of the problems).
+A checkpoint stores each element once: of the ranks that hold the same block (the DTensor's
+local box of the global tensor; the whole tensor for a plain param), those of the DP group
+of the lowest world rank write it (``ParamParallel.writes``).
+
+:func:`plan` is collective over the world (one exchange of each rank's blocks and problems).
 A model of plain params with no ``dp_group_fn`` has no plan: it takes the data-parallel path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import comm
+from .boxes import Box
 from .errors import UsageError
 from .layout import ParamSpec
 
@@ -42,6 +48,13 @@ class ParamParallel:
     local_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
     placements: tuple[str, ...]  # of the DTensor's mesh dims; () for a plain param
+    block: Box  # this rank's local tensor in the global tensor
+    writes: bool = True  # this rank's DP shard of it goes into checkpoints
+
+    @property
+    def whole(self) -> bool:
+        """Whether the local tensor is the whole global tensor (not sharded by the mesh)."""
+        return self.local_shape == self.global_shape
 
 
 @dataclass(frozen=True)
@@ -111,14 +124,26 @@ def plan(named: Sequence[tuple[str, torch.nn.Parameter]], dp: comm.DPGroup,
         error = e
     rows = sorted((f, r.copies, r.global_shape, r.placements) for f, r in params.items())
     digest = hashlib.sha256(repr([f for f, _ in named] + rows).encode()).hexdigest()
-    digests, problems = comm.agree(world, error, digest)
+    blocks = {f: r.block.offsets for f, r in params.items() if not r.whole}
+    payloads, problems = comm.agree(world, error, (digest, blocks))
     if problems:
         raise UsageError(problems)
-    if len(set(digests)) > 1:
+    if len({d for d, _ in payloads}) > 1:
         raise UsageError("ranks of the world hold different params (FQNs, global shapes or "
                          "placements differ): build the same model on every rank, each "
                          "parallelised with the same plan")
+    members = [_members(g) for g in groups]
+    for fqn, r in params.items():
+        same = [w for w, (_, b) in enumerate(payloads) if b.get(fqn) == blocks.get(fqn)]
+        params[fqn] = dataclasses.replace(r, writes=min(same) in members[r.dp_group])
     return ParallelPlan(tuple(groups), world, params)
+
+
+def _members(dp: comm.DPGroup) -> frozenset[int]:
+    """The world ranks of ``dp``."""
+    if dp.group is None:
+        return frozenset(range(dist.get_world_size()))
+    return frozenset(dist.get_process_group_ranks(dp.group))
 
 
 def _group_index(groups: list[comm.DPGroup], group: Any, fqn: str) -> int:
@@ -139,7 +164,7 @@ def _record(fqn: str, p: torch.nn.Parameter, dp_group: int, dp_size: int,
             world_size: int) -> ParamParallel:
     shards, placements = 1, ()
     if isinstance(p, DTensor):
-        placements = tuple(str(pl) for pl in p.placements)
+        placements = tuple(repr(pl) for pl in p.placements)
         for dim, pl in enumerate(p.placements):
             if pl.is_partial():
                 raise UsageError(f"param {fqn!r} has a Partial placement: a param holds "
@@ -153,6 +178,13 @@ def _record(fqn: str, p: torch.nn.Parameter, dp_group: int, dp_size: int,
             f"({placements or 'a plain tensor'}) do not tile the world of {world_size} ranks; "
             "a param's DP group holds one copy of its local tensor, orthogonal to the mesh "
             "dims it is sharded on")
-    return ParamParallel(fqn, dp_group, copies, tuple(local_tensor(p).shape), tuple(p.shape),
-                         placements)
+    local = tuple(local_tensor(p).shape)
+    block = Box.whole(local)
+    if isinstance(p, DTensor):
+        chunk = p.__create_chunk_list__()[0]  # the DTensor's own answer, as DCP asks it
+        block = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+        if block.lengths != local:
+            raise UsageError(f"param {fqn!r}: its local tensor {list(local)} is not one box "
+                             f"of its global tensor ({placements}); use Shard or Replicate")
+    return ParamParallel(fqn, dp_group, copies, local, tuple(p.shape), placements, block)
 

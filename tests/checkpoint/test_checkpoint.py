@@ -175,7 +175,7 @@ def test_every_file_is_safetensors_or_json(saved3):
 
 def test_manifest_fields_chunks_and_block_hashes(saved3):
     m = json.loads((saved3.path / "manifest.json").read_text())
-    assert m["format"] == "shardopt" and m["version"] == 3
+    assert m["format"] == "shardopt" and m["version"] == 4
     assert (m["step"], m["dp_size"], m["extra"]) == (2, 3, {"data": [1, 2]})
     assert m["config"]["bucket_numel"] == 97 and m["config"]["betas"] == [0.9, 0.95]
     assert set(m["params"]) == set(saved3.params)
@@ -233,7 +233,7 @@ def test_format_doc_snippet_reassembles_every_tensor(saved3, tmp_path):
 def test_inspect_and_verify(saved3, tmp_path):
     info = checkpoint.inspect(saved3.root)  # a root means its latest checkpoint
     assert Path(info["path"]) == saved3.path
-    assert (info["step"], info["dp_size"], info["format_version"]) == (2, 3, 3)
+    assert (info["step"], info["dp_size"], info["format_version"]) == (2, 3, 4)
     assert info["extra"] == {"data": [1, 2]}
     rows = {r["fqn"]: r for r in info["params"]}
     assert set(rows) == set(saved3.params)

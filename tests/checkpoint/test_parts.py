@@ -82,7 +82,7 @@ def split_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_split_save_loads_exactly_in_place_and_into_a_new_optimizer(split_save: Path):
     m = read_json(split_save)
     names = sorted(m["files"])
-    assert m["version"] == 3
+    assert m["version"] == 4
     # Mostly bf16 weights and three fp32 states: at most 12 files besides the RNG's.
     assert "exp_avg-00000-p2.safetensors" in names and 9 <= len(names) - 1 <= 12
     sizes = [(split_save / n).stat().st_size for n in names if not n.startswith("rng-")]
@@ -105,7 +105,7 @@ def test_a_split_save_loads_exactly_in_place_and_into_a_new_optimizer(split_save
      "lists parts of exp_avg-00000.safetensors up to exp_avg-00000-p2.safetensors but not "
      "exp_avg-00000-p1.safetensors"),
     (lambda f: f.__setitem__("rng-00000-p1.safetensors", f["rng-00000.safetensors"]),
-     "a version 3 checkpoint has no file rng-00000-p1"),
+     "a version 4 checkpoint has no file rng-00000-p1"),
     (lambda f: f.__setitem__("model-00000-p1000.safetensors", f["model-00000.safetensors"]),
      "refusing data file name 'model-00000-p1000.safetensors'"),
 ])

@@ -60,13 +60,13 @@ def test_roundtrip_baseline(saved: Path) -> None:
     check_state(str(saved), 1)
 
 
-@pytest.mark.parametrize("version", [1, 2, 4, "3"])
+@pytest.mark.parametrize("version", [1, 2, 5, "3", "4"])
 def test_other_format_versions_are_refused(saved: Path, version) -> None:
-    """One format: a manifest of any other version (even with a valid checksum) is refused
-    by name, with both versions."""
+    """One format (version 4, which reads the data-parallel version 3 too): a manifest of
+    any other version (even with a valid checksum) is refused by name, with the versions read."""
     edit_manifest(saved, lambda m: m.__setitem__("version", version))
     _assert_refused(saved, rf"manifest.json: format version {version!r}; this shardopt reads "
-                           "version 3 only")
+                           "versions 3, 4")
 
 
 def _damage(path: Path, name: str, how: str) -> None:

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from shardopt import DistributedOptimizer, OptimizerConfig
+from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint
 
 DIM, HIDDEN, EXPERTS = 8, 16, 4
 
@@ -147,11 +147,15 @@ def fresh(run: Run) -> nn.Module:
 def build(run: Run) -> tuple[nn.Module, DistributedOptimizer, int]:
     """This rank's parallelised model, its optimizer, and which piece of a batch it trains."""
     model = fresh(run)
+    if run.kind == "tp" and run.mp == 1:
+        return model, DistributedOptimizer(model, run.config()), dist.get_rank()
     if run.kind == "tp":
         mesh = init_device_mesh("cpu", (run.dp, run.mp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], TP_PLAN)
         opt = DistributedOptimizer(model, run.config(), process_group=mesh["dp"].get_group())
         return model, opt, mesh["dp"].get_local_rank()
+    if run.mp == 1:  # no expert parallelism: every param plain, data parallel over the world
+        return model, DistributedOptimizer(model, run.config()), dist.get_rank()
     mesh = init_device_mesh("cpu", (run.dp, run.mp), mesh_dim_names=("dp", "ep"))
     ep = mesh["ep"]
     full = model.experts.detach()
@@ -169,20 +173,41 @@ def pieces(run: Run) -> int:
     return run.dp * run.mp if run.kind == "moe" else run.dp
 
 
+def train_step(model: nn.Module, opt: DistributedOptimizer, run: Run, piece: int,
+               step: int) -> float | None:
+    """One step on this rank's piece of the global batch of ``step``; the grad norm."""
+    x, y = batch(run, step)
+    n = x.shape[0] // pieces(run)
+    x, y = x[piece * n:(piece + 1) * n], y[piece * n:(piece + 1) * n]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    return opt.last_grad_norm
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective over each DTensor's mesh: every param's global tensor."""
+    return {fqn: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for fqn, p in model.named_parameters()}
+
+
 def train_rank(rank: int, world_size: int, run: Run) -> dict[str, Any]:
     model, opt, piece = build(run)
-    norms = []
-    for step in range(run.steps):
-        x, y = batch(run, step)
-        n = x.shape[0] // pieces(run)
-        x, y = x[piece * n:(piece + 1) * n], y[piece * n:(piece + 1) * n]
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        norms.append(opt.last_grad_norm)
-    params = {fqn: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for fqn, p in model.named_parameters()}
-    return {"params": params, "norms": norms}
+    norms = [train_step(model, opt, run, piece, step) for step in range(run.steps)]
+    return {"params": full_params(model), "norms": norms}
+
+
+def checkpoint_rank(rank: int, world_size: int, run: Run, root: str, load_from: str | None,
+                    first: int, steps: int, save: bool) -> dict[str, Any]:
+    """Build at ``run``'s layout, load ``load_from`` (if any), train ``steps`` steps from
+    step ``first``, then save to ``root`` (if ``save``) at step ``first + steps``."""
+    model, opt, piece = build(run)
+    if load_from is not None:
+        checkpoint.load(load_from, model, opt)
+    for step in range(first, first + steps):
+        train_step(model, opt, run, piece, step)
+    path = checkpoint.save(root, model, opt, step=first + steps) if save else None
+    return {"params": full_params(model), "path": path}
 
 
 def reference(run: Run) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from ..moments import NAMES, Moments
 from ..optimizer import DistributedOptimizer
 from .manifest import MomentEncoding
 from .read import DataFiles, Read
-from .state import encodings
+from .state import check_quantized, encodings
 
 log = logging.getLogger("shardopt.checkpoint")
 
@@ -53,9 +53,11 @@ def plan(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], files: Dat
         for s in opt.shard_state.shards:
             r = s.range_param
             values = torch.empty(r.size, dtype=enc.dtype)
-            reads += files.reads(f"{s.fqn}.{name}", r, values, in_place=False)
+            reads += files.reads(f"{s.fqn}.{name}", r, values, in_place=False,
+                                 block=opt.shard_state.blocks.get(s.fqn))
             scales, blocks = None, Range(0, 0)
             if enc.block:
+                check_quantized(opt, s.fqn)
                 blocks = r.blocks(enc.block)
                 scales = torch.empty(blocks.size, dtype=torch.float32)
                 reads += files.reads(f"{s.fqn}.{name}.scale", blocks, scales, in_place=False)

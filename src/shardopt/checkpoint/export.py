@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..boxes import Box, flat_boxes
 from ..layout import STATE_NAMES, Range
 from . import commit
 from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, dtype_name
@@ -70,6 +71,21 @@ def _check_every_scale(files: DataFiles) -> None:
             files.check_scales(key, 0, t)
 
 
+def _saved_boxes(m: Manifest) -> dict[str, list[dict[str, Any]]]:
+    """Where each param's weights lie: per stored box of its global tensor, the file, the
+    box's global offsets and lengths (the saved layout)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for f in m.data_files():
+        for c in f.chunks:
+            p = m.params.get(c.key)
+            if p is None:
+                continue
+            for b in c.boxes or flat_boxes(Box.whole(p.shape), Range(c.offset, c.offset + c.numel)):
+                out.setdefault(c.key, []).append(
+                    {"file": f.name, "offsets": list(b.offsets), "lengths": list(b.lengths)})
+    return out
+
+
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """Summary of a checkpoint from its manifest (no data is read)."""
     m = _open(path)
@@ -79,10 +95,12 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         keys = [f"{fqn}.{n}{scale}" for n in STATE_NAMES for scale in ("", ".scale")]
         return sum(stored[k].numel * stored[k].dtype.itemsize for k in keys if k in stored)
 
+    boxes = _saved_boxes(m)
     rows = [{"fqn": fqn, "shape": list(p.shape), "dtype": dtype_name(p.dtype),
              "trainable": p.trainable, "numel": p.numel,
              "weight_bytes": p.numel * p.dtype.itemsize,
-             "state_bytes": state_bytes(fqn) if p.trainable else 0}
+             "state_bytes": state_bytes(fqn) if p.trainable else 0,
+             "placements": list(p.placements), "boxes": boxes.get(fqn, [])}
             for fqn, p in m.params.items()]
     return {
         "path": str(m.path),

@@ -3,8 +3,11 @@
 Data files are plain safetensors of 1-D chunks; a chunk's position in its full tensor is in the
 header's ``__metadata__`` under ``DCP_SHARDING_INFO`` (``{"key": {"saved_offsets": [offset]}}``),
 the convention of ``torch.distributed.checkpoint``'s Hugging Face storage, so its reader loads
-these files too. Every file is hashed in fixed-size blocks (xxh3-64), so a reader that needs
-part of a file verifies just the blocks it reads.
+these files too. A chunk of a tensor-parallel block is a flat range of that block: its
+``offset`` counts in the block, and the manifest lists the N-D boxes of the global tensor it
+holds (:mod:`shardopt.boxes`; DCP's reader does not read such chunks). Every file is hashed in
+fixed-size blocks (xxh3-64), so a reader that needs part of a file verifies just the blocks
+it reads.
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ import json
 import re
 import struct
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import xxhash
 
+from ..boxes import Box
 from ..config import dtype_name
 from ..errors import FormatError
 
 FORMAT_NAME = "shardopt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+# Versions this shardopt reads: 3 holds data-parallel checkpoints, the same files without boxes.
+READ_VERSIONS = (3, 4)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -73,11 +79,19 @@ def state_file_kind(name: str) -> str:
 
 @dataclass(frozen=True, order=True)
 class ChunkRecord:
-    """A chunk as the manifest lists it: elements ``[offset, offset + numel)`` of ``key``."""
+    """A chunk as the manifest lists it: elements ``[offset, offset + numel)`` of ``key``
+    flattened, or, with ``boxes``, of the flattened block they were cut from, lying in those
+    boxes of the global tensor (their row-major data back to back)."""
 
     key: str
     offset: int
     numel: int
+    boxes: tuple[Box, ...] = ()
+
+    @property
+    def header_entry(self) -> tuple[str, int, int]:
+        """What the file's safetensors header says of it."""
+        return self.key, self.offset, self.numel
 
 
 @dataclass(frozen=True)
@@ -90,18 +104,20 @@ class StoredChunk:
     numel: int
     dtype: torch.dtype
     data_start: int  # byte offset of the chunk's first element in the file
+    boxes: tuple[Box, ...] = ()  # where it lies in the global tensor (none: a flat range)
 
     @property
     def record(self) -> ChunkRecord:
-        return ChunkRecord(self.key, self.offset, self.numel)
+        return ChunkRecord(self.key, self.offset, self.numel, self.boxes)
 
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A stored tensor (a key of the checkpoint): its element count and dtype."""
+    """A stored tensor (a key of the checkpoint): its element count, dtype and shape."""
 
     numel: int
     dtype: torch.dtype
+    shape: tuple[int, ...] | None = field(default=None, compare=False)  # None: 1-D
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,7 @@ def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, ver
                     copies.append(functools.partial(out.copy_, early))
                     out, in_place = early, False
                 checks.append(functools.partial(files.check_scales, d.key, d.want.start, out))
-            reads += files.reads(d.key, d.want, out, in_place=in_place)
+            reads += files.reads(d.key, d.want, out, in_place=in_place, block=d.block)
         pieces, conversion_reads = convert.plan(opt, dict(m.moments), files)
         reads += conversion_reads
         checks += [functools.partial(files.check_scales, p.scale_key, p.scale_start, p.scales)
@@ -308,7 +308,7 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
     Reports every mismatching FQN (up to ten), not just the first."""
     frozen = state.frozen_tensors(model, opt)
     aliases = opt.shard_state.aliases
-    current = {fqn: (tuple(s.shape), True) for fqn, s in opt.layout.slots.items()}
+    current = {fqn: (tuple(shape), True) for fqn, shape in opt.shard_state.global_shapes.items()}
     current.update({fqn: (tuple(t.shape), False) for fqn, t in frozen.items()})
     problems = []
     for fqn, (shape, trainable) in current.items():

@@ -23,7 +23,8 @@ from .. import quant
 from ..config import GROUP_KEYS, INT8, group_value
 from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
-from .format import DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES, ChunkRecord, FileRecord, StoredTensor, data_file_name, dtype_name, is_int, manifest_checksum, parse_json_object
+from ..boxes import Box, disjoint_cover, flat_boxes
+from .format import READ_VERSIONS, DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES, ChunkRecord, FileRecord, StoredTensor, data_file_name, dtype_name, is_int, manifest_checksum, parse_json_object
 from .storage import open_regular
 from ..errors import FormatError
 
@@ -40,6 +41,7 @@ class ParamRecord:
     trainable: bool
     step: int  # optimizer steps taken (0 for frozen tensors)
     hyper: Mapping[str, Any]  # lr, betas (a tuple), eps, weight_decay; empty when frozen
+    placements: tuple[str, ...] = ()  # of the DTensor it was saved from; () for a plain one
 
     @property
     def numel(self) -> int:
@@ -122,12 +124,12 @@ class Manifest:
         """Every stored key."""
         out: dict[str, StoredTensor] = {}
         for fqn, p in self.params.items():
-            out[fqn] = StoredTensor(p.numel, p.dtype)
+            out[fqn] = StoredTensor(p.numel, p.dtype, p.shape)
             if not p.trainable:
                 continue
-            out[f"{fqn}.master_param"] = StoredTensor(p.numel, torch.float32)
+            out[f"{fqn}.master_param"] = StoredTensor(p.numel, torch.float32, p.shape)
             for name, enc in self.moments.items():
-                out[f"{fqn}.{name}"] = StoredTensor(p.numel, enc.dtype)
+                out[f"{fqn}.{name}"] = StoredTensor(p.numel, enc.dtype, p.shape)
                 if enc.block:
                     out[f"{fqn}.{name}.scale"] = StoredTensor(
                         Range(0, p.numel).blocks(enc.block).size, torch.float32)
@@ -167,9 +169,10 @@ def parse(path: Path) -> Manifest:
         raise FormatError(f"{file}: nested too deeply") from None
     if m.get("format") != FORMAT_NAME:
         raise FormatError(f"{file}: not a {FORMAT_NAME} checkpoint manifest")
-    if m.get("version") != FORMAT_VERSION:
+    version = m.get("version")
+    if version not in READ_VERSIONS:
         raise FormatError(f"{file}: format version {m.get('version')!r}; this shardopt reads "
-                          f"version {FORMAT_VERSION} only")
+                          f"versions {', '.join(map(str, READ_VERSIONS))}")
     if m.get("checksum") != checksum:
         raise FormatError(f"{file}: checksum mismatch (the manifest is damaged or was edited)")
     dp_size = _int(m.get("dp_size"), "dp_size", file, 1)
@@ -190,10 +193,10 @@ def parse(path: Path) -> Manifest:
                               "stored param")
     if not isinstance(m.get("files"), dict) or not m["files"]:
         raise FormatError(f"{file}: files must be a non-empty JSON object")
-    files = {name: _file(name, rec, dp_size, file) for name, rec in m["files"].items()}
+    files = {name: _file(name, rec, dp_size, file, version) for name, rec in m["files"].items()}
     _check_file_set(dp_size, files, file)
     created = m.get("created")
-    manifest = Manifest(path, FORMAT_VERSION, _int(m.get("step"), "step", file), dp_size,
+    manifest = Manifest(path, version, _int(m.get("step"), "step", file), dp_size,
                         created if isinstance(created, str) else None,
                         MappingProxyType(m.get("config", {})), MappingProxyType(params),
                         MappingProxyType(aliases), MappingProxyType(files),
@@ -262,6 +265,9 @@ def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
     trainable = info.get("trainable")
     if not isinstance(trainable, bool):
         raise FormatError(f"{file}: param {fqn!r} lacks 'trainable'")
+    placements = info.get("placements", [])
+    if not (isinstance(placements, list) and all(isinstance(p, str) for p in placements)):
+        raise FormatError(f"{file}: placements of {fqn!r} must be a list of strings")
     if not trainable:
         return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], False, 0, MappingProxyType({}))
     step = _int(info.get("step"), f"step of {fqn!r}", file)
@@ -273,10 +279,11 @@ def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
         if v is None:
             raise FormatError(f"{file}: param group value {key}={shown(group.get(key))} of "
                               f"{fqn!r} is malformed")
-    return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], True, step, MappingProxyType(hyper))
+    return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], True, step, MappingProxyType(hyper),
+                       tuple(placements))
 
 
-def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
+def _file(name: str, rec: Any, dp_size: int, file: Path, version: int) -> FileRecord:
     match = DATA_FILE.fullmatch(name)
     if not match:
         raise FormatError(f"{file}: refusing data file name {name!r} (only names like "
@@ -285,7 +292,7 @@ def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
     if int(match.group(2)) >= dp_size:
         raise FormatError(f"{file}: data file {name} belongs to no rank of dp_size {dp_size}")
     if kind == "rng" and match.group(3):
-        raise FormatError(f"{file}: a version {FORMAT_VERSION} checkpoint has no file {name}")
+        raise FormatError(f"{file}: a version {version} checkpoint has no file {name}")
     if not isinstance(rec, dict):
         raise FormatError(f"{file}: record of {name} is not an object")
     size = _int(rec.get("size"), f"size of {name}", file)
@@ -303,12 +310,35 @@ def _file(name: str, rec: Any, dp_size: int, file: Path) -> FileRecord:
     raw = rec.get("chunks") if kind != "rng" else []
     if not isinstance(raw, list):
         raise FormatError(f"{file}: chunks of {name} must be a list")
+    lengths = (3, 4) if version >= 4 else (3,)  # version 4: boxes of a tensor-parallel block
     for c in raw:
-        if not (isinstance(c, list) and len(c) == 3 and isinstance(c[0], str)):
-            raise FormatError(f"{file}: malformed chunk {c!r} in {name}")
+        if not (isinstance(c, list) and len(c) in lengths and isinstance(c[0], str)):
+            raise FormatError(f"{file}: malformed chunk {shown(c)} in {name}")
+        boxes = tuple(_box(b, c[0], name, file) for b in _list(c[3], c[0], name, file)) \
+            if len(c) == 4 else ()
         chunks.append(ChunkRecord(c[0], _int(c[1], f"chunk offset in {name}", file),
-                                  _int(c[2], f"chunk length in {name}", file)))
+                                  _int(c[2], f"chunk length in {name}", file), boxes))
+        if boxes and sum(b.numel for b in boxes) != chunks[-1].numel:
+            raise FormatError(f"{file}: the boxes of chunk {c[0]!r} in {name} hold "
+                              f"{sum(b.numel for b in boxes)} elements, the chunk {c[2]}")
     return FileRecord(name, kind, size, block_bytes, tuple(hashes), tuple(chunks))
+
+
+def _list(value: Any, key: str, name: str, file: Path) -> list:
+    if not isinstance(value, list) or not value:
+        raise FormatError(f"{file}: the boxes of chunk {key!r} in {name} must be a non-empty "
+                          "list of [offsets, lengths]")
+    return value
+
+
+def _box(raw: Any, key: str, name: str, file: Path) -> Box:
+    """One ``[offsets, lengths]`` box of a chunk (the shape is checked by the tiling)."""
+    if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, list) for x in raw)
+            and len(raw[0]) == len(raw[1])):
+        raise FormatError(f"{file}: malformed box {shown(raw)} of chunk {key!r} in {name}")
+    what = f"a box of chunk {key!r} in {name}"
+    return Box(tuple(_int(x, what, file) for x in raw[0]),
+               tuple(_int(x, what, file) for x in raw[1]))
 
 
 def _check_file_set(dp_size: int, files: dict[str, FileRecord], file: Path) -> None:
@@ -345,6 +375,9 @@ def _check_tiling(m: Manifest) -> None:
                 raise FormatError(f"{m.file}: {f.name} stores {c.key!r}, which no param describes")
             by_key[c.key].append((c, f.name))
     for key, chunks in by_key.items():
+        if any(c.boxes for c, _ in chunks):
+            _check_boxes(m, key, stored[key], [c for c, _ in chunks])
+            continue
         pos = 0
         for c, name in sorted(chunks):
             if c.offset != pos:
@@ -355,6 +388,16 @@ def _check_tiling(m: Manifest) -> None:
         if pos != stored[key].numel:
             raise FormatError(f"{m.file}: stored chunks of {key!r} cover {pos} of "
                               f"{stored[key].numel} elements")
+
+
+def _check_boxes(m: Manifest, key: str, stored: StoredTensor, chunks: list[ChunkRecord]) -> None:
+    """The chunks of a key saved in tensor-parallel blocks tile its global tensor exactly."""
+    shape = stored.shape or (stored.numel,)
+    boxes = [b for c in chunks for b in (c.boxes or flat_boxes(Box.whole(shape),
+                                                                Range(c.offset, c.offset + c.numel)))]
+    problem = disjoint_cover(boxes, shape)
+    if problem:
+        raise FormatError(f"{m.file}: stored chunks of {key!r}: {problem}")
 
 
 __all__ = ["FileRecord", "Manifest", "MomentEncoding", "ParamRecord", "parse"]

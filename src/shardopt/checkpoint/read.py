@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from ..boxes import Box
 from ..layout import Range
 from .config import STAGING_BYTES
 from .index import ChunkIndex
@@ -200,13 +201,15 @@ class DataFiles:
         self.directory = m.path
         self.stored = stored
         self.scale_keys = frozenset(m.scale_keys())
-        self.index = ChunkIndex(chunks)
+        self.index = ChunkIndex(chunks, {k: s.shape for k, s in stored.items() if s.shape})
 
-    def reads(self, key: str, want: Range, out: torch.Tensor, in_place: bool) -> list[Read]:
-        """What fills ``out`` (1-D) with elements ``want`` of stored tensor ``key``."""
+    def reads(self, key: str, want: Range, out: torch.Tensor, in_place: bool,
+              block: Box | None = None) -> list[Read]:
+        """What fills ``out`` (1-D) with elements ``want`` of stored tensor ``key`` (of
+        ``block`` of its global tensor flattened, when given)."""
         dtype = self.stored[key].dtype
         return [Read(self.readers[r.file], r.file_start, out.narrow(0, r.dest_start, r.numel),
-                     dtype, in_place) for r in self.index.plan(key, want)]
+                     dtype, in_place) for r in self.index.plan(key, want, block)]
 
     def check_scales(self, key: str, first: int, scales: torch.Tensor) -> None:
         """Raise :class:`FormatError`, naming the file, unless every scale of ``scales``

@@ -320,7 +320,7 @@ def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_byte
         run_parallel(jobs, write, len(jobs))
     for job in jobs:
         if not job.name.startswith("rng-"):
-            records[job.name]["chunks"] = [[e.key, e.offset, e.numel] for e in job.entries]
+            records[job.name]["chunks"] = [e.record() for e in job.entries]
     commit.fsync_dir(tmp)  # the directory entries, so the rename publishes whole files
     return {name: records[name] for name in sorted(records)}
 

@@ -3,7 +3,9 @@
 Keyed by FQN, all flat 1-D: model weights as ``"{fqn}"`` in the model dtype, optimizer state
 as ``"{fqn}.master_param"`` (fp32) and ``"{fqn}.exp_avg"``, ``"{fqn}.exp_avg_sq"`` in the
 moments' storage dtype (8-bit codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.). A rank's
-chunks are exactly its :class:`~shardopt.layout.ParamShard` records.
+chunks are exactly its :class:`~shardopt.layout.ParamShard` records (those
+``shard_state.saved_shards`` keeps: one copy of each replicated piece); a tensor-parallel
+param's count in its block of the global tensor (``shard_state.blocks``).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from ..boxes import Box
 from ..config import GROUP_KEYS
+from ..errors import CheckpointError
 from ..layout import Range
 from ..moments import NAMES as MOMENT_NAMES
 from ..moments import Moments
@@ -35,6 +40,7 @@ class Destination:
     buffer_index: int = 0
     range_local: Range | None = None
     part: str = "values"
+    block: Box | None = None  # ``want`` counts in this box of the global tensor
 
     def resolve(self, moments: Moments) -> torch.Tensor:
         if self.tensor is not None:
@@ -64,6 +70,10 @@ def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer,
             continue
         if id(t) in seen:
             continue
+        if isinstance(t, DTensor):
+            raise CheckpointError(f"tensor {fqn!r} is a DTensor that the optimizer does not "
+                                  "train: checkpoints hold frozen tensors and buffers as plain "
+                                  "tensors only")
         seen.add(id(t))
         out[fqn] = t
     return out
@@ -91,14 +101,17 @@ class ParamFacts:
 def describe(opt: DistributedOptimizer, facts: ParamFacts) -> dict[str, dict]:
     """Manifest ``params`` table: shape, dtype, trainable, step and hyperparameters per FQN."""
     table: dict[str, dict] = {}
+    st = opt.shard_state
     for fqn, slot in opt.layout.slots.items():
         table[fqn] = {
-            "shape": list(slot.shape),
+            "shape": list(st.global_shapes[fqn]),
             "dtype": dtype_name(opt.layout.buffers[slot.buffer_index].dtype),
             "trainable": True,
             "step": facts.steps[fqn],
-            "group": dict(facts.groups[opt.shard_state.group_of[fqn]]),
+            "group": dict(facts.groups[st.group_of[fqn]]),
         }
+        if fqn in st.placements:
+            table[fqn]["placements"] = list(st.placements[fqn])
     return table | facts.frozen
 
 
@@ -118,10 +131,11 @@ def model_entries(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
                   ) -> list[WriteEntry]:
     """Model weights this rank writes: its shards of trainable params, and (rank 0) the
     ``frozen`` tensors (:func:`frozen_tensors`)."""
+    blocks = opt.shard_state.blocks
     out = [
         WriteEntry(s.fqn, opt.layout.buffers[s.buffer_index].dtype, s.range_param.size,
-                   s.range_param.start, opt.shard_state.view("params", s))
-        for s in opt.shard_state.shards
+                   s.range_param.start, opt.shard_state.view("params", s), blocks.get(s.fqn))
+        for s in opt.shard_state.saved_shards
     ]
     if opt.shard_state.dp.rank == 0:
         for fqn, t in frozen.items():
@@ -141,20 +155,30 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
     out = []
     enc = encodings(opt).get(name)
     st = opt.shard_state
-    for s in st.shards:
-        r = s.range_param
+    for s in st.saved_shards:
+        r, block = s.range_param, st.blocks.get(s.fqn)
         if enc is None:  # the master param
             out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, r.size, r.start,
-                                  st.view(name, s)))
+                                  st.view(name, s), block))
             continue
         m = st.moment(name, s) if st.has_moments else None
         out.append(WriteEntry(f"{s.fqn}.{name}", enc.dtype, r.size, r.start,
-                              None if m is None else m.values))
+                              None if m is None else m.values, block))
         if enc.block:  # the piece starts on a block boundary (param_align): whole blocks
+            check_quantized(opt, s.fqn)
             b = r.blocks(enc.block)
             out.append(WriteEntry(f"{s.fqn}.{name}.scale", torch.float32, b.size, b.start,
                                   None if m is None else m.scales))
     return out
+
+
+def check_quantized(opt: DistributedOptimizer, fqn: str) -> None:
+    """8-bit moments' scales count blocks of a flattened tensor: of the global tensor only."""
+    if fqn in opt.shard_state.blocks:
+        raise CheckpointError(f"param {fqn!r} is sharded by tensor or expert parallelism and "
+                              "has 8-bit moments, whose scales checkpoints hold for whole "
+                              "params only: use exp_avg_dtype / exp_avg_sq_dtype bfloat16 or "
+                              "float32 for such params")
 
 
 def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
@@ -165,14 +189,17 @@ def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
     out = []
     mine = encodings(opt)
     for s in opt.shard_state.shards:
+        block = opt.shard_state.blocks.get(s.fqn)
         out.append(Destination(f"{s.fqn}.master_param", s.range_param,
-                               tensor=opt.shard_state.view("master_param", s)))
+                               tensor=opt.shard_state.view("master_param", s), block=block))
         for name in MOMENT_NAMES:
             if saved[name] != mine[name]:
                 continue
             out.append(Destination(f"{s.fqn}.{name}", s.range_param, moment=name,
-                                   buffer_index=s.buffer_index, range_local=s.range_local))
+                                   buffer_index=s.buffer_index, range_local=s.range_local,
+                                   block=block))
             if mine[name].block:
+                check_quantized(opt, s.fqn)
                 b = mine[name].block
                 out.append(Destination(
                     f"{s.fqn}.{name}.scale", s.range_param.blocks(b), moment=name,

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..boxes import Box, flat_boxes
+from ..layout import Range
 from .format import FileHeader, FileRecord, StoredChunk, StoredTensor, build_header, parse_header
 from .transfer import PIECE_BYTES, Part, Parts, write_file as write_pieces
 from ..errors import FormatError
@@ -23,13 +25,23 @@ from ..errors import FormatError
 
 @dataclass(frozen=True)
 class WriteEntry:
-    """A 1-D chunk to store: ``source`` (any device) or zeros when ``source`` is None."""
+    """A 1-D chunk to store: ``source`` (any device) or zeros when ``source`` is None;
+    ``block``: the tensor-parallel block of the global tensor ``offset`` counts in (None:
+    the whole tensor)."""
 
     key: str
     dtype: torch.dtype
     numel: int
     offset: int
     source: torch.Tensor | None
+    block: Box | None = None
+
+    def record(self) -> list:
+        """The manifest's record of it (:class:`~.format.ChunkRecord`)."""
+        if self.block is None:
+            return [self.key, self.offset, self.numel]
+        boxes = flat_boxes(self.block, Range(self.offset, self.offset + self.numel))
+        return [self.key, self.offset, self.numel, [b.to_json() for b in boxes]]
 
 
 # A save splits a kind's bytes over several files (to write them side by side) only into
@@ -85,7 +97,7 @@ def split_entries(entries: Sequence[WriteEntry], parts: int) -> list[list[WriteE
                     i += 1
                     continue
             src = None if e.source is None else e.source.narrow(0, first, room)
-            out[i].append(WriteEntry(e.key, e.dtype, room, e.offset + first, src))
+            out[i].append(WriteEntry(e.key, e.dtype, room, e.offset + first, src, e.block))
             first += room
             filled += room * size
     return [run for run in out if run]
@@ -261,12 +273,13 @@ class FileReader:
         header = self.header()
         if self.record.kind == "rng":
             return list(header.chunks)
-        found = sorted(c.record for c in header.chunks)
-        if found != sorted(self.record.chunks):
+        found = sorted(c.record.header_entry for c in header.chunks)
+        if found != sorted(c.header_entry for c in self.record.chunks):
             raise FormatError(f"{self.path}: header disagrees with the manifest's chunk list")
+        boxes = {c.key: c.boxes for c in self.record.chunks}  # a key once per file
         for c in header.chunks:
             if c.dtype != stored[c.key].dtype:
                 raise FormatError(f"{self.path}: {c.key!r} is stored as {c.dtype}, "
                                   f"the manifest says {stored[c.key].dtype}")
-        return [StoredChunk(c.key, self.name, c.offset, c.numel, c.dtype, c.data_start)
-                for c in header.chunks]
+        return [StoredChunk(c.key, self.name, c.offset, c.numel, c.dtype, c.data_start,
+                            boxes[c.key]) for c in header.chunks]
