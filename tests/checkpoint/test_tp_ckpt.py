@@ -3,16 +3,20 @@ global tensor, loaded at any other (DP, TP, EP) layout (gloo, up to 4 ranks)."""
 
 from __future__ import annotations
 
-import dataclasses
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from faults.common import data_offset, edit_manifest, flip_byte
 from helpers.checks import bits, exported
 from helpers.dist import run_distributed
-from helpers.parallel_models import Run, checkpoint_rank
+from helpers.parallel_models import Run, build, checkpoint_rank, full_params, train_step
 from shardopt import checkpoint
+from shardopt.errors import CheckpointError
+from shardopt.parallel import local_tensor
 
 
 def _save(tmp: Path, run: Run, name: str, load_from: str | None = None, first: int = 0,
@@ -73,3 +77,65 @@ def test_moe_checkpoint_loads_at_another_expert_parallel_size(tmp_path, ep):
     again = _save(tmp_path, Run("moe", dp=2 if ep == 1 else 1, mp=ep), f"ep{ep}", source,
                   first=2, steps=0)
     _assert_same_export(tmp_path / "cmp", source, again)
+
+
+def test_a_checkpoint_without_tensor_parallelism_loads_into_one_with(tmp_path):
+    source = _save(tmp_path, Run("tp", dp=4, mp=1), "plain")
+    again = _save(tmp_path, Run("tp", dp=2, mp=2), "tp", source, first=2, steps=0)
+    _assert_same_export(tmp_path / "cmp", source, again)
+
+
+def test_a_version_3_checkpoint_loads(tmp_path):
+    """Version 3 held data-parallel checkpoints in the files version 4 writes for them."""
+    source = _save(tmp_path, Run("tp", dp=2, mp=1), "v3")
+    edit_manifest(Path(source), lambda m: m.__setitem__("version", 3))
+    assert checkpoint.inspect(source)["format_version"] == 3
+    again = _save(tmp_path, Run("tp", dp=1, mp=2), "tp", source, first=2, steps=0)
+    _assert_same_export(tmp_path / "cmp", source, again)
+
+
+def _local_state(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"param.{f}": local_tensor(p).detach().clone() for f, p in model.named_parameters()}
+    out.update({k: t.clone() for k, t in opt.shard_state.sources().items()})
+    return out
+
+
+def failed_load_rank(rank: int, world_size: int, run: Run, path: str, low_memory: bool):
+    model, opt, piece = build(run)
+    train_step(model, opt, run, piece, 0)
+    before = _local_state(model, opt)
+    with pytest.raises(CheckpointError, match="content hash mismatch"):
+        checkpoint.load(path, model, opt)
+    after = _local_state(model, opt)
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(bits(after[k]), bits(before[k])) for k in before)
+
+
+def test_a_failed_load_at_another_layout_changes_nothing(saved_tp):
+    tmp, source = saved_tp
+    broken = tmp / "broken"
+    shutil.copytree(source, broken)
+    name = "exp_avg-00001.safetensors"
+    flip_byte(broken / name, data_offset(broken / name, "down.weight.exp_avg") + 3)
+    run_distributed(failed_load_rank, 2, Run("tp", dp=1, mp=2), str(broken), False,
+                    tmp_path=tmp)
+
+
+def low_memory_rank(rank: int, world_size: int, run: Run, path: str) -> dict[str, Any]:
+    model, opt, piece = build(run)
+    checkpoint.load(path, model, opt, low_memory_resume=True)
+    staged = sorted(k for k, h in opt.shard_state.held.items() if h.where == "staged")
+    train_step(model, opt, run, piece, 2)
+    return {"staged": staged, "params": full_params(model)}
+
+
+def test_low_memory_resume_of_a_tp_checkpoint_matches_the_default(saved_tp):
+    tmp, source = saved_tp
+    run = Run("tp", dp=2, mp=2)
+    low = run_distributed(low_memory_rank, 4, run, source, tmp_path=tmp)
+    plain = run_distributed(checkpoint_rank, 4, run, str(tmp / "plain"), source, 2, 1, False,
+                            tmp_path=tmp)
+    assert all(r["staged"] for r in low), "the moments were not kept on the host"
+    for a, b in zip(low, plain):
+        for fqn in a["params"]:
+            assert torch.equal(bits(a["params"][fqn]), bits(b["params"][fqn])), fqn
