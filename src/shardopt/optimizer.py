@@ -256,18 +256,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._before_state_write(host=True)  # a background save may be reading them
         self._host.release()
 
-    def iter_param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+    def iter_param_buckets(self, with_placements: bool = False) -> Iterator[tuple[Any, ...]]:
         """``(fqns, flat)`` per bucket: ``flat`` (model dtype) holds its params back to back in
-        ``fqns`` order. Waits for all-gathers in flight; refused while params are offloaded."""
+        ``fqns`` order (a DTensor param's local tensor). ``with_placements``: ``(fqns, flat,
+        placed)``, ``placed`` the :class:`~shardopt.parallel.ParamParallel` of each param
+        (global shape, placements, this rank's box), None for a model of plain params.
+        Waits for all-gathers in flight; refused while params are offloaded."""
         self._host.check_onloaded("iter_param_buckets()", ("params",))
         self._param_sync.finish()
-        return self._param_buckets()
+        return self._param_buckets(with_placements)
 
-    def _param_buckets(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+    def _param_buckets(self, with_placements: bool) -> Iterator[tuple[Any, ...]]:
+        par = self._parallel
         for buf in self.layout.buffers:
             for b in buf.buckets:
                 self._host.check_onloaded("iter_param_buckets()", ("params",))
-                yield b.param_fqns, self._buffers.packed_params(b)
+                flat = self._buffers.packed_params(b)
+                if not with_placements:
+                    yield b.param_fqns, flat
+                    continue
+                yield b.param_fqns, flat, None if par is None else tuple(
+                    par.params[f] for f in b.param_fqns)
 
     def reload_model_params(self) -> None:
         """Re-seed every fp32 main param this rank holds from the model's params: after writes

@@ -139,3 +139,32 @@ def test_low_memory_resume_of_a_tp_checkpoint_matches_the_default(saved_tp):
     for a, b in zip(low, plain):
         for fqn in a["params"]:
             assert torch.equal(bits(a["params"][fqn]), bits(b["params"][fqn])), fqn
+
+
+def background_rank(rank: int, world_size: int, run: Run, root: str) -> dict[str, Any]:
+    model, opt, piece = build(run)
+    for step in range(2):
+        train_step(model, opt, run, piece, step)
+    out = {"blocking": checkpoint.save(f"{root}/blocking", model, opt, step=2)}
+    handle = checkpoint.save(f"{root}/background", model, opt, step=2, blocking=False)
+    train_step(model, opt, run, piece, 2)  # the background save holds the state of the call
+    out["background"] = handle.wait()
+    return out
+
+
+def test_a_background_save_of_a_tp_model_holds_the_state_at_the_call(tmp_path):
+    out = run_distributed(background_rank, 4, Run("tp"), str(tmp_path), tmp_path=tmp_path)
+    _assert_same_export(tmp_path / "cmp", out[0]["blocking"], out[0]["background"])
+
+
+def int8_rank(rank: int, world_size: int, run: Run, root: str) -> None:
+    model, opt, piece = build(run)
+    train_step(model, opt, run, piece, 0)
+    with pytest.raises(CheckpointError, match="param 'up.weight' is sharded by tensor or "
+                                              "expert parallelism and has 8-bit moments"):
+        checkpoint.save(root, model, opt, step=1)
+
+
+def test_8_bit_moments_of_tp_sharded_params_are_refused_by_name(tmp_path):
+    run = Run("tp", extra={"exp_avg_dtype": "int8"})
+    run_distributed(int8_rank, 4, run, str(tmp_path / "root"), tmp_path=tmp_path)

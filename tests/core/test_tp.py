@@ -9,8 +9,11 @@ from unittest import mock
 import pytest
 import torch
 
+from torch.distributed.tensor import DTensor
+
+from helpers.checks import bits
 from helpers.dist import run_distributed
-from helpers.parallel_models import Run, mismatch, reference, train_rank
+from helpers.parallel_models import Run, build, mismatch, reference, train_rank, train_step
 from shardopt import parallel
 
 
@@ -51,3 +54,51 @@ def test_dp2_ep2_experts_match_full_model(tmp_path):
     assert any(n > run.max_grad_norm for n in ref["norms"]), "clipping never engaged"
     for rank, result in enumerate(run_distributed(train_rank, 4, run, tmp_path=tmp_path)):
         assert mismatch(result, ref) == [], f"rank {rank}"
+
+
+def features_rank(rank: int, world_size: int, run: Run) -> dict:
+    """opt.state, offload/onload, iter_param_buckets and state_dict() over DTensor params."""
+    model, opt, piece = build(run)
+    train_step(model, opt, run, piece, 0)
+    out = {}
+    p = model.up.weight  # column-parallel: this rank's rows
+    entry = opt.state[p]
+    local = p.to_local().reshape(-1)
+    n = entry["master_param"].numel()
+    out["state_views_local"] = torch.equal(
+        entry["master_param"], local[entry["offset"]:entry["offset"] + n].float())
+    before = {k: t.clone() for k, t in opt.shard_state.sources().items()}
+    opt.offload()
+    opt.onload()
+    after = opt.shard_state.sources()
+    out["onload_bitwise"] = all(torch.equal(bits(after[k]), bits(v)) for k, v in before.items())
+    placed_ok = []
+    for fqns, flat, placed in opt.iter_param_buckets(with_placements=True):
+        pos = 0
+        for fqn, rec in zip(fqns, placed):
+            param = model.get_parameter(fqn)
+            mine = param.to_local() if isinstance(param, DTensor) else param
+            placed_ok.append(rec.fqn == fqn and rec.global_shape == tuple(param.shape)
+                             and torch.equal(flat[pos:pos + mine.numel()], mine.reshape(-1)))
+            pos += mine.numel()
+    out["buckets_placed"] = placed_ok and all(placed_ok)
+    out["placements"] = opt.shard_state.placements["down.weight"]
+    train_step(model, opt, run, piece, 1)
+    out["norm"] = opt.last_grad_norm
+    return out
+
+
+def test_state_offload_and_param_buckets_over_dtensor_params(tmp_path):
+    for result in run_distributed(features_rank, 4, Run("tp"), tmp_path=tmp_path):
+        assert result["state_views_local"] and result["onload_bitwise"]
+        assert result["buckets_placed"], result
+        assert result["placements"] == ("Shard(dim=1)",)
+
+
+@pytest.mark.parametrize("moments,atol", [(torch.bfloat16, 2e-3), ("int8", 5e-3)])
+def test_low_precision_moments_train_tensor_parallel(moments, atol, tmp_path):
+    """Against the fp32 reference within the moments' rounding (params move by 4e-2)."""
+    run = Run("tp", extra={"exp_avg_dtype": moments, "exp_avg_sq_dtype": moments})
+    ref = reference(run)
+    for result in run_distributed(train_rank, 4, run, tmp_path=tmp_path):
+        assert mismatch(result, ref, atol=atol, norm_rtol=1e-2) == []

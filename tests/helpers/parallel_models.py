@@ -129,7 +129,7 @@ class Run:
     def config(self) -> OptimizerConfig:
         return OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                max_grad_norm=self.max_grad_norm, grad_mode=self.grad_mode,
-                               bucket_numel=100, align_numel=1)
+                               bucket_numel=100, align_numel=1, **self.extra)
 
 
 def batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
