@@ -13,7 +13,8 @@ import torch
 from faults.common import data_offset, edit_manifest, flip_byte
 from helpers.checks import bits, exported
 from helpers.dist import run_distributed
-from helpers.parallel_models import Run, build, checkpoint_rank, full_params, train_step
+from helpers.parallel_models import (Run, build, checkpoint_rank, full_params, mismatch,
+                                     reference, train_step)
 from shardopt import checkpoint
 from shardopt.errors import CheckpointError
 from shardopt.parallel import local_tensor
@@ -168,3 +169,17 @@ def int8_rank(rank: int, world_size: int, run: Run, root: str) -> None:
 def test_8_bit_moments_of_tp_sharded_params_are_refused_by_name(tmp_path):
     run = Run("tp", extra={"exp_avg_dtype": "int8"})
     run_distributed(int8_rank, 4, run, str(tmp_path / "root"), tmp_path=tmp_path)
+
+
+def test_hf_llama_trains_at_dp2_tp2_and_reshards_to_dp4(tmp_path):
+    """parallelize_module over a Hugging Face Llama: the reference check, then the checkpoint
+    loads at (dp4) with the same export."""
+    run = Run("llama", steps=2)
+    trained = run_distributed(checkpoint_rank, 4, run, str(tmp_path / "tp"), None, 0, 2, True,
+                              tmp_path=tmp_path)
+    ref = reference(run)
+    for rank, result in enumerate(trained):
+        assert mismatch(result, ref) == [], f"rank {rank}"
+    source = trained[0]["path"]
+    again = _save(tmp_path, Run("llama", dp=4, mp=1), "dp4", source, first=2, steps=0)
+    _assert_same_export(tmp_path / "cmp", source, again)

@@ -2,6 +2,8 @@
 
 * :class:`TPNet`: a column-parallel and a row-parallel linear (``parallelize_module`` over a
   "tp" mesh dim) and a plain LayerNorm, on a ``(dp, tp)`` mesh.
+* ``"llama"``: a tiny Hugging Face ``LlamaForCausalLM`` from a config, attention and MLP
+  projections column- and row-parallel (:data:`LLAMA_PLAN`), embeddings, norms and head plain.
 * :class:`MoE`: a dense input projection, router and LayerNorm, and a 3-D ``experts`` param
   sharded ``Shard(0)`` on an "ep" mesh dim of a ``(dp, ep)`` mesh. Dense params are data
   parallel over the whole world, experts over the expert-DP group ``mesh["dp"]``. Each rank
@@ -41,6 +43,21 @@ class TPNet(nn.Module):
 
 
 TP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+LLAMA_PLAN = {f"model.layers.*.{name}": style for name, style in [
+    ("self_attn.q_proj", ColwiseParallel()), ("self_attn.k_proj", ColwiseParallel()),
+    ("self_attn.v_proj", ColwiseParallel()), ("self_attn.o_proj", RowwiseParallel()),
+    ("mlp.gate_proj", ColwiseParallel()), ("mlp.up_proj", ColwiseParallel()),
+    ("mlp.down_proj", RowwiseParallel())]}
+VOCAB, SEQ = 64, 8
+
+
+def llama() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=SEQ)
+    return transformers.LlamaForCausalLM(config)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -133,25 +150,34 @@ class Run:
 
 
 def batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step``: 4 tokens per data-parallel piece of the world."""
+    """The global batch of ``step``: 4 samples per data-parallel piece of the world."""
     g = torch.Generator().manual_seed(1000 * run.seed + step)
-    n = 4 * (run.dp * run.mp if run.kind == "moe" else run.dp)
+    n = 4 * pieces(run)
+    if run.kind == "llama":
+        ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        return ids, ids
     return torch.randn(n, DIM, generator=g), torch.randn(n, DIM, generator=g)
+
+
+def loss_of(run: Run, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if run.kind == "llama":
+        return model(input_ids=x, labels=y).loss
+    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def fresh(run: Run) -> nn.Module:
     torch.manual_seed(run.seed)
-    return TPNet() if run.kind == "tp" else MoE()
+    return {"tp": TPNet, "moe": MoE, "llama": llama}[run.kind]()
 
 
 def build(run: Run) -> tuple[nn.Module, DistributedOptimizer, int]:
     """This rank's parallelised model, its optimizer, and which piece of a batch it trains."""
     model = fresh(run)
-    if run.kind == "tp" and run.mp == 1:
+    if run.kind != "moe" and run.mp == 1:
         return model, DistributedOptimizer(model, run.config()), dist.get_rank()
-    if run.kind == "tp":
+    if run.kind != "moe":
         mesh = init_device_mesh("cpu", (run.dp, run.mp), mesh_dim_names=("dp", "tp"))
-        parallelize_module(model, mesh["tp"], TP_PLAN)
+        parallelize_module(model, mesh["tp"], TP_PLAN if run.kind == "tp" else LLAMA_PLAN)
         opt = DistributedOptimizer(model, run.config(), process_group=mesh["dp"].get_group())
         return model, opt, mesh["dp"].get_local_rank()
     if run.mp == 1:  # no expert parallelism: every param plain, data parallel over the world
@@ -170,6 +196,7 @@ def build(run: Run) -> tuple[nn.Module, DistributedOptimizer, int]:
 
 
 def pieces(run: Run) -> int:
+    """Into how many pieces a global batch is cut: one per DP rank of the dense params."""
     return run.dp * run.mp if run.kind == "moe" else run.dp
 
 
@@ -179,7 +206,7 @@ def train_step(model: nn.Module, opt: DistributedOptimizer, run: Run, piece: int
     x, y = batch(run, step)
     n = x.shape[0] // pieces(run)
     x, y = x[piece * n:(piece + 1) * n], y[piece * n:(piece + 1) * n]
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    loss_of(run, model, x, y).backward()
     opt.step()
     opt.zero_grad()
     return opt.last_grad_norm
@@ -204,10 +231,9 @@ def checkpoint_rank(rank: int, world_size: int, run: Run, root: str, load_from: 
     model, opt, piece = build(run)
     if load_from is not None:
         checkpoint.load(load_from, model, opt)
-    for step in range(first, first + steps):
-        train_step(model, opt, run, piece, step)
+    norms = [train_step(model, opt, run, piece, step) for step in range(first, first + steps)]
     path = checkpoint.save(root, model, opt, step=first + steps) if save else None
-    return {"params": full_params(model), "path": path}
+    return {"params": full_params(model), "norms": norms, "path": path}
 
 
 def reference(run: Run) -> dict[str, Any]:
@@ -219,7 +245,7 @@ def reference(run: Run) -> dict[str, Any]:
     norms = []
     for step in range(run.steps):
         x, y = batch(run, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss_of(run, model, x, y).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                           run.max_grad_norm)))
         opt.step()
