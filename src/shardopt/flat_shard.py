@@ -50,14 +50,14 @@ class FlatShard(torch.Tensor):
     @classmethod
     def _wrap(cls, local: torch.Tensor | None, make: Callable[[], torch.Tensor] | None,
               offset: int, numel: int, local_numel: int, dtype: torch.dtype,
-              device: torch.device) -> FlatShard:
+              device: torch.device, shape: tuple[int, ...] | None = None) -> FlatShard:
         if not 0 <= offset <= offset + local_numel <= numel:
             raise ValueError(f"FlatShard range [{offset}, {offset + local_numel}) is not "
                              f"within [0, {numel})")
         if local is not None and local.dim() != 1:
             raise ValueError(f"a FlatShard's local tensor is 1-D, got shape {tuple(local.shape)}")
-        r = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=dtype, device=device,
-                                                requires_grad=False)
+        r = torch.Tensor._make_wrapper_subclass(cls, shape or (numel,), dtype=dtype,
+                                                device=device, requires_grad=False)
         r._local, r._make, r.offset, r.local_numel = local, make, offset, local_numel
         return r
 
@@ -79,7 +79,8 @@ class FlatShard(torch.Tensor):
             kwargs = kwargs or {}
             return cls._wrap(None, None, 0, math.prod(args[1]), 0,
                              kwargs.get("dtype") or args[0].dtype,
-                             torch.device(kwargs.get("device") or args[0].device))
+                             torch.device(kwargs.get("device") or args[0].device),
+                             tuple(args[1]))
         raise TypeError(f"{func} on a FlatShard: it only carries one rank's part of a sharded "
                         "state; compute with its .local tensor")
 
@@ -99,7 +100,11 @@ class FlatShard(torch.Tensor):
         moved = local.to(device=device, dtype=dtype, non_blocking=non_blocking, copy=copy)
         if moved is local:
             return self
-        return FlatShard(moved, self.offset, self.shape[0])
+        return self._with_local(moved)
+
+    def _with_local(self, local: torch.Tensor) -> FlatShard:
+        """The same range of the same tensor, holding ``local``."""
+        return FlatShard(local, self.offset, self.shape[0])
 
     def cpu(self) -> FlatShard:  # type: ignore[override]
         return self.to("cpu")
@@ -112,7 +117,7 @@ class FlatShard(torch.Tensor):
         return FlatShard, (self.local, self.offset, self.shape[0])
 
     def __deepcopy__(self, memo: dict) -> FlatShard:
-        return FlatShard(self.local.clone(), self.offset, self.shape[0])
+        return self._with_local(self.local.clone())
 
     # --------------------------------------------- torch.distributed.checkpoint hooks
     def _chunks(self) -> list[ChunkStorageMetadata]:

@@ -370,6 +370,7 @@ class ShardStateAccess:
             {f: r.global_shape for f, r in par.params.items()})
         self.blocks: Mapping[str, Box] = MappingProxyType({} if par is None else {
             f: r.block for f, r in par.params.items() if not r.whole})
+        self.model_parallel = par is not None
         self.placements: Mapping[str, tuple[str, ...]] = MappingProxyType({} if par is None else {
             f: r.placements for f, r in par.params.items() if r.placements})
         self.shard_of: Mapping[str, ParamShard] = MappingProxyType(state.shard_of)

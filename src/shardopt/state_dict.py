@@ -32,6 +32,7 @@ import torch
 from . import comm, quant
 from .moments import NAMES as MOMENTS
 from .config import GROUP_KEYS, INT8, dtype_name, group_value
+from .box_shard import box_value, state_block
 from .flat_shard import FlatShard
 from .moments import piece
 from .layout import ParamShard, Range
@@ -113,6 +114,9 @@ def _value(opt: Any, name: str, fqn: str, shard: ParamShard | None
            ) -> FlatShard:
     e = _expected(opt, name, fqn, shard)
     st = opt.shard_state
+    block = state_block(st, name, fqn)
+    if block is not None:  # a model-parallel plan: a BoxShard of the global tensor
+        return box_value(st, name, fqn, shard, e.offset, e.size, e.dtype, block)
     if shard is None:
         return FlatShard(torch.empty(0, dtype=e.dtype, device=st.device), 0, e.numel)
     if name == "master_param":
@@ -313,11 +317,13 @@ def _check_state(opt: Any, state: Mapping, cast: set[str]
             if not isinstance(v, FlatShard):
                 raise StateDictError(f"{where} is a {type(v).__name__}, not a FlatShard as "
                                      "DistributedOptimizer.state_dict() returns")
-            if v.shape[0] != numel or v.dtype != dtype:
-                raise StateDictError(f"{where} has {v.shape[0]} {v.dtype} elements; this "
-                                     f"optimizer keeps {numel} {dtype} elements (moments: "
-                                     "exp_avg_dtype / exp_avg_sq_dtype)")
-            if (v.offset, v.local_numel) != (offset, size):
+            block = state_block(st, name, fqn)
+            shape = (numel,) if block is None else st.global_shapes[fqn]
+            if tuple(v.shape) != tuple(shape) or v.dtype != dtype:
+                raise StateDictError(f"{where} is {v.dtype} of shape {tuple(v.shape)}; this "
+                                     f"optimizer keeps {dtype} of shape {tuple(shape)} "
+                                     "(moments: exp_avg_dtype / exp_avg_sq_dtype)")
+            if (v.offset, v.local_numel, getattr(v, "block", None)) != (offset, size, block):
                 raise StateDictError(
                     f"{where} holds elements [{v.offset}, {v.offset + v.local_numel}) on dp "
                     f"rank {st.dp.rank}, which holds [{offset}, {offset + size}) here "

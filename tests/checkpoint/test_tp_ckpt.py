@@ -183,3 +183,33 @@ def test_hf_llama_trains_at_dp2_tp2_and_reshards_to_dp4(tmp_path):
     source = trained[0]["path"]
     again = _save(tmp_path, Run("llama", dp=4, mp=1), "dp4", source, first=2, steps=0)
     _assert_same_export(tmp_path / "cmp", source, again)
+
+
+def dcp_rank(rank: int, world_size: int, run: Run, root: str, load: bool) -> str:
+    """Save (``load`` False: after 2 steps, through DCP and ``checkpoint.save``) or load
+    through DCP at ``run``'s layout and save with ``checkpoint.save``."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, piece = build(run)
+    if load:
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(sd, checkpoint_id=f"{root}/dcp")
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        return checkpoint.save(f"{root}/at_{run.dp}_{run.mp}", model, opt, step=2)
+    for step in range(2):
+        train_step(model, opt, run, piece, step)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{root}/dcp")
+    return checkpoint.save(f"{root}/ours", model, opt, step=2)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_state_dict_of_a_tp_model_reshards_through_dcp(tmp_path):
+    """State at the params' global shapes: DCP loads it at another TP size, and without
+    tensor parallelism into an optimizer given a dp_group_fn (a model-parallel plan)."""
+    source = run_distributed(dcp_rank, 4, Run("tp"), str(tmp_path), False, tmp_path=tmp_path)[0]
+    for dp, tp in [(4, 1), (1, 4)]:
+        run = Run("tp", dp=dp, mp=tp, plan=True)
+        again = run_distributed(dcp_rank, dp * tp, run, str(tmp_path), True,
+                                tmp_path=tmp_path)[0]
+        _assert_same_export(tmp_path / f"cmp_{dp}_{tp}", source, again)

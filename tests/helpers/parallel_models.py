@@ -142,6 +142,7 @@ class Run:
     grad_mode: str = "torch"
     seed: int = 0
     extra: dict = field(default_factory=dict)
+    plan: bool = False  # with mp == 1: a model-parallel plan all the same (dp_group_fn)
 
     def config(self) -> OptimizerConfig:
         return OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
@@ -174,7 +175,8 @@ def build(run: Run) -> tuple[nn.Module, DistributedOptimizer, int]:
     """This rank's parallelised model, its optimizer, and which piece of a batch it trains."""
     model = fresh(run)
     if run.kind != "moe" and run.mp == 1:
-        return model, DistributedOptimizer(model, run.config()), dist.get_rank()
+        return model, DistributedOptimizer(model, run.config(), dp_group_fn=_process_group
+                                           if run.plan else None), dist.get_rank()
     if run.kind != "moe":
         mesh = init_device_mesh("cpu", (run.dp, run.mp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], TP_PLAN if run.kind == "tp" else LLAMA_PLAN)
@@ -193,6 +195,10 @@ def build(run: Run) -> tuple[nn.Module, DistributedOptimizer, int]:
     opt = DistributedOptimizer(model, run.config(), dp_group_fn=lambda fqn, p: (
         expert_dp if fqn == "experts" else None))
     return model, opt, dist.get_rank()
+
+
+def _process_group(fqn: str, param: nn.Parameter) -> None:
+    return None  # every param in process_group
 
 
 def pieces(run: Run) -> int:
