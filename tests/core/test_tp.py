@@ -102,3 +102,50 @@ def test_low_precision_moments_train_tensor_parallel(moments, atol, tmp_path):
     ref = reference(run)
     for result in run_distributed(train_rank, 4, run, tmp_path=tmp_path):
         assert mismatch(result, ref, atol=atol, norm_rtol=1e-2) == []
+
+
+def misuse_rank(rank: int, world_size: int) -> list[str]:
+    """Every rank raises UsageError naming the param, before anything is laid out."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from helpers.parallel_models import TP_PLAN, TPNet
+    from shardopt import DistributedOptimizer
+    from shardopt.errors import UsageError
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    messages = []
+
+    def refused(make_model, **kwargs) -> None:
+        with pytest.raises(UsageError) as info:
+            DistributedOptimizer(make_model(), **kwargs)
+        messages.append(str(info.value))
+
+    def tp_model():
+        model = TPNet()
+        parallelize_module(model, mesh["tp"], TP_PLAN)
+        return model
+
+    refused(tp_model)  # process_group: the world, which the TP mesh dim is not orthogonal to
+    refused(TPNet, dp_group_fn=lambda fqn, p: "dp")
+
+    def partial_model():
+        model = TPNet()
+        model.norm.weight = torch.nn.Parameter(
+            DTensor.from_local(torch.ones(8), mesh["tp"], [Partial()], run_check=False))
+        return model
+
+    refused(partial_model, process_group=mesh["dp"].get_group())
+    dist.barrier()
+    return messages
+
+
+def test_params_that_cannot_be_placed_are_refused_by_name(tmp_path):
+    for messages in run_distributed(misuse_rank, 4, tmp_path=tmp_path):
+        world, not_group, partial = messages
+        assert "param 'up.weight': its DP group of 4 ranks and its 2 shards" in world
+        assert "do not tile the world of 4 ranks" in world
+        assert "dp_group_fn returned str for param 'up.weight'" in not_group
+        assert "param 'norm.weight' has a Partial placement" in partial
