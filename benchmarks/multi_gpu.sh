@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The runs that need several GPUs of one host: data-parallel scaling, resume memory, resharding,
-# background-save stalls, checkpoint bandwidth and offload per rank, at DP 2, 4 and 8 (those the
-# host has). From the repository root, torch installed system-wide:
+# background-save stalls, checkpoint bandwidth, offload per rank and tensor parallelism, at 2, 4
+# and 8 GPUs (those the host has). From the repository root, torch installed system-wide:
 #
 #     OUT=/path/to/out bash benchmarks/multi_gpu.sh                # every part, every DP size
 #     OUT=/path/to/out SIZES="2" bash benchmarks/multi_gpu.sh iter # one part, one size
@@ -19,6 +19,9 @@
 #   ckpt      checkpoint_io.py on /dev/shm and local disk against the raw bandwidth of the same
 #             number of processes, 3 repetitions, DCP beside it
 #   offload   offload.py on the HF Llama: every rank offloads and onloads at once
+#   tp        tp_iter.py: the HF Llama 1.35B tensor parallel at tp 2 and 4 (those that divide
+#             the size), DP the rest; iteration, step, save, and a load without TP whose
+#             export must be identical
 # Each result is one JSON under $OUT with "world_size"; copy them to benchmarks/results/ and
 # put the tables in benchmarks/README.md.
 set -u
@@ -30,7 +33,7 @@ if [ -z "${SIZES:-}" ]; then
   for n in 2 4 8; do [ "$n" -le "$GPUS" ] && SIZES="$SIZES $n"; done
 fi
 LARGEST=$(for n in $SIZES; do echo "$n"; done | sort -n | tail -n 1)
-PARTS=${*:-iter resume reshard async ckpt offload}
+PARTS=${*:-iter resume reshard async ckpt offload tp}
 
 [ -n "$SIZES" ] || { echo "no DP size to run: $GPUS GPU(s) found" | tee -a "$LOG"; exit 1; }
 for part in $PARTS; do
@@ -70,6 +73,13 @@ for part in $PARTS; do
         run "offload-hf-$n" "$PY" benchmarks/offload.py --nproc "$n" --model hf-llama \
           --micro-batch 8 --accumulate 2 --cycles 7 --rss-cycles 13 --no-peers \
           --out "$OUT/offload_dp${n}_hf.json" ;;
+      tp)
+        for tp in 2 4; do
+          if [ "$tp" -le "$n" ] && [ $((n % tp)) -eq 0 ]; then
+            run "tp-hf-$n-tp$tp" "$PY" benchmarks/tp_iter.py --dp $((n / tp)) --tp "$tp" \
+              --out "$OUT"
+          fi
+        done ;;
       *) echo "unknown part $part" | tee -a "$LOG"; status=1 ;;
     esac
   done

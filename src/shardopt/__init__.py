@@ -1,6 +1,7 @@
 """shardopt: a data-parallel sharded AdamW (ZeRO-1/2) with exact, reshardable checkpoints."""
 
 from . import checkpoint
+from .box_shard import BoxShard
 from .config import OptimizerConfig
 from .errors import (CheckpointError, FormatError, GradientOrderError, LockTimeout,
                      LowPrecisionStateError, OffloadError, ParamMovedError, ProcessGroupError,
@@ -8,7 +9,7 @@ from .errors import (CheckpointError, FormatError, GradientOrderError, LockTimeo
 from .flat_shard import FlatShard
 from .optimizer import DistributedOptimizer
 
-__all__ = ["CheckpointError", "DistributedOptimizer", "FlatShard", "FormatError",
+__all__ = ["BoxShard", "CheckpointError", "DistributedOptimizer", "FlatShard", "FormatError",
            "GradientOrderError", "LockTimeout", "LowPrecisionStateError", "OffloadError",
            "OptimizerConfig", "ParamMovedError", "ProcessGroupError", "StateDictError",
            "StateWriteError", "UsageError", "WrappedModelError", "checkpoint"]
