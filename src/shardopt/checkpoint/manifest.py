@@ -24,7 +24,7 @@ from ..config import GROUP_KEYS, INT8, group_value
 from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
 from ..boxes import Box, disjoint_cover, flat_boxes
-from .format import READ_VERSIONS, DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES, ChunkRecord, FileRecord, StoredTensor, data_file_name, dtype_name, is_int, manifest_checksum, parse_json_object
+from .format import READ_VERSIONS, DATA_FILE, FILE_KINDS, FORMAT_NAME, MANIFEST, MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES, ChunkRecord, FileRecord, StoredTensor, data_file_name, dtype_name, is_int, manifest_checksum, parse_json_object
 from .storage import open_regular
 from ..errors import FormatError
 
