@@ -120,7 +120,7 @@ def plan(named: Sequence[tuple[str, torch.nn.Parameter]], dp: comm.DPGroup,
         if dp.size == 1 and any(g.size > 1 for g in groups):
             raise UsageError("a dp_group_fn group has several ranks but process_group has one: "
                              "pass the data-parallel group of the dense params as process_group")
-    except UsageError as e:
+    except Exception as e:  # noqa: BLE001 - reported to every rank by agree (dp_group_fn's too)
         error = e
     rows = sorted((f, r.copies, r.global_shape, r.placements) for f, r in params.items())
     digest = hashlib.sha256(repr([f for f, _ in named] + rows).encode()).hexdigest()
@@ -141,8 +141,8 @@ def plan(named: Sequence[tuple[str, torch.nn.Parameter]], dp: comm.DPGroup,
 
 def _members(dp: comm.DPGroup) -> frozenset[int]:
     """The world ranks of ``dp``."""
-    if dp.group is None:
-        return frozenset(range(dist.get_world_size()))
+    if dp.group is None:  # the default group is the world (one rank without a process group)
+        return frozenset(range(dp.size))
     return frozenset(dist.get_process_group_ranks(dp.group))
 
 

@@ -16,7 +16,7 @@ from helpers.dist import run_distributed
 from helpers.parallel_models import (Run, build, checkpoint_rank, full_params, mismatch,
                                      reference, train_step)
 from shardopt import checkpoint
-from shardopt.errors import CheckpointError
+from shardopt.errors import CheckpointError, FormatError
 from shardopt.parallel import local_tensor
 
 
@@ -213,3 +213,40 @@ def test_state_dict_of_a_tp_model_reshards_through_dcp(tmp_path):
         again = run_distributed(dcp_rank, dp * tp, run, str(tmp_path), True,
                                 tmp_path=tmp_path)[0]
         _assert_same_export(tmp_path / f"cmp_{dp}_{tp}", source, again)
+
+
+def _box_chunk(m: dict, key: str) -> list:
+    return next(c for f in m["files"].values() for c in f.get("chunks", [])
+                if c[0] == key and len(c) == 4)
+
+
+def _overlap(m: dict) -> None:
+    _box_chunk(m, "down.weight")[3][0][0][0] += 1  # its first box one row down
+
+
+def _outside(m: dict) -> None:
+    _box_chunk(m, "down.weight")[3][0][0][1] = 15
+
+
+def _too_few(m: dict) -> None:
+    _box_chunk(m, "down.weight")[3][0][1][0] -= 1
+
+
+def _version_3(m: dict) -> None:
+    m["version"] = 3
+
+
+@pytest.mark.parametrize("forge, needle", [
+    (_overlap, "stored chunks of 'down.weight': boxes .* overlap"),
+    (_outside, "stored chunks of 'down.weight': box .* lies outside shape \\[8, 16\\]"),
+    (_too_few, "the boxes of chunk 'down.weight' in model-0000\\d.safetensors hold 16 elements, "
+               "the chunk 24"),
+    (_version_3, "malformed chunk .*down.weight"),
+], ids=["overlap", "outside", "too-few", "boxes-in-version-3"])
+def test_forged_boxes_are_refused_naming_the_key(saved_tp, forge, needle):
+    tmp, source = saved_tp
+    forged = tmp / f"forged_{forge.__name__}"
+    shutil.copytree(source, forged)
+    edit_manifest(forged, forge)
+    with pytest.raises(FormatError, match=needle):
+        checkpoint.inspect(forged)

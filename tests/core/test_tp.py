@@ -17,9 +17,10 @@ from helpers.parallel_models import Run, build, mismatch, reference, train_rank,
 from shardopt import parallel
 
 
-@pytest.mark.parametrize("grad_mode", ["torch", "buffer"])
-def test_dp2_tp2_matches_full_model(grad_mode, tmp_path):
-    run = Run("tp", grad_mode=grad_mode)
+@pytest.mark.parametrize("grad_mode, groups", [("torch", False), ("buffer", False),
+                                               ("torch", True)], ids=["torch", "buffer", "groups"])
+def test_dp2_tp2_matches_full_model(grad_mode, groups, tmp_path):
+    run = Run("tp", grad_mode=grad_mode, groups=groups)
     ref = reference(run)
     assert any(n > run.max_grad_norm for n in ref["norms"]), "clipping never engaged"
     for rank, result in enumerate(run_distributed(train_rank, 4, run, tmp_path=tmp_path)):

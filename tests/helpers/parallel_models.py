@@ -143,11 +143,16 @@ class Run:
     seed: int = 0
     extra: dict = field(default_factory=dict)
     plan: bool = False  # with mp == 1: a model-parallel plan all the same (dp_group_fn)
+    groups: bool = False  # no weight decay for biases and norms (param_group_fn)
 
     def config(self) -> OptimizerConfig:
         return OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                max_grad_norm=self.max_grad_norm, grad_mode=self.grad_mode,
                                bucket_numel=100, align_numel=1, **self.extra)
+
+
+def no_decay(fqn: str, param: nn.Parameter) -> dict[str, float]:
+    return {"weight_decay": 0.0} if "bias" in fqn or "norm" in fqn else {}
 
 
 def batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,13 +179,16 @@ def fresh(run: Run) -> nn.Module:
 def build(run: Run) -> tuple[nn.Module, DistributedOptimizer, int]:
     """This rank's parallelised model, its optimizer, and which piece of a batch it trains."""
     model = fresh(run)
+    groups = no_decay if run.groups else None
     if run.kind != "moe" and run.mp == 1:
         return model, DistributedOptimizer(model, run.config(), dp_group_fn=_process_group
-                                           if run.plan else None), dist.get_rank()
+                                           if run.plan else None,
+                                           param_group_fn=groups), dist.get_rank()
     if run.kind != "moe":
         mesh = init_device_mesh("cpu", (run.dp, run.mp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], TP_PLAN if run.kind == "tp" else LLAMA_PLAN)
-        opt = DistributedOptimizer(model, run.config(), process_group=mesh["dp"].get_group())
+        opt = DistributedOptimizer(model, run.config(), process_group=mesh["dp"].get_group(),
+                                   param_group_fn=groups)
         return model, opt, mesh["dp"].get_local_rank()
     if run.mp == 1:  # no expert parallelism: every param plain, data parallel over the world
         return model, DistributedOptimizer(model, run.config()), dist.get_rank()
@@ -246,7 +254,12 @@ def reference(run: Run) -> dict[str, Any]:
     """One process, the whole model, ``torch.optim.AdamW`` and ``clip_grad_norm_``."""
     model = fresh(run)
     cfg = run.config()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+    named = list(model.named_parameters())
+    decay = [p for f, p in named if not (run.groups and no_decay(f, p))]
+    rest = [p for f, p in named if run.groups and no_decay(f, p)]
+    opt = torch.optim.AdamW([{"params": decay}] + ([{"params": rest, "weight_decay": 0.0}]
+                                                   if rest else []),
+                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                             weight_decay=cfg.weight_decay)
     norms = []
     for step in range(run.steps):

@@ -393,8 +393,13 @@ def _check_tiling(m: Manifest) -> None:
 def _check_boxes(m: Manifest, key: str, stored: StoredTensor, chunks: list[ChunkRecord]) -> None:
     """The chunks of a key saved in tensor-parallel blocks tile its global tensor exactly."""
     shape = stored.shape or (stored.numel,)
-    boxes = [b for c in chunks for b in (c.boxes or flat_boxes(Box.whole(shape),
-                                                                Range(c.offset, c.offset + c.numel)))]
+    whole = Box.whole(shape)
+    for c in chunks:
+        if not c.boxes and c.offset + c.numel > stored.numel:
+            raise FormatError(f"{m.file}: a chunk of {key!r} holds elements [{c.offset}, "
+                              f"{c.offset + c.numel}) of a tensor of {stored.numel}")
+    boxes = [b for c in chunks
+             for b in c.boxes or flat_boxes(whole, Range(c.offset, c.offset + c.numel))]
     problem = disjoint_cover(boxes, shape)
     if problem:
         raise FormatError(f"{m.file}: stored chunks of {key!r}: {problem}")
