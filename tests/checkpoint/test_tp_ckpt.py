@@ -63,6 +63,7 @@ def test_tp_resume_at_the_same_layout_is_bit_identical(saved_tp):
 
 def test_tp_checkpoint_describes_global_shapes_and_boxes(saved_tp):
     _, source = saved_tp
+    assert checkpoint.verify(source)["files"] == 4 * 5
     rows = {r["fqn"]: r for r in checkpoint.inspect(source)["params"]}
     assert rows["down.weight"]["shape"] == [8, 16]
     assert rows["down.weight"]["placements"] == ["Shard(dim=1)"]

@@ -150,3 +150,20 @@ def test_params_that_cannot_be_placed_are_refused_by_name(tmp_path):
         assert "do not tile the world of 4 ranks" in world
         assert "dp_group_fn returned str for param 'up.weight'" in not_group
         assert "param 'norm.weight' has a Partial placement" in partial
+
+
+def test_a_plan_without_torch_distributed_keeps_global_shape_state(tmp_path):
+    """One process, plain params, a dp_group_fn: a plan of one rank, whose state dict holds
+    each state at its param's global shape (what a TP run's DCP checkpoint loads into)."""
+    from helpers.parallel_models import TPNet
+    from shardopt import BoxShard, DistributedOptimizer, OptimizerConfig
+
+    torch.manual_seed(0)
+    model = TPNet()
+    opt = DistributedOptimizer(model, OptimizerConfig(), dp_group_fn=lambda fqn, p: None)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    entry = opt.state_dict()["state"]["down.weight"]
+    assert isinstance(entry["exp_avg"], BoxShard) and tuple(entry["exp_avg"].shape) == (8, 16)
+    assert opt.shard_state.saved_shards == opt.shard_state.shards
+    opt.load_state_dict(opt.state_dict())
