@@ -29,10 +29,16 @@ def _save(tmp: Path, run: Run, name: str, load_from: str | None = None, first: i
 
 
 def _assert_same_export(tmp: Path, a: str, b: str) -> None:
+    """The exports of ``a`` and ``b`` (model and optimizer state) are the same files, byte
+    for byte (tensor by tensor first, to name the one that differs)."""
     want, got = exported(a, tmp / "export_a"), exported(b, tmp / "export_b")
     assert sorted(got) == sorted(want)
     for key in want:
         assert torch.equal(bits(got[key]), bits(want[key])), key
+    files = sorted(f.name for f in (tmp / "export_a").iterdir())
+    assert files == sorted(f.name for f in (tmp / "export_b").iterdir())
+    for name in files:
+        assert (tmp / "export_a" / name).read_bytes() == (tmp / "export_b" / name).read_bytes()
 
 
 @pytest.fixture(scope="module")
