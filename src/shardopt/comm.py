@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from .errors import ProcessGroupError
 
 
@@ -27,8 +28,7 @@ class DPGroup:
     @staticmethod
     def resolve(process_group: dist.ProcessGroup | None) -> DPGroup:
         """Coordinator-free: rank and size of ``process_group`` (default group if None); one
-        rank without an initialised process group, unless ``WORLD_SIZE`` says otherwise
-        (:class:`ProcessGroupError`: each rank would train alone)."""
+        rank without a process group, unless ``WORLD_SIZE`` says more (ProcessGroupError)."""
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialized")
@@ -147,9 +147,3 @@ def _ranks(ranks: list[int]) -> str:
         else:
             runs.append([r])
     return ",".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in runs)
-
-
-def barrier(dp: DPGroup) -> None:
-    """Collective. Wait for every rank of the group."""
-    if dp.size > 1:
-        dist.barrier(group=dp.group)

@@ -206,7 +206,7 @@ def _load(opt: Any, sd: Any) -> None:
         if c.name == "master_param":
             st.view(c.name, c.shard).copy_(c.source)
     host = opt.config.low_memory_resume
-    moments = st.load_target(host)[0]
+    moments = st.load_target(host).moments
     for c in plan.copies:
         if c.name != "master_param":
             m = moments.of(c.name.removesuffix(".scale"))[c.shard.buffer_index]
