@@ -265,6 +265,10 @@ def test_pinned_buffer_release_reports_a_failed_unregister(monkeypatch):
             success = 0
 
         @staticmethod
+        def cudaHostRegister(ptr, nbytes, flags):  # noqa: N802
+            return 0
+
+        @staticmethod
         def cudaHostUnregister(ptr):  # noqa: N802
             return 17
 
@@ -272,10 +276,10 @@ def test_pinned_buffer_release_reports_a_failed_unregister(monkeypatch):
         def cudaGetErrorString(err):  # noqa: N802
             return "invalid host pointer"
 
-    buf = PinnedBuffer(16, torch.float32)
-    buf.release()
-    buf._registered = [(buf.tensor.data_ptr(), 64)]  # as if registered
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
+    buf = PinnedBuffer(16, torch.float32)  # registered (as the fake runtime says)
+    assert buf.pinned
     with pytest.warns(ResourceWarning, match=r"64 bytes .*invalid host pointer"):
         buf.release()
     assert not buf.pinned
