@@ -32,7 +32,10 @@ class DPGroup:
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialized")
-            world = _launched_world_size()
+            try:  # as a launcher (torchrun, a SLURM wrapper) sets it
+                world = int(os.environ.get("WORLD_SIZE", "1"))
+            except ValueError:
+                world = 1
             if world > 1:
                 raise ProcessGroupError(
                     f"WORLD_SIZE={world} says this process is one rank of {world} (torchrun or "
@@ -43,14 +46,6 @@ class DPGroup:
                     "has set up its process group, e.g. in configure_optimizers).")
             return DPGroup(None, 0, 1)
         return DPGroup(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
-
-
-def _launched_world_size() -> int:
-    """``WORLD_SIZE`` as a launcher (torchrun, a SLURM wrapper) sets it; 1 when unset or bad."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
 
 
 class _Done:
