@@ -75,18 +75,18 @@ torch.serialization.add_safe_globals([BoxShard, Box])
 
 def state_block(st: Any, name: str, fqn: str) -> Box | None:
     """The block a state-dict entry of ``fqn`` counts in: with a model-parallel plan
-    (``st.model_parallel``) the param's local box of its global tensor, else (and for 8-bit
+    (``st.parallel.model_parallel``) the param's local box of its global tensor, else (and for 8-bit
     moments' scales, 1-D over the local tensor) None: a flat FlatShard."""
-    if name.endswith(".scale") or not st.model_parallel:
+    if name.endswith(".scale") or not st.parallel.model_parallel:
         return None
-    return st.blocks.get(fqn) or Box.whole(st.global_shapes[fqn])
+    return st.parallel.blocks.get(fqn) or Box.whole(st.parallel.global_shapes[fqn])
 
 
 def box_value(st: Any, name: str, fqn: str, shard: Any, offset: int, size: int,
               dtype: torch.dtype, block: Box) -> BoxShard:
     """State ``name`` of ``fqn`` on this rank as a BoxShard viewing the live state
     (``st``: the optimizer's ``shard_state``; ``shard`` None: this rank holds none of it)."""
-    shape = st.global_shapes[fqn]
+    shape = st.parallel.global_shapes[fqn]
     if shard is None:
         return BoxShard(torch.empty(0, dtype=dtype, device=st.device), 0, block, shape)
     if name == "master_param":

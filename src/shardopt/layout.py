@@ -171,17 +171,9 @@ class Layout:
                     hit = slot.range_global.intersect(own)
                     if hit is None:
                         continue
-                    out.append(
-                        ParamShard(
-                            fqn=fqn,
-                            dp_rank=rank,
-                            buffer_index=buf.index,
-                            bucket_index=bucket.index,
-                            range_global=hit,
-                            range_local=hit.shift(local_base),
-                            range_param=hit.shift(-slot.range_global.start),
-                        )
-                    )
+                    out.append(ParamShard(fqn, rank, buf.index, bucket.index, hit,
+                                          hit.shift(local_base),
+                                          hit.shift(-slot.range_global.start)))
         return tuple(out)
 
 
@@ -189,14 +181,9 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def build_layout(
-    params: Sequence[ParamSpec],
-    dp_size: int,
-    bucket_numel: int,
-    align_numel: int = 64,
-    param_align: int = 1,
-    group_sizes: Mapping[int, int] | None = None,
-) -> Layout:
+def build_layout(params: Sequence[ParamSpec], dp_size: int, bucket_numel: int,
+                 align_numel: int = 64, param_align: int = 1,
+                 group_sizes: Mapping[int, int] | None = None) -> Layout:
     """Lay ``params`` (in registration order) out for ``dp_size`` ranks, each buffer and the
     params in it in reverse registration order, so the first bucket fills first in backward.
 
@@ -226,7 +213,6 @@ def build_layout(
         if sizes.get(p.dp_group, 0) < 1:
             raise ValueError(f"param {p.fqn!r} is in DP group {p.dp_group}, which has no size "
                              f"(group sizes {sizes})")
-
     by_dtype: dict[tuple[int, torch.dtype], list[ParamSpec]] = {}
     for p in reversed(params):
         by_dtype.setdefault((p.dp_group, p.dtype), []).append(p)
@@ -237,36 +223,32 @@ def build_layout(
         buckets: list[Bucket] = []
         slots: list[ParamSlot] = []
         cursor = 0
-        pending: list[ParamSpec] = []
-
-        def close_bucket() -> None:
-            nonlocal cursor
-            start = cursor
-            offset = start
-            for spec in pending:
-                slots.append(
-                    ParamSlot(spec.fqn, spec.shape, buffer_index, len(buckets),
-                              Range(offset, offset + spec.numel))
-                )
+        for members in _bucket_members(group, bucket_numel):
+            offset = cursor
+            for spec in members:
+                slots.append(ParamSlot(spec.fqn, spec.shape, buffer_index, len(buckets),
+                                       Range(offset, offset + spec.numel)))
                 offset = _round_up(offset + spec.numel, param_align)
-            used = offset - start
+            used = offset - cursor
             padded = _round_up(max(used, 1), group_size * align_numel)
-            buckets.append(
-                Bucket(buffer_index, len(buckets), Range(start, start + padded), used,
-                       padded // group_size, tuple(s.fqn for s in pending))
-            )
-            cursor = start + padded
-            pending.clear()
-
-        pending_numel = 0
-        for spec in group:
-            if pending and pending_numel + spec.numel > bucket_numel:
-                close_bucket()
-                pending_numel = 0
-            pending.append(spec)
-            pending_numel += spec.numel
-        if pending:
-            close_bucket()
+            buckets.append(Bucket(buffer_index, len(buckets), Range(cursor, cursor + padded),
+                                  used, padded // group_size, tuple(s.fqn for s in members)))
+            cursor += padded
         buffers.append(BufferLayout(buffer_index, dtype, cursor, tuple(buckets), tuple(slots),
                                     dp_group, group_size))
     return Layout(dp_size, tuple(buffers))
+
+
+def _bucket_members(group: list[ParamSpec], bucket_numel: int) -> list[list[ParamSpec]]:
+    """``group`` cut at param boundaries into runs of at most ``bucket_numel`` elements (a
+    param larger than that alone in its run)."""
+    out: list[list[ParamSpec]] = []
+    numel = 0
+    for spec in group:
+        if out and numel + spec.numel <= bucket_numel:
+            out[-1].append(spec)
+            numel += spec.numel
+        else:
+            out.append([spec])
+            numel = spec.numel
+    return out

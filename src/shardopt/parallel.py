@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .boxes import Box
 from .errors import UsageError
-from .layout import ParamSpec
+from .layout import Layout, ParamShard, ParamSpec
 
 DPGroupFn = Callable[[str, torch.nn.Parameter], Any]  # (fqn, param) -> ProcessGroup
 
@@ -188,3 +189,29 @@ def _record(fqn: str, p: torch.nn.Parameter, dp_group: int, dp_size: int,
                              f"of its global tensor ({placements}); use Shard or Replicate")
     return ParamParallel(fqn, dp_group, copies, local, tuple(p.shape), placements, block)
 
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the layers above the optimizer read of its plan (``opt.shard_state.parallel``):
+    whether there is one; the shards this rank stores in checkpoints (one copy of each
+    replicated piece); each param's global shape; each TP/EP-sharded param's local box of
+    its global tensor; the DTensors' placements."""
+
+    model_parallel: bool
+    saved_shards: tuple[ParamShard, ...]
+    global_shapes: Mapping[str, tuple[int, ...]]
+    blocks: Mapping[str, Box]
+    placements: Mapping[str, tuple[str, ...]]
+
+
+def facts(plan: ParallelPlan | None, shards: tuple[ParamShard, ...], layout: Layout) -> Facts:
+    if plan is None:
+        shapes = {f: s.shape for f, s in layout.slots.items()}
+        return Facts(False, shards, MappingProxyType(shapes), MappingProxyType({}),
+                     MappingProxyType({}))
+    return Facts(True, tuple(s for s in shards if plan.params[s.fqn].writes),
+                 MappingProxyType({f: r.global_shape for f, r in plan.params.items()}),
+                 MappingProxyType({f: r.block for f, r in plan.params.items() if not r.whole}),
+                 MappingProxyType({f: r.placements for f, r in plan.params.items()
+                                   if r.placements}))

@@ -42,8 +42,8 @@ class ParallelGradNorm(GradNorm):
                 by_copies.setdefault(self.copies[s.fqn], []).append(
                     grads[s.range_global.as_slice()])
             self._by_copies = {c: contiguous_runs(v) for c, v in by_copies.items()}
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self.buffers.device)
         for copies, views in self._by_copies.items():
-            sq = sum_of_squares(views, self.device)
+            sq = sum_of_squares(views, self.buffers.device)
             total = total + (sq if copies == 1 else sq / copies)
         return total

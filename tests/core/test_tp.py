@@ -83,7 +83,7 @@ def features_rank(rank: int, world_size: int, run: Run) -> dict:
                              and torch.equal(flat[pos:pos + mine.numel()], mine.reshape(-1)))
             pos += mine.numel()
     out["buckets_placed"] = placed_ok and all(placed_ok)
-    out["placements"] = opt.shard_state.placements["down.weight"]
+    out["placements"] = opt.shard_state.parallel.placements["down.weight"]
     train_step(model, opt, run, piece, 1)
     out["norm"] = opt.last_grad_norm
     return out
@@ -165,5 +165,5 @@ def test_a_plan_without_torch_distributed_keeps_global_shape_state(tmp_path):
     opt.step()
     entry = opt.state_dict()["state"]["down.weight"]
     assert isinstance(entry["exp_avg"], BoxShard) and tuple(entry["exp_avg"].shape) == (8, 16)
-    assert opt.shard_state.saved_shards == opt.shard_state.shards
+    assert opt.shard_state.parallel.saved_shards == opt.shard_state.shards
     opt.load_state_dict(opt.state_dict())

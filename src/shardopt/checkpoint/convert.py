@@ -54,7 +54,7 @@ def plan(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], files: Dat
             r = s.range_param
             values = torch.empty(r.size, dtype=enc.dtype)
             reads += files.reads(f"{s.fqn}.{name}", r, values, in_place=False,
-                                 block=opt.shard_state.blocks.get(s.fqn))
+                                 block=opt.shard_state.parallel.blocks.get(s.fqn))
             scales, blocks = None, Range(0, 0)
             if enc.block:
                 check_quantized(opt, s.fqn)

@@ -203,7 +203,8 @@ def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, ver
     _check_compatible(m, model, opt)
     steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
     hparams = [{} for _ in opt.param_groups] if keep_hyper else _group_hyperparameters(m, opt)
-    moments, fresh = opt.shard_state.load_target(host)
+    target = opt.shard_state.load_target(host)
+    moments, fresh = target.moments, target.new
     dp = opt.shard_state.dp
     rng_file = data_file_name("rng", dp.rank) if m.dp_size == dp.size else None
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
@@ -308,7 +309,7 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
     Reports every mismatching FQN (up to ten), not just the first."""
     frozen = state.frozen_tensors(model, opt)
     aliases = opt.shard_state.aliases
-    current = {fqn: (tuple(shape), True) for fqn, shape in opt.shard_state.global_shapes.items()}
+    current = {fqn: (tuple(shape), True) for fqn, shape in opt.shard_state.parallel.global_shapes.items()}
     current.update({fqn: (tuple(t.shape), False) for fqn, t in frozen.items()})
     problems = []
     for fqn, (shape, trainable) in current.items():

@@ -72,7 +72,7 @@ def snapshot_extents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
         return Extent(storage, dtype, r.start, r.size)
 
     for name, enc in state.encodings(opt).items():
-        for s in opt.shard_state.saved_shards:
+        for s in opt.shard_state.parallel.saved_shards:
             out.append(piece(name, s, "values", enc.dtype, s.range_local))
             if enc.block:
                 out.append(piece(name, s, "scales", torch.float32,

@@ -4,8 +4,8 @@ Keyed by FQN, all flat 1-D: model weights as ``"{fqn}"`` in the model dtype, opt
 as ``"{fqn}.master_param"`` (fp32) and ``"{fqn}.exp_avg"``, ``"{fqn}.exp_avg_sq"`` in the
 moments' storage dtype (8-bit codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.). A rank's
 chunks are exactly its :class:`~shardopt.layout.ParamShard` records (those
-``shard_state.saved_shards`` keeps: one copy of each replicated piece); a tensor-parallel
-param's count in its block of the global tensor (``shard_state.blocks``).
+``shard_state.parallel.saved_shards`` keeps: one copy of each replicated piece); a tensor-parallel
+param's count in its block of the global tensor (``shard_state.parallel.blocks``).
 """
 
 from __future__ import annotations
@@ -104,14 +104,14 @@ def describe(opt: DistributedOptimizer, facts: ParamFacts) -> dict[str, dict]:
     st = opt.shard_state
     for fqn, slot in opt.layout.slots.items():
         table[fqn] = {
-            "shape": list(st.global_shapes[fqn]),
+            "shape": list(st.parallel.global_shapes[fqn]),
             "dtype": dtype_name(opt.layout.buffers[slot.buffer_index].dtype),
             "trainable": True,
             "step": facts.steps[fqn],
             "group": dict(facts.groups[st.group_of[fqn]]),
         }
-        if fqn in st.placements:
-            table[fqn]["placements"] = list(st.placements[fqn])
+        if fqn in st.parallel.placements:
+            table[fqn]["placements"] = list(st.parallel.placements[fqn])
     return table | facts.frozen
 
 
@@ -131,11 +131,11 @@ def model_entries(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
                   ) -> list[WriteEntry]:
     """Model weights this rank writes: its shards of trainable params, and (rank 0) the
     ``frozen`` tensors (:func:`frozen_tensors`)."""
-    blocks = opt.shard_state.blocks
+    blocks = opt.shard_state.parallel.blocks
     out = [
         WriteEntry(s.fqn, opt.layout.buffers[s.buffer_index].dtype, s.range_param.size,
                    s.range_param.start, opt.shard_state.view("params", s), blocks.get(s.fqn))
-        for s in opt.shard_state.saved_shards
+        for s in opt.shard_state.parallel.saved_shards
     ]
     if opt.shard_state.dp.rank == 0:
         for fqn, t in frozen.items():
@@ -155,8 +155,8 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
     out = []
     enc = encodings(opt).get(name)
     st = opt.shard_state
-    for s in st.saved_shards:
-        r, block = s.range_param, st.blocks.get(s.fqn)
+    for s in st.parallel.saved_shards:
+        r, block = s.range_param, st.parallel.blocks.get(s.fqn)
         if enc is None:  # the master param
             out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, r.size, r.start,
                                   st.view(name, s), block))
@@ -174,7 +174,7 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
 
 def check_quantized(opt: DistributedOptimizer, fqn: str) -> None:
     """8-bit moments' scales count blocks of a flattened tensor: of the global tensor only."""
-    if fqn in opt.shard_state.blocks:
+    if fqn in opt.shard_state.parallel.blocks:
         raise CheckpointError(f"param {fqn!r} is sharded by tensor or expert parallelism and "
                               "has 8-bit moments, whose scales checkpoints hold for whole "
                               "params only: use exp_avg_dtype / exp_avg_sq_dtype bfloat16 or "
@@ -189,7 +189,7 @@ def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
     out = []
     mine = encodings(opt)
     for s in opt.shard_state.shards:
-        block = opt.shard_state.blocks.get(s.fqn)
+        block = opt.shard_state.parallel.blocks.get(s.fqn)
         out.append(Destination(f"{s.fqn}.master_param", s.range_param,
                                tensor=opt.shard_state.view("master_param", s), block=block))
         for name in MOMENT_NAMES:
