@@ -264,17 +264,19 @@ def print_inspect(info: dict[str, Any]) -> None:
     moments = ", ".join(f"{name} {_encoding(enc)}" for name, enc in info["moments"].items())
     print(f"optimizer   {_human(state_bytes)} (fp32 master, {moments})")
     print(f"on disk     {_human(info['bytes_on_disk'])} in {info['num_files']} files")
-    header = ("param", "shape", "dtype", "weights", "state")
+    header = ("param", "shape", "dtype", "weights", "state", "saved as")
     rows = [
         (p["fqn"], "x".join(map(str, p["shape"])) or "()", str(p["dtype"]),
-         _human(p["weight_bytes"]), _human(p["state_bytes"]))
+         _human(p["weight_bytes"]), _human(p["state_bytes"]),
+         f"{len(p['boxes'])} boxes" + (f" of {', '.join(p['placements'])}"
+                                       if p["placements"] else ""))
         for p in sorted(params, key=lambda p: _natural_key(p["fqn"]))
     ]
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     print()
     for r in [header, *rows]:
         print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  "
-              f"{r[3]:>{widths[3]}}  {r[4]:>{widths[4]}}")
+              f"{r[3]:>{widths[3]}}  {r[4]:>{widths[4]}}  {r[5]}")
 
 
 def _encoding(enc: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from helpers.checks import bits, exported
 from helpers.dist import run_distributed
 from helpers.parallel_models import (Run, build, checkpoint_rank, full_params, mismatch,
                                      reference, train_step)
-from shardopt import checkpoint
+from shardopt import checkpoint, cli
 from shardopt.errors import CheckpointError, FormatError
 from shardopt.parallel import local_tensor
 
@@ -67,7 +67,7 @@ def test_tp_resume_at_the_same_layout_is_bit_identical(saved_tp):
             assert torch.equal(bits(a["params"][fqn]), bits(b["params"][fqn])), fqn
 
 
-def test_tp_checkpoint_describes_global_shapes_and_boxes(saved_tp):
+def test_tp_checkpoint_describes_global_shapes_and_boxes(saved_tp, capsys):
     _, source = saved_tp
     assert checkpoint.verify(source)["files"] == 4 * 5
     rows = {r["fqn"]: r for r in checkpoint.inspect(source)["params"]}
@@ -77,6 +77,10 @@ def test_tp_checkpoint_describes_global_shapes_and_boxes(saved_tp):
     assert sum(b["lengths"][0] * b["lengths"][1] for b in boxes) == 8 * 16
     assert {b["offsets"][1] for b in boxes} == {0, 8}  # each TP rank's half of the columns
     assert rows["norm.weight"]["placements"] == []
+    cli.print_inspect(checkpoint.inspect(source))
+    table = capsys.readouterr().out
+    down = next(line for line in table.splitlines() if line.startswith("down.weight"))
+    assert down.split()[1] == "8x16" and down.endswith(f"{len(boxes)} boxes of Shard(dim=1)")
 
 
 @pytest.mark.parametrize("ep", [1, 4])
