@@ -1,8 +1,8 @@
 """Entry point of the writer process of asynchronous saves (:mod:`.writer_process`).
 
 Run as a script, it loads :mod:`.transfer` from its file (the package would import torch),
-maps the shared buffers the parent sends, writes the files each request lists through
-:class:`~.transfer.FileWriter` and answers their records or the error (the messages:
+maps the shared buffers the parent sends, writes the files each request lists through the
+block writer and answers their records or the error (the messages:
 docs/async_save.md). It exits when the socket closes, and within ``PARENT_POLL_S`` of its
 parent's death, even mid-write.
 """
@@ -10,7 +10,6 @@ parent's death, even mid-write.
 import importlib.util
 import mmap
 import os
-import queue
 import socket
 import sys
 import threading
@@ -77,71 +76,6 @@ def write_all(request: dict, maps: dict, blobs: list) -> dict:
     return records
 
 
-def stream(sock: socket.socket, request: dict, maps: dict, failed: dict) -> None:
-    """Serve one streamed write until its ``end``: one thread per file writes the pieces
-    queued for it, in order, from the staging buffer's slots."""
-    slot_bytes, buf = request["slot_bytes"], request["buffer"]
-    staging = maps.get(buf)
-    errors: list[str] = [] if staging is not None else \
-        [failed.get(buf, f"the staging buffer {buf} is not mapped")]
-    lock = threading.Lock()
-    files = request["files"]
-    writers: list = [None] * len(files)
-    queues = [queue.Queue() for _ in files]
-
-    def writer(i: int):  # opened at its first piece, or at the end (an empty file)
-        if writers[i] is None:
-            name, size = files[i]
-            writers[i] = transfer.FileWriter(os.path.join(request["dir"], name), size,
-                                             request["block_bytes"])
-        return writers[i]
-
-    def answer(msg, why: str | None = None) -> None:
-        with lock:
-            if why is not None:
-                errors.append(why)
-                if len(errors) > 1:
-                    return
-            transfer.send(sock, msg)
-
-    def run(i: int) -> None:
-        while (piece := queues[i].get()) is not None:
-            start, nbytes, slot = piece
-            if not errors:
-                try:
-                    writer(i).write(start, [staging[slot * slot_bytes:][:nbytes]])
-                except BaseException as e:  # noqa: BLE001 - answered to the parent
-                    why = f"{files[i][0]}: {type(e).__name__}: {e}"
-                    answer(["failed", why], why)
-            answer(["free", slot])
-
-    if errors:
-        answer(["failed", errors[0]])
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(files))]
-    for t in threads:
-        t.start()
-    records: dict[str, dict] = {}
-    try:
-        while (msg := transfer.recv(sock)[0])[0] != "end":
-            for i, start, nbytes, slot in msg[1]:
-                queues[i].put((start, nbytes, slot))
-    finally:
-        for q in queues:
-            q.put(None)
-        for t in threads:
-            t.join()
-        for i, (name, _) in enumerate(files):
-            try:
-                if not errors:
-                    records[name] = writer(i).finish()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(f"{name}: {type(e).__name__}: {e}")
-            finally:
-                if writers[i] is not None:
-                    writers[i].close()
-    answer(["done", "error", errors[0]] if errors else ["done", "ok", records])
-
-
 def _watch(parent: int) -> None:
     """Exit at once when the parent is gone (reparented), even in the middle of a write:
     its save can never commit. (``PR_SET_PDEATHSIG`` would fire when the parent's thread
@@ -175,11 +109,6 @@ def main(fd: int, parent: int) -> None:
         elif kind == "unmap":
             maps.pop(msg[1], None)
             failed.pop(msg[1], None)
-        elif kind == "stream":
-            try:
-                stream(sock, msg[1], maps, failed)
-            except (EOFError, OSError):  # the parent is gone
-                return
         elif kind == "write":
             try:
                 bad = [failed[b] for b in msg[1]["buffers"] if b in failed]

@@ -111,7 +111,7 @@ def _stat(path: Path) -> os.stat_result | None:
         return None
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def exchange(a: Path, b: Path) -> bool:
     """Swap directories ``a`` and ``b`` atomically; False where the system cannot."""
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
@@ -380,7 +380,7 @@ def _publish(staged: Staged, final: Path) -> Path | None:
         return None
     if not staged.began_with(final) or not is_complete(final):
         raise FileExistsError(f"checkpoint {final} already exists (saved by another job?)")
-    if _exchange(staged.tmp, final):
+    if exchange(staged.tmp, final):
         staged.committed = True
         return _trash(staged.root, staged.tmp)  # the tmp name now holds the old checkpoint
     old = _trash(staged.root, final)  # no atomic exchange: a crash now leaves no step_k

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import GROUP_KEYS
-from ..layout import Range
+from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
-from .format import dtype_name
+from .format import dtype_name, state_file_kind
 from .manifest import MomentEncoding
-from .storage import WriteEntry
+from .storage import Job, WriteEntry
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,14 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
             out.append(WriteEntry(f"{s.fqn}.{name}.scale", torch.float32, b.size, b.start,
                                   None if m is None else m.scales))
     return out
+
+
+def contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
+    """Coordinator-free. What this rank writes of the state, by file kind."""
+    out = {"model": model_entries(opt, frozen)}
+    for name in STATE_NAMES:
+        out.setdefault(state_file_kind(name), []).extend(optim_entries(opt, name))
+    return [Job(kind, entries) for kind, entries in out.items()]
 
 
 def destinations(model: torch.nn.Module, opt: DistributedOptimizer,

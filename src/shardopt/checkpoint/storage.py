@@ -32,6 +32,14 @@ class WriteEntry:
     source: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class Job:
+    """A data file of a rank and the entries it holds."""
+
+    name: str
+    entries: list[WriteEntry]
+
+
 # A save splits a kind's bytes over several files (to write them side by side) only into
 # files of at least this size.
 MIN_PART_BYTES = 64 << 20
