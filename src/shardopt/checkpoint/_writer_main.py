@@ -30,19 +30,21 @@ PARENT_POLL_S = 0.05  # how often the process checks that its parent lives
 _ZEROS = memoryview(bytes(1 << 20))
 
 
-def _view(cut, zeros: memoryview = _ZEROS) -> list:
+def _views(cut) -> list:
     """Memoryviews of a cut of a request's part (zeros from the zero block, in pieces)."""
     data = cut.part.data
     if data is not None:
         return [data[cut.within]]
     n = cut.end - cut.start
-    return [zeros[:min(len(zeros), n - i)] for i in range(0, n, len(zeros))]
+    return [_ZEROS[:min(len(_ZEROS), n - i)] for i in range(0, n, len(_ZEROS))]
 
 
-def write_one(path: str, parts: list, size: int, block_bytes: int, maps: dict,
-              blobs: list) -> dict:
-    """Write one file of a ``write`` request (``parts`` as the request gives them)."""
-    def data(src):
+def write_all(request: dict, maps: dict, blobs: list) -> dict:
+    """Every file of a ``write`` request at once, one thread each; their records. The
+    earliest file that fails is raised, named."""
+    records = {}
+
+    def data(src):  # a part's bytes as the request names them: zeros, a blob, a mapping
         if src is None:
             return None
         if isinstance(src, dict):
@@ -50,29 +52,18 @@ def write_one(path: str, parts: list, size: int, block_bytes: int, maps: dict,
         buf, at = src
         return maps[buf][at:]
 
-    layout = transfer.Parts([transfer.Part(s, n, data(src)) for s, n, src in parts])
-    return transfer.write_file(path, size, block_bytes, block_bytes, lambda lo, hi: [
-        v for cut in layout.cuts(lo, hi) for v in _view(cut)])
-
-
-def write_all(request: dict, maps: dict, blobs: list) -> dict:
-    """Every file of the request at once, one thread each; the errors are raised together."""
-    records, errors = {}, []
-
-    def one(name, parts, size):
+    def one(file: list, _slot: int) -> None:
+        name, parts, size = file
+        layout = transfer.Parts([transfer.Part(s, n, data(src)) for s, n, src in parts])
         try:
-            records[name] = write_one(os.path.join(request["dir"], name), parts, size,
-                                      request["block_bytes"], maps, blobs)
+            records[name] = transfer.write_file(
+                os.path.join(request["dir"], name), size, request["block_bytes"],
+                request["block_bytes"],
+                lambda lo, hi: [v for cut in layout.cuts(lo, hi) for v in _views(cut)])
         except BaseException as e:  # noqa: BLE001 - answered to the parent
-            errors.append(f"{name}: {type(e).__name__}: {e}")
+            raise OSError(f"{name}: {type(e).__name__}: {e}") from None
 
-    threads = [threading.Thread(target=one, args=f) for f in request["files"]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise OSError("; ".join(errors))
+    transfer.run_parallel(request["files"], one, len(request["files"]))
     return records
 
 

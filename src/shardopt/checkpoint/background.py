@@ -1,13 +1,11 @@
 """The background half of asynchronous saves: one optimizer's saves (:class:`Saves`, in
-``opt.shard_state.attachments`` from its first asynchronous save), the handle of the save in
-flight, and the gloo coordination group their exchanges run on.
+``opt.shard_state.attachments``), the handle of the save in flight, and the gloo group their
+exchanges run on (why: docs/async_save.md, Collectives from the background).
 
-One save of an optimizer is in flight at a time: its next ``save``, a ``checkpoint.load``
+One save of an optimizer is in flight at a time; its next ``save``, a ``checkpoint.load``
 into it and the interpreter's exit wait for it. Its error is kept until someone sees it:
 :meth:`SaveHandle.wait`, the next ``save`` (which fails on every rank) or a log record at
-:meth:`Saves.close`. The thread, the group and the writer process end in a fixed order
-(docs/reliability.md, Shutdown); why the exchanges need a group of their own, and its
-timeout: docs/async_save.md, Collectives from the background.
+:meth:`Saves.close`. What ends in which order: docs/reliability.md, Shutdown.
 """
 
 from __future__ import annotations
@@ -75,8 +73,7 @@ class SaveHandle:
         return self.path
 
     def unreported(self) -> BaseException | None:
-        """Join (unless called from the save's own thread); the error nobody has seen yet
-        (then counted as seen)."""
+        """Join (unless on the save's own thread); the error nobody has seen yet, now seen."""
         if self._thread is not threading.current_thread():
             self._thread.join()
         if self._error is None or self._reported:
@@ -115,16 +112,9 @@ class Saves:
         self.pending: SaveHandle | None = None
         self._groups: dict[tuple[int, ...], _Group] = {}  # by ranks
 
-    def start(self, path: str, work: Callable[[comm.DPGroup], None], group: comm.DPGroup
-              ) -> SaveHandle:
-        """Run ``work(group)`` in the background as the asynchronous save of ``path``."""
-        self.pending = SaveHandle(path, work, group)
-        return self.pending
-
     def settle(self, if_busy: str = "wait") -> BaseException | None:
-        """Wait for the save in flight, if any, and return its error that nobody has seen.
-        With ``if_busy="error"`` a save still running is not waited for: an error saying so
-        is returned instead (the caller reports it on every rank)."""
+        """Wait for the save in flight, if any, and return its error nobody has seen; with
+        ``if_busy="error"``, for a save still running, an error saying so instead."""
         handle = self.pending
         if handle is None:
             return None
@@ -151,10 +141,9 @@ class Saves:
         return comm.DPGroup(pg, dp.rank, dp.size)
 
     def close(self) -> None:
-        """When the optimizer is collected or the interpreter exits: wait for the save in
-        flight and log its error if nobody saw it, end the writer process, destroy the
-        coordination groups torch still has (the job did not call
-        ``destroy_process_group``), so that their threads end now."""
+        """Wait for the save in flight and log its error if nobody saw it, end the writer
+        process, destroy the coordination groups torch still has (so that their threads end
+        now where the job did not call ``destroy_process_group``)."""
         error = self.settle()
         if error is not None:
             log.error("an asynchronous checkpoint save failed and nobody waited for it: %s",
@@ -181,8 +170,7 @@ def of(opt: DistributedOptimizer) -> Saves:
 
 
 def wait_pending(opt: DistributedOptimizer) -> None:
-    """Wait for ``opt``'s save in flight, leaving its error to be reported by wait() or the
-    next save."""
+    """Wait for ``opt``'s save in flight, leaving its error for wait() or the next save."""
     saves = opt.shard_state.attachments.get(_KEY)
     if saves is not None and saves.pending is not None:
         saves.pending._thread.join()

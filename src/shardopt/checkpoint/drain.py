@@ -2,13 +2,13 @@
 state-write hook that keeps the copy the state at the call (docs/async_save.md, The drain).
 
 The background thread (:meth:`Drain.run`) copies each source into the host snapshot in
-pieces of ``drain_piece_bytes``, ``drain_in_flight`` at a time on a side stream, and
-page-locks each host buffer segment by segment just ahead of its pieces; no piece crosses a
-segment. The state's first write from the device (``step()``) copies what is not yet issued
-into spare device memory, and the drain goes on from there (without spare memory the write
-waits for the drain); a write the host waits for (``offload()`` and the like) issues the rest
-into the host snapshot at once and waits for it, so nothing of the save stays on the device.
-Off CUDA the same code runs with plain copies.
+pieces of ``drain_piece_bytes``, ``drain_in_flight`` at a time on a side stream, page-locking
+each host buffer segment by segment just ahead of its pieces; no piece crosses a segment.
+The state's first write on the device (``step()``) copies what is not yet issued into spare
+device memory and the drain goes on from there (without spare memory the write waits for the
+drain); a write the host waits for (``offload()`` and the like) issues the rest into the
+host snapshot and waits for it: nothing of the save stays on the device. Off CUDA the same
+code runs with plain copies.
 """
 
 from __future__ import annotations
@@ -55,9 +55,8 @@ class Copy:
 
 
 class Drain:
-    """The copies of one snapshot: those issued at the call, and the rest, issued by the
-    background thread (:meth:`run`) in pieces; while any is not done, the optimizer's
-    state-write hook (:meth:`attach`). Thread-safe."""
+    """The copies of one snapshot, issued by the background thread (:meth:`run`) in pieces,
+    guarded until done by the optimizer's state-write hook (:meth:`attach`). Thread-safe."""
 
     def __init__(self, copies: list[Copy], device: torch.device,
                  stream: torch.cuda.Stream | None, on_wait: Callable[[], None],
@@ -101,8 +100,8 @@ class Drain:
         self._handle = opt.register_state_write_hook(self._before_write)
 
     def run(self) -> None:
-        """Coordinator-free; the background thread. Issue the rest in pieces and return when
-        every copy is done; the hook goes then, and if this raises."""
+        """Coordinator-free; the background thread. Issue the copies in pieces and return
+        when every copy is done; the hook goes then, and if this raises."""
         if self.cuda:  # the host buffers are page-locked for this device's context
             torch.cuda.set_device(self.device)
         try:
@@ -196,9 +195,8 @@ class Drain:
             handle.remove()
 
     def _move(self, count: int) -> bool:
-        """Copy what the first ``count`` copies not yet issued read into spare memory, on
-        the current stream (after the pieces in flight, which still read it), and drain
-        those from there; False where the memory cannot be had."""
+        """Copy what the first ``count`` copies read into spare memory on the current stream
+        (after the pieces in flight) and drain them from there; False without the memory."""
         copies = self._copies[:count]
         spare = _spare(sum(c.src.numel() for c in copies) - self._offset, self.device)
         if spare is None:

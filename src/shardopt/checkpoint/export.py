@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import uuid
 from pathlib import Path
 from collections.abc import Callable
@@ -20,7 +19,7 @@ import torch
 
 from ..layout import STATE_NAMES, Range
 from . import commit
-from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, dtype_name
+from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, dtype_name, pack_header
 from .manifest import Manifest, MomentEncoding, parse
 from .read import DataFiles, read_verified
 from .storage import write_parts
@@ -217,9 +216,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str,
         header[key] = {"dtype": DTYPE_CODES[tensors[key].dtype],
                        "shape": list(tensors[key].shape), "data_offsets": [pos, pos + d.numel()]}
         pos += d.numel()
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(len(raw) + 8) % 8)  # data 8-byte aligned, as safetensors does
-    raw = struct.pack("<Q", len(raw)) + raw
+    raw = pack_header(header)
     parts = [Part(0, len(raw), torch.frombuffer(bytearray(raw), dtype=torch.uint8))]
     for d in data:
         parts.append(Part(parts[-1].end, d.numel(), d))

@@ -1,24 +1,20 @@
-"""save: collective, atomic, verified checkpoints.
+"""save: collective, atomic, verified checkpoints. The schedule (collective over the DP group):
 
-Save schedule (collective over the optimizer's DP group):
+1. Every rank checks the arguments; DP rank 0 also locks the root, cleans stale temporary
+   directories and creates ``root/.tmp-step_XXXXXXXX-<id>`` (:mod:`.commit`). Exchange:
+   every rank learns the directory, or every rank raises.
+2. Every rank writes its chunks into its ``model``, ``optim`` (main params), ``exp_avg``,
+   ``exp_avg_sq`` and ``rng`` safetensors files there (large kinds split into parts of
+   about equal size, up to ``io_threads`` files in all), side by side, hashing fixed-size
+   blocks as it writes, and fsyncs them and the directory. Exchange: the file records
+   (sizes, block hashes, chunk lists), or every rank raises and rank 0 removes the directory.
+3. Rank 0 writes ``manifest.json`` and commits: rename to ``step_XXXXXXXX`` (replacing an
+   abandoned branch after a rollback), point ``latest`` at it, apply retention. Exchange:
+   every rank learns whether the commit happened.
 
-1. Every rank checks the arguments; DP rank 0 also locks the root, cleans
-   stale temporary directories and creates ``root/.tmp-step_XXXXXXXX-<id>``
-   (:mod:`.commit`). Exchange: every rank learns the directory, or every
-   rank raises.
-2. Every rank writes its own chunks into its ``model``, ``optim`` (main
-   params), ``exp_avg``, ``exp_avg_sq`` and ``rng`` safetensors files there
-   (large kinds split into parts of about equal size, up to ``io_threads``
-   files in all), all at once (hashing fixed-size blocks as it writes), fsyncs
-   them and the directory. Exchange: file records (sizes, block hashes, chunk lists), or
-   every rank raises and rank 0 removes the temporary directory.
-3. Rank 0 writes ``manifest.json`` and commits: rename to ``step_XXXXXXXX``
-   (replacing an abandoned branch after a rollback), point ``latest`` at it,
-   apply retention. Exchange: every rank learns whether the commit happened.
-
-Each phase catches any exception and reports it in its exchange, so a rank
-that fails (disk full, permission denied, a bug) never leaves the others
-waiting in a collective: all of them raise :class:`CheckpointError`.
+Each phase reports any exception in its exchange, so a rank that fails (disk full, a bug)
+never leaves the others waiting in a collective: all of them raise :class:`CheckpointError`.
+With ``blocking=False`` phases 2 and 3 run in the background (:mod:`.background`).
 """
 
 from __future__ import annotations
@@ -185,7 +181,8 @@ def save(
                     commit.abort(owned)
         drain.attach(optimizer)  # the state's next write waits until the copies have it
         try:
-            return saves.start(path, work, group)
+            saves.pending = SaveHandle(path, work, group)
+            return saves.pending
         except BaseException:
             drain.close()
             raise
@@ -196,15 +193,16 @@ def save(
 
 @dataclass(frozen=True)
 class _Start:
-    """What each rank brings to a save's first exchange."""
+    """What each rank brings to a save's first exchange: its step (None where it failed),
+    whether it blocks, and (DP rank 0) the temporary directory's name."""
 
-    step: int | None  # None where this rank failed
+    step: int | None
     blocking: bool
-    tmp: str | None  # the temporary directory's name (DP rank 0)
+    tmp: str | None
 
 
-# Writes a rank's files into a directory in blocks of the given size by the writer process,
-# returning their records, or None where that process cannot.
+# The writer process writing a rank's files (directory, jobs, block bytes): their records,
+# or None where it cannot.
 Through = Callable[[Path, list[Job], int], "dict[str, dict] | None"]
 
 
@@ -242,9 +240,8 @@ def _rng_job(opt: DistributedOptimizer) -> Job:
 def _take_snapshot(saves: background.Saves, opt: DistributedOptimizer,
                    frozen: dict[str, torch.Tensor], cfg: CheckpointConfig) -> Taken:
     """Coordinator-free. The RNG state and :func:`.state.contents` in the optimizer's
-    snapshot, and the drain that copies it there: a repeat of the previous save's copies
-    where the state lives in tensors of the same sizes (:meth:`.Snapshot.retake`), else
-    planned anew."""
+    snapshot, and its drain: the previous save's copies repeated where they fit
+    (:meth:`.Snapshot.retake`), else planned anew."""
     snap, sources = saves.snapshot, state.sources(opt, frozen)
     # Buffers (not params) are what a forward may update in place while the copies run.
     hot = {t.untyped_storage().data_ptr() for t in frozen.values()
@@ -255,12 +252,9 @@ def _take_snapshot(saves: background.Saves, opt: DistributedOptimizer,
 
 
 def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:
-    """Coordinator-free. The files this rank writes and their entries, the largest first.
-
-    A file takes one writer at a time (the kernel locks it for each write), so the data is
-    split into up to ``threads`` files of about equal size (a kind into parts where it is
-    larger than the others).
-    """
+    """Coordinator-free. The files this rank writes, the largest first: up to ``threads``
+    files of about equal size (a file takes one writer at a time), a kind split into parts
+    where it is larger than the others."""
     rng, *kinds = contents
     counts = part_counts({k.name: entry_bytes(k.entries) for k in kinds},
                          min(threads, MAX_PARTS))
@@ -296,10 +290,9 @@ def write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_bytes
 
 def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
                    frozen: dict[str, torch.Tensor]) -> Callable[[], dict[str, Any]]:
-    """Everything the manifest holds but the file records, as it is at the call: what can
-    change later is copied now (new objects throughout: nothing the caller changes later
-    reaches it); the returned function builds the params table from those copies, in an
-    asynchronous save's background thread rather than in the training loop's."""
+    """Everything the manifest holds but the file records, as at the call: what can change
+    is copied now; the returned function builds the params table from the copies (in an
+    asynchronous save's background thread, not the training loop's)."""
     head = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -317,10 +310,9 @@ def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
 
 
 def _manifest_text(base: dict[str, Any], files: dict[str, dict]) -> bytes:
-    """The manifest, one line per top-level field and per param and file record, every piece
-    by ``json``'s C encoder (``indent=`` selects the pure-Python one, whose GIL time an
-    asynchronous save's commit would take from the training thread)."""
-    # The checksum covers what a reader parses.
+    """The manifest, one line per top-level field and per param and file record, by
+    ``json``'s C encoder (``indent=`` selects the pure-Python one, whose GIL time an
+    asynchronous commit would take from training). The checksum covers what a reader parses."""
     manifest = json.loads(json.dumps({**base, "files": files}))
     manifest["checksum"] = manifest_checksum(manifest)
 
