@@ -11,8 +11,8 @@ import json
 import os
 import shutil
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +27,8 @@ from .transfer import Part, io_threads
 from ..errors import CheckpointError, FormatError
 
 EXPORT_MOMENTS = ("float32", "stored")
+# Past this a file is split, Hugging Face style (as `save_pretrained`'s default shard size).
+MAX_FILE_BYTES = 5 << 30
 
 
 def _open(path: str | os.PathLike) -> Manifest:
@@ -56,17 +58,25 @@ SCALE_BATCH_BYTES = 64 << 20
 def _check_every_scale(files: DataFiles) -> None:
     """The value check ``load`` and ``export`` make of the 8-bit moment scales they read,
     on every scale (hashes already checked), a batch of keys at a time."""
-    keys = sorted(files.scale_keys)
+    keys, batch = sorted(files.scale_keys), []
     while keys:
-        batch: list[tuple[str, torch.Tensor]] = []
-        while keys and sum(t.numel() * 4 for _, t in batch) < SCALE_BATCH_BYTES:
-            key = keys.pop()
-            batch.append((key, torch.empty(files.stored[key].numel, dtype=torch.float32)))
-        read_verified([r for key, t in batch
-                       for r in files.reads(key, Range(0, t.numel()), t, in_place=False)],
-                      verify=False, threads=io_threads())
-        for key, t in batch:
-            files.check_scales(key, 0, t)
+        batch.append(keys.pop())
+        if not keys or sum(files.stored[k].numel * 4 for k in batch) >= SCALE_BATCH_BYTES:
+            _read_whole(files, batch, verify=False)
+            batch = []
+
+
+def _read_whole(files: DataFiles, keys: list[str], verify: bool) -> dict[str, torch.Tensor]:
+    """Stored tensors ``keys``, whole (1-D, as stored), in one read; 8-bit moment scales
+    value-checked."""
+    out = {k: torch.empty(files.stored[k].numel, dtype=files.stored[k].dtype) for k in keys}
+    read_verified([r for k, t in out.items()
+                   for r in files.reads(k, Range(0, t.numel()), t, in_place=False)],
+                  verify=verify, threads=io_threads())
+    for k, t in out.items():
+        if k in files.scale_keys:
+            files.check_scales(k, 0, t)
+    return out
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
@@ -101,23 +111,17 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-# Past this a file is split, Hugging Face style (as `save_pretrained`'s default shard size).
-MAX_FILE_BYTES = 5 << 30
-
-
 def export(path: str | os.PathLike, out_dir: str | os.PathLike,
            max_file_bytes: int = MAX_FILE_BYTES, verify: bool = True,
            moments_dtype: str = "float32") -> list[str]:
-    """Write ``model*.safetensors`` and ``optimizer*.safetensors`` with full-shape tensors.
+    """Write ``model*.safetensors`` and ``optimizer*.safetensors`` with full-shape tensors;
+    return their paths. Adam moments in fp32 (``moments_dtype="float32"``, decoded exactly as
+    the optimizer reads them) or as stored (``"stored"``: bf16, or 8-bit codes with their fp32
+    scales as ``"{fqn}.exp_avg.scale"``, one per block of the flattened param).
 
-    Adam moments are written in fp32 (``moments_dtype="float32"``, decoded from bf16 or
-    int8 storage exactly as the optimizer reads them), or as stored
-    (``moments_dtype="stored"``): bf16, or 8-bit codes with their fp32 scales as
-    ``"{fqn}.exp_avg.scale"`` (1-D, one per block of the flattened param).
-
-    Returns the written file paths. ``out_dir`` must not exist or be empty, nor hold a
-    checkpoint or lie inside this one; the files go into a temporary sibling renamed to
-    ``out_dir`` at the end, so a failed export leaves no partial output.
+    ``out_dir`` must not exist or be empty, nor hold a checkpoint or lie inside this one; the
+    files go into a temporary sibling renamed to ``out_dir`` at the end, so a failed export
+    leaves no partial output.
     """
     if moments_dtype not in EXPORT_MOMENTS:
         raise ValueError(f"moments_dtype must be one of {list(EXPORT_MOMENTS)}, "
@@ -238,8 +242,8 @@ def _write_split(files: DataFiles, out: Path, stem: str, shapes: dict[str, tuple
                  verify: bool, max_file_bytes: int,
                  decode: dict[str, MomentEncoding]) -> list[str]:
     """Write the tensors of ``shapes`` (key: full shape) as ``stem`` files under ``out``
-    (split past ``max_file_bytes``), each file's tensors read in one call; return the file
-    names. Moments named in ``decode`` (by moment name) are written in fp32."""
+    (split past ``max_file_bytes``); return their names. Moments named in ``decode`` are
+    written in fp32."""
     groups: list[list[str]] = [[]]
     size = 0
     for key in shapes:
@@ -253,34 +257,22 @@ def _write_split(files: DataFiles, out: Path, stem: str, shapes: dict[str, tuple
              [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map, total = {}, 0
     for name, group in zip(names, groups):
-        tensors, scales = {}, {}
+        scales = [f"{k}.scale" for k in group if getattr(_decoded(decode, k), "block", 0)]
+        tensors = _read_whole(files, group + scales, verify)
         for key in group:
-            stored = files.stored[key]
-            tensors[key] = torch.empty(stored.numel, dtype=stored.dtype)
-            enc = _decoded(decode, key)
-            if enc is not None and enc.block:
-                scales[f"{key}.scale"] = torch.empty(files.stored[f"{key}.scale"].numel,
-                                                     dtype=torch.float32)
             weight_map[key] = name
-        read_verified([r for k, t in (tensors | scales).items()
-                       for r in files.reads(k, Range(0, t.numel()), t, in_place=False)],
-                      verify=verify, threads=io_threads())
-        for key, t in (tensors | scales).items():
-            if key in files.scale_keys:
-                files.check_scales(key, 0, t)
-        for key in group:
             enc = _decoded(decode, key)
             if enc is not None:
-                tensors[key] = enc.decode(tensors[key], scales.get(f"{key}.scale"), 0)
+                tensors[key] = enc.decode(tensors[key], tensors.get(f"{key}.scale"), 0)
             tensors[key] = tensors[key].view(shapes[key])
             total += tensors[key].numel() * tensors[key].element_size()
-        _writing(out, name, lambda file: save_file(tensors, file, metadata={"format": "pt"}))
-        del tensors, scales
+        kept = {key: tensors[key] for key in group}
+        del tensors
+        _writing(out, name, lambda file: save_file(kept, file, metadata={"format": "pt"}))
+        del kept
     if len(names) > 1:
         index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                            indent=2)
         _writing(out, f"{stem}.safetensors.index.json", lambda file: Path(file).write_text(index))
     return names
 
-
-__all__ = ["export", "inspect", "verify"]

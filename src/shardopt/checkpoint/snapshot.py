@@ -5,8 +5,7 @@ One host buffer per dtype of exactly this rank's entries (a tensor saved under t
 copied once), shared with the writer process where it can run, filled by a
 :class:`~.drain.Drain`. Each run of adjacent elements of the flat tensors the state lives in
 is one copy; a later save of tensors of the same names, sizes and dtypes repeats them
-(:meth:`Snapshot.retake`). :meth:`Snapshot.prepare` allocates (and page-locks) the buffers
-ahead of the first save, sized by :func:`buffer_sizes`.
+(:meth:`Snapshot.retake`). :meth:`Snapshot.prepare` allocates the buffers ahead.
 """
 
 from __future__ import annotations
@@ -55,14 +54,13 @@ class Snapshot:
         return sum(b.nbytes for b in self._host.values())
 
     def host_buffers(self) -> list[pinned.PinnedBuffer]:
-        """The buffers the entries of the last take lie in (shared memory the writer
-        process can map)."""
+        """The buffers the entries of the last take lie in."""
         return list(self._host.values())
 
     def prepare(self, sizes: dict[torch.dtype, int]) -> None:
         """Buffers of ``sizes`` (elements by dtype: :func:`buffer_sizes`), page-locked now
-        on a GPU, for the next :meth:`take` of those sizes; those held are kept where they
-        have them. All or nothing: where an allocation fails none is held, and it raises."""
+        on a GPU, for the next :meth:`take` of those sizes (those held are kept where they
+        have them). Where an allocation fails none is held, and it raises."""
         try:
             if self._sizes() != sizes:
                 self.release()
@@ -94,8 +92,8 @@ class Snapshot:
     def retake(self, sources: dict[str, torch.Tensor], cfg: CheckpointConfig,
                hot: Collection[int] = ()) -> Taken | None:
         """Coordinator-free. The last :meth:`take` repeated from ``sources`` (the flat
-        tensors the state lives in now, by name: ``checkpoint.state.sources``) when they have
-        the names, sizes and dtypes they had then; else None. ``hot``: as for :meth:`take`."""
+        tensors the state lives in now, by name: :func:`.state.sources`) when they have the
+        names, sizes and dtypes they had then, else None; ``hot`` as for :meth:`take`."""
         plan = self._plan
         if plan is None or plan.key != _key(sources):
             return None
@@ -105,11 +103,10 @@ class Snapshot:
 
     def take(self, jobs: Sequence[Job], cfg: CheckpointConfig,
              sources: dict[str, torch.Tensor] | None = None, hot: Collection[int] = ()) -> Taken:
-        """Coordinator-free. The jobs with the host buffers as their sources. Each run of
-        adjacent or overlapping elements of one storage is one copy; with ``sources`` the
-        runs are recorded as pieces of them, for :meth:`retake`. ``hot``: the storages
-        (addresses) that work queued after the call may write without going through the
-        optimizer (module buffers a forward updates in place): copied at the call."""
+        """Coordinator-free. The jobs with the host buffers as their sources, one copy per
+        run of adjacent or overlapping elements of a storage; with ``sources`` the runs are
+        recorded as pieces of them, for :meth:`retake`. ``hot``: the storages (addresses)
+        queued work may write bypassing the optimizer (module buffers): copied at the call."""
         unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         for job in jobs:
             for e in job.entries:
@@ -245,8 +242,8 @@ class Extent:
 
 
 def buffer_sizes(extents: Iterable[Extent]) -> dict[torch.dtype, int]:
-    """Elements by dtype of the host buffers a :meth:`Snapshot.take` of sources at
-    ``extents`` allocates (each run of adjacent or overlapping elements once)."""
+    """Elements by dtype of the buffers a :meth:`Snapshot.take` of sources at ``extents``
+    allocates."""
     return _sizes(run.extent for run in _merge((e, e) for e in extents))
 
 
@@ -270,9 +267,8 @@ class _Run:
             m.untyped_storage(), e.start, (e.numel,))
 
 
-def _runs(sources) -> list[_Run]:
-    """The sources (1-D, contiguous) as runs of adjacent or overlapping elements of one
-    storage, each storage's runs in memory order."""
+def _runs(sources: Iterable[torch.Tensor]) -> list[_Run]:
+    """The sources (1-D, contiguous) as runs (:func:`_merge`)."""
     sources = list(sources)
     for src in sources:
         assert src.dim() == 1 and src.is_contiguous(), "snapshot sources are flat views"
