@@ -264,6 +264,26 @@ def test_a_host_snapshot_is_page_locked_by_its_first_drain_and_reused(tmp_path):
     assert checkpoint_bytes(Path(reference)) == checkpoint_bytes(Path(again))
 
 
+@pytest.mark.cuda
+def test_offload_during_a_background_save_leaves_nothing_of_it_on_the_gpu(tmp_path):
+    """A step (which copies what the drain has not read into spare GPU memory) and
+    ``offload()`` while a save drains in small pieces: after ``offload()`` the GPU holds what
+    an offload without a save leaves, and the checkpoint is a blocking save's at the call."""
+    model, opt = build(0, "cuda")
+    train(model, opt, range(2), 0, 1)
+    opt.offload()
+    bare = torch.cuda.memory_allocated()
+    opt.onload()
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    handle = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False,
+                             config=checkpoint.CheckpointConfig(drain_piece_bytes=4096))
+    train(model, opt, range(2, 3), 0, 1)
+    opt.offload()
+    assert torch.cuda.memory_allocated() == bare
+    opt.onload()
+    assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(reference))
+
+
 class _NormedLinear(torch.nn.Module):
     """A bf16 Linear big enough that its state's copies take milliseconds, then a BatchNorm
     whose running statistics every forward in training mode updates in place."""
