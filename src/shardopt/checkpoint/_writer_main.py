@@ -27,16 +27,6 @@ def _load_transfer():
 
 transfer = _load_transfer()
 PARENT_POLL_S = 0.05  # how often the process checks that its parent lives
-_ZEROS = memoryview(bytes(1 << 20))
-
-
-def _views(cut) -> list:
-    """Memoryviews of a cut of a request's part (zeros from the zero block, in pieces)."""
-    data = cut.part.data
-    if data is not None:
-        return [data[cut.within]]
-    n = cut.end - cut.start
-    return [_ZEROS[:min(len(_ZEROS), n - i)] for i in range(0, n, len(_ZEROS))]
 
 
 def write_all(request: dict, maps: dict, blobs: list) -> dict:
@@ -59,7 +49,7 @@ def write_all(request: dict, maps: dict, blobs: list) -> dict:
             records[name] = transfer.write_file(
                 os.path.join(request["dir"], name), size, request["block_bytes"],
                 request["block_bytes"],
-                lambda lo, hi: [v for cut in layout.cuts(lo, hi) for v in _views(cut)])
+                lambda lo, hi: [v for cut in layout.cuts(lo, hi) for v in transfer.cut_views(cut)])
         except BaseException as e:  # noqa: BLE001 - answered to the parent
             raise OSError(f"{name}: {type(e).__name__}: {e}") from None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .format import FileHeader, FileRecord, StoredChunk, StoredTensor, build_header, parse_header
-from .transfer import PIECE_BYTES, Part, Parts, write_file as write_pieces
+from .transfer import PIECE_BYTES, Part, Parts, cut_views, write_file as write_pieces
 from ..errors import FormatError
 
 
@@ -175,25 +175,22 @@ def write_parts(path: str, parts: Sequence[Part], block_bytes: int,
                 scratch: Scratch | None) -> dict:
     """Write a new file of ``parts`` (host or device tensors, zeros; contiguous from byte 0)
     at ``path`` and fsync it; return its record. Device bytes go through ``scratch``."""
-    layout = Parts(parts)
+    layout = Parts([p if p.data is None or p.data.is_cuda else
+                    Part(p.start, p.nbytes, host_bytes(p.data)) for p in parts])
     piece = min(block_bytes, scratch.nbytes if scratch is not None else PIECE_BYTES)
-    if any(p.data is not None and p.data.is_cuda for p in layout.parts) and (
+    if any(isinstance(p.data, torch.Tensor) for p in layout.parts) and (
             scratch is None or not scratch.cuda):
         raise AssertionError("device parts need a pinned scratch")
-    zeros = memoryview(bytes(piece if any(p.data is None for p in layout.parts) else 0))
 
     def take(lo: int, hi: int) -> list[memoryview]:
         views, copies = [], []
         for cut in layout.cuts(lo, hi):
-            data = cut.part.data
-            if data is None:
-                views.append(zeros[:cut.end - cut.start])
-            elif data.is_cuda:
+            if isinstance(cut.part.data, torch.Tensor):  # on the device
                 dst = scratch.take(0)[cut.start - lo:cut.end - lo]
-                copies.append((dst, data[cut.within]))
+                copies.append((dst, cut.part.data[cut.within]))
                 views.append(host_bytes(dst))
             else:
-                views.append(host_bytes(data)[cut.within])
+                views += cut_views(cut)
         if copies:
             scratch.copy(0, copies)
             scratch.wait(0)

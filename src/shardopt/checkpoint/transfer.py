@@ -145,6 +145,18 @@ class Parts:
         return out
 
 
+_ZEROS = memoryview(bytes(1 << 20))
+
+
+def cut_views(cut: Cut) -> list[memoryview]:
+    """The bytes of a cut whose part's data is bytes (a memoryview) or zeros (None)."""
+    data = cut.part.data
+    if data is not None:
+        return [data[cut.within]]
+    n = cut.end - cut.start
+    return [_ZEROS[:min(len(_ZEROS), n - i)] for i in range(0, n, len(_ZEROS))]
+
+
 class FileWriter:
     """A new file of ``size`` bytes at ``path``, written front to back: :meth:`write` takes
     the next bytes and hashes each ``block_bytes`` block as they pass; :meth:`finish`
