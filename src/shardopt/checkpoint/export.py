@@ -7,6 +7,7 @@ safetensors through the block writer, split Hugging Face style past ``max_file_b
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -266,10 +267,11 @@ def _write_split(files: DataFiles, out: Path, stem: str, shapes: dict[str, tuple
                 tensors[key] = enc.decode(tensors[key], tensors.get(f"{key}.scale"), 0)
             tensors[key] = tensors[key].view(shapes[key])
             total += tensors[key].numel() * tensors[key].element_size()
-        kept = {key: tensors[key] for key in group}
-        del tensors
-        _writing(out, name, lambda file: save_file(kept, file, metadata={"format": "pt"}))
-        del kept
+        write = functools.partial(save_file, {key: tensors[key] for key in group},
+                                  metadata={"format": "pt"})
+        del tensors  # the scales read for decoding go before the file is written
+        _writing(out, name, write)
+        del write
     if len(names) > 1:
         index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                            indent=2)
