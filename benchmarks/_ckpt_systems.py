@@ -61,11 +61,15 @@ def new_shardopt_optimizer(s: _peers.System) -> Any:
     from shardopt.config import GROUP_KEYS
 
     old = s.optimizer
-    group = {fqn: old.param_groups[gi] for fqn, gi in old.group_of.items()}
-    for hook in getattr(old, "_hooks", ()):  # first: a param belongs to one optimizer at a time
-        hook.remove()
+    access = old.shard_state
+    group = {fqn: dict(old.param_groups[gi]) for fqn, gi in access.group_of.items()}
+    config, dp_group = old.config, access.dp.group
+    # First: a param belongs to one optimizer at a time, and the old one lets go of the
+    # model's params (its hooks) only once it is collected.
+    s.optimizer = old = access = None
+    gc.collect()
     new = DistributedOptimizer(
-        s.model, old.config, process_group=old.dp.group,
+        s.model, config, process_group=dp_group,
         param_group_fn=lambda fqn, p: {k: group[fqn][k] for k in GROUP_KEYS})
     s.optimizer = new
     return new
@@ -124,7 +128,9 @@ class _ShardoptTensors:
         drop_moments(self.s.optimizer)
 
     def resume(self, root: Path) -> None:
-        new_shardopt_optimizer(self.s)._ensure_moments()
+        opt = new_shardopt_optimizer(self.s)
+        target = opt.shard_state.load_target(on_host=False)  # moments as a first step makes
+        opt.shard_state.adopt(target.moments, dict(opt.param_steps))
         self.load(root)
 
 

@@ -247,6 +247,7 @@ def setup_shardopt(model, hp: Hyper, device: torch.device,
     :class:`shardopt.OptimizerConfig` (default fp32); ``grad_mode`` its field of that name
     (``"torch"``: p.grad after backward; ``"buffer"``: grads only in the grad buffer)."""
     import shardopt
+    from shardopt.build import choose_kernel
     from shardopt.recipes.model import no_decay
 
     config = shardopt.OptimizerConfig(lr=hp.lr, betas=hp.betas, eps=hp.eps,
@@ -255,18 +256,20 @@ def setup_shardopt(model, hp: Hyper, device: torch.device,
                                       grad_mode=grad_mode, **state_dtypes)
     opt = shardopt.DistributedOptimizer(model, config, param_group_fn=no_decay)
 
-    def step(x, y):
+    def step(x, y):  # the system's optimizer: a resume replaces it (_ckpt_systems.py)
         loss = model(x, y)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        system.optimizer.step()
+        system.optimizer.zero_grad()
         return loss.detach()
 
     name = "shardopt_overlap" if overlap_param_gather else "shardopt"
-    return System(name if grad_mode == "torch" else f"{name}_{grad_mode}", step, model, opt,
+    system = System(name if grad_mode == "torch" else f"{name}_{grad_mode}", step, model, opt,
                   notes={"bucket_numel": config.bucket_numel, "state_dtypes": state_dtypes,
-                         "step_kernel": opt._update.kernel, "grad_mode": grad_mode,
+                         "step_kernel": choose_kernel(config, device),
+                         "grad_mode": grad_mode,
                          "overlap_param_gather": overlap_param_gather})
+    return system
 
 
 def _adamw(params, hp: Hyper, **kw):

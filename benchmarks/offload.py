@@ -389,12 +389,10 @@ def _run(rank: int, world: int, a: argparse.Namespace, device: torch.device,
         timeline.mark("rollout")
         _peers.barrier()
         c["h2d"] = modes[i % len(modes)]
-        host_state.H2D_BY_KERNEL = c["h2d"] == "kernel"
         t0 = time.perf_counter()
-        opt.onload()
+        opt.onload(copy=c["h2d"])
         _common.cuda_sync(device)
         c["onload_s"] = time.perf_counter() - t0
-        host_state.H2D_BY_KERNEL = None
         c["reserved_onloaded"] = _reserved(device)
         c["device_used_onloaded"] = _device_used(device)
         timeline.mark("onload")
@@ -416,7 +414,9 @@ def _run(rank: int, world: int, a: argparse.Namespace, device: torch.device,
     _common.cuda_sync(device)
     result["host_rss_after_last_cycle"] = _common.host_rss_bytes()
     result["rss_cycles"] = max(a.rss_cycles, len(batches))
-    result["host_copy_bytes"] = opt._host.host_bytes()
+    result["host_copy_bytes"] = sum(h.host.numel() * h.host.element_size()
+                                    for h in opt.shard_state.held.values()
+                                    if h.host is not None and h.where != "staged")
     result["losses"] = losses
     result["losses_identical"] = losses == result["reference_losses"]
 

@@ -6,7 +6,7 @@ Each ``step()`` walks the params a few times in Python (C-level ``map`` where it
                 version counter with the recorded ones (a moved model raises; params the
                 user wrote in place get their main params re-seeded);
 * ``record``  : ``ParamWatch.record()`` after the step's own writes;
-* ``steps``   : ``step_plan.next_steps`` + ``step_plan.advance`` -- per-param step counts;
+* ``steps``   : ``update.next_steps`` + ``update.advance`` -- per-param step counts;
 * ``presence``: did every param get a gradient on this rank (with DP 1 that is all).
 
 One rank, no collectives; each part is timed alone over ``--repeats`` calls.
@@ -28,7 +28,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
 from _common import format_table, run_header, stats, write_json  # noqa: E402
 
-from shardopt import DistributedOptimizer, OptimizerConfig, step_plan  # noqa: E402
+from shardopt import DistributedOptimizer, OptimizerConfig  # noqa: E402
+from shardopt import update as step_plan  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], object], repeats: int) -> dict[str, float]:

@@ -2,13 +2,11 @@
 
 Every trainable param becomes a view into its dtype's param buffer (``param.data`` is
 rebound; values, dtype, device and the Parameter object are kept), so a bucket of params is
-one slice of one tensor, communicated in one collective without packing.
-
-The grad buffer (``grad_buffers``) is where backward accumulates and what the reductions
-carry, in ``grad_dtype``. With ``param_grads`` (``grad_mode="torch"``) each ``p.grad`` is a
-tensor of the param's dtype: a view of the grad buffer where it has that dtype, else of a
-second buffer (``param_grad_buffers``) holding the gradient rounded once, which is then what
-the step reads (``step_grads``).
+one slice of one tensor, communicated in one collective without packing. Backward
+accumulates into the grad buffers, in ``grad_dtype``, and the reductions carry them. With
+``param_grads`` each ``p.grad`` views a tensor of the param's dtype: the grad buffer where it
+has that dtype, else a second buffer holding the gradient rounded once, which the step then
+reads (``step_grads``).
 """
 
 from __future__ import annotations
@@ -26,35 +24,31 @@ class FlatBuffers:
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], layout: Layout,
                  device: torch.device, grad_dtype: torch.dtype, param_grads: bool = False
                  ) -> None:
-        self.layout = layout
-        self.device = device
-        self.param_buffers: list[torch.Tensor] = []
-        self.grad_buffers: list[torch.Tensor] = []
-        for buf in layout.buffers:
-            # bf16 grads: each buffer's own dtype (fp16 params keep fp16 grads, fp32 fp32)
-            buf_grad_dtype = torch.float32 if grad_dtype == torch.float32 else buf.dtype
-            self.param_buffers.append(torch.zeros(buf.numel, dtype=buf.dtype, device=device))
-            self.grad_buffers.append(torch.zeros(buf.numel, dtype=buf_grad_dtype, device=device))
-        self.param_grad_buffers: list[torch.Tensor] = [
+        self.layout, self.device = layout, device
+        self.param_buffers = [torch.zeros(b.numel, dtype=b.dtype, device=device)
+                              for b in layout.buffers]
+        # bf16 grads: each buffer's own dtype (fp16 params keep fp16 grads, fp32 fp32)
+        self.grad_buffers = [torch.zeros(b.numel, device=device, dtype=torch.float32
+                                         if grad_dtype == torch.float32 else b.dtype)
+                             for b in layout.buffers]
+        self.param_grad_buffers = [
             g if g.dtype == buf.dtype or not param_grads
             else torch.zeros(buf.numel, dtype=buf.dtype, device=device)
             for g, buf in zip(self.grad_buffers, layout.buffers)]
         self.step_grads = self.param_grad_buffers
-
         params = dict(named_params)
         self.param_views: dict[str, torch.Tensor] = {}
         self.grad_views: dict[str, torch.Tensor] = {}
         self.param_grad_views: dict[str, torch.Tensor] = {}  # p.grad: the param's dtype
         with torch.no_grad():
             for fqn, slot in layout.slots.items():
-                p, where = params[fqn], slot.range_global.as_slice()
-                flat = self.param_buffers[slot.buffer_index][where]
+                p, where, i = params[fqn], slot.range_global.as_slice(), slot.buffer_index
+                flat = self.param_buffers[i][where]
                 flat.copy_(p.detach().reshape(-1))
                 p.data = flat.view(slot.shape)
                 self.param_views[fqn] = flat
-                self.grad_views[fqn] = self.grad_buffers[slot.buffer_index][where].view(slot.shape)
-                self.param_grad_views[fqn] = self.param_grad_buffers[slot.buffer_index][
-                    where].view(slot.shape)
+                self.grad_views[fqn] = self.grad_buffers[i][where].view(slot.shape)
+                self.param_grad_views[fqn] = self.param_grad_buffers[i][where].view(slot.shape)
 
     def mirrored(self, buffer_index: int) -> bool:
         """Whether buffer ``buffer_index``'s ``p.grad`` lives apart from its grad buffer."""
@@ -70,10 +64,6 @@ class FlatBuffers:
 
     def bucket_grads(self, bucket: Bucket) -> torch.Tensor:
         return self.grad_buffers[bucket.buffer_index][bucket.range_global.as_slice()]
-
-    def bucket_step_grads(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's grads as the step reads them (:attr:`step_grads`)."""
-        return self.step_grads[bucket.buffer_index][bucket.range_global.as_slice()]
 
     def packed_params(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's params back to back: a view where they lie so in the buffer, else

@@ -1,6 +1,6 @@
-"""The steps of building a :class:`~shardopt.DistributedOptimizer` that need no
-optimizer yet: checking the params, grouping them, the layout's alignment, the order
-buckets launch in, which update path runs, and the gradient hooks."""
+"""The steps of building a :class:`~shardopt.DistributedOptimizer` that need no optimizer
+yet: checking and grouping the params, the layout's alignment, the order buckets launch in,
+which update path runs, and the gradient hooks that mark which optimizer owns a param."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from . import kernels, quant
-from .config import GROUP_KEYS, OptimizerConfig, group_value
+from .config import GROUP_KEYS, INT8, OptimizerConfig, group_value
 from .layout import Bucket, Layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -28,15 +28,12 @@ def trainable(model: torch.nn.Module) -> tuple[Named, torch.device]:
     device = named[0][1].device
     for fqn, p in named:
         if p.device != device:
-            raise ValueError(
-                f"param {fqn!r} is on {p.device} but {named[0][0]!r} is on {device}; "
-                "all trainable params must be on one device"
-            )
+            raise ValueError(f"param {fqn!r} is on {p.device} but {named[0][0]!r} is on "
+                             f"{device}; all trainable params must be on one device")
         if p.dtype not in SUPPORTED_DTYPES:
             # fp32 main params and fp32 state would silently lower float64 precision.
-            raise ValueError(
-                f"param {fqn!r} has dtype {p.dtype}; shardopt trains bf16, fp16 and fp32 params"
-            )
+            raise ValueError(f"param {fqn!r} has dtype {p.dtype}; shardopt trains bf16, fp16 "
+                             "and fp32 params")
     return named, device
 
 
@@ -51,40 +48,33 @@ def choose_kernel(config: OptimizerConfig, device: torch.device) -> str:
         return "torch"
     raise ValueError(
         f"step_kernel='triton' needs Triton and a CUDA device (params are on {device}"
-        f"{'' if kernels.triton is not None else ', Triton is not installed'})"
-    )
-
+        f"{'' if kernels.triton is not None else ', Triton is not installed'})")
 
 
 def alignment(config: OptimizerConfig) -> tuple[int, int]:
     """``(align_numel, param_align)`` for the layout: 8-bit moments need every block of
     :data:`quant.QBLOCK` elements of a param whole on one rank (see :mod:`.quant`)."""
-    if not config.quantized_moments:
+    if INT8 not in (config.exp_avg_dtype, config.exp_avg_sq_dtype):
         return config.align_numel, 1
     return math.lcm(config.align_numel, quant.QBLOCK), quant.QBLOCK
 
 
-def param_groups(
-    named: Named,
-    defaults: dict[str, Any],
-    param_group_fn: ParamGroupFn | None,
-) -> list[dict[str, Any]]:
+def param_groups(named: Named, defaults: dict[str, Any],
+                 param_group_fn: ParamGroupFn | None) -> list[dict[str, Any]]:
+    """One param group per distinct set of ``param_group_fn`` overrides, validated."""
     groups: dict[tuple, dict[str, Any]] = {}
     for fqn, p in named:
         overrides = dict(param_group_fn(fqn, p) or {}) if param_group_fn else {}
         unknown = set(overrides) - set(GROUP_KEYS)
         if unknown:
-            raise ValueError(
-                f"param_group_fn returned unknown keys {sorted(unknown)} for param {fqn!r}; "
-                f"allowed: {list(GROUP_KEYS)}"
-            )
+            raise ValueError(f"param_group_fn returned unknown keys {sorted(unknown)} for "
+                             f"param {fqn!r}; allowed: {list(GROUP_KEYS)}")
         for key, value in overrides.items():
             overrides[key] = group_value(key, value)
             if overrides[key] is None:
                 raise ValueError(f"param_group_fn gave {key}={value!r} for param {fqn!r}: "
                                  "AdamW takes finite numbers >= 0 (betas: two of them below 1)")
-        key = tuple(sorted(overrides.items()))
-        group = groups.setdefault(key, {"params": [], **overrides})
+        group = groups.setdefault(tuple(sorted(overrides.items())), {"params": [], **overrides})
         group["params"].append(p)
     return list(groups.values())
 
@@ -92,21 +82,16 @@ def param_groups(
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """Map every alias FQN of a shared param to the FQN ``named_parameters`` reports."""
     canonical = {p: fqn for fqn, p in model.named_parameters()}
-    return {
-        fqn: canonical[p]
-        for fqn, p in model.named_parameters(remove_duplicate=False)
-        if canonical[p] != fqn
-    }
+    return {fqn: canonical[p] for fqn, p in model.named_parameters(remove_duplicate=False)
+            if canonical[p] != fqn}
 
 
 def launch_order(layout: Layout, named: Named) -> list[Bucket]:
     """Buckets in the order backward completes them: by the earliest-registered param, last first."""
     position = {fqn: i for i, (fqn, _) in enumerate(named)}
     buckets = [b for buf in layout.buffers for b in buf.buckets]
-    return sorted(
-        buckets,
-        key=lambda b: (-min(position[f] for f in b.param_fqns), b.buffer_index, b.index),
-    )
+    return sorted(buckets, key=lambda b: (-min(position[f] for f in b.param_fqns),
+                                          b.buffer_index, b.index))
 
 
 def grad_hooks(owner: Any, grad_sync: Any, host: Any, named: Named) -> list[Any]:
@@ -135,16 +120,16 @@ class WeakGradHook:
 
 
 def post_accumulate_grad_hooks(p: torch.Tensor) -> Any:
-    """The post-accumulate-grad hooks on ``p``, in registration order: which optimizer owns a
-    param, and whether a hook came after its own. torch has no public way to list a tensor's
-    hooks (registering returns only a handle), so this reads ``p._post_accumulate_grad_hooks``."""
+    """The post-accumulate-grad hooks on ``p``, in registration order. torch has no public way
+    to list a tensor's hooks (registering returns only a handle), so this reads
+    ``p._post_accumulate_grad_hooks``."""
     hooks = getattr(p, "_post_accumulate_grad_hooks", None)
     return hooks.values() if hooks else ()
 
 
 def owner_of(p: torch.Tensor) -> Any:
     """The live optimizer whose gradient hook is on ``p``, or None (one whose hooks were
-    removed, as a benchmark swapping optimizers does, has let go)."""
+    removed has let go)."""
     for hook in post_accumulate_grad_hooks(p):
         owner = hook.owner() if isinstance(hook, WeakGradHook) else None
         if owner is not None:

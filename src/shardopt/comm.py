@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from .errors import ProcessGroupError
 
 
@@ -27,12 +28,14 @@ class DPGroup:
     @staticmethod
     def resolve(process_group: dist.ProcessGroup | None) -> DPGroup:
         """Coordinator-free: rank and size of ``process_group`` (default group if None); one
-        rank without an initialised process group, unless ``WORLD_SIZE`` says otherwise
-        (:class:`ProcessGroupError`: each rank would train alone)."""
+        rank without a process group, unless ``WORLD_SIZE`` says more (ProcessGroupError)."""
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialized")
-            world = _launched_world_size()
+            try:  # as a launcher (torchrun, a SLURM wrapper) sets it
+                world = int(os.environ.get("WORLD_SIZE", "1"))
+            except ValueError:
+                world = 1
             if world > 1:
                 raise ProcessGroupError(
                     f"WORLD_SIZE={world} says this process is one rank of {world} (torchrun or "
@@ -43,14 +46,6 @@ class DPGroup:
                     "has set up its process group, e.g. in configure_optimizers).")
             return DPGroup(None, 0, 1)
         return DPGroup(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
-
-
-def _launched_world_size() -> int:
-    """``WORLD_SIZE`` as a launcher (torchrun, a SLURM wrapper) sets it; 1 when unset or bad."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
 
 
 class _Done:
@@ -147,9 +142,3 @@ def _ranks(ranks: list[int]) -> str:
         else:
             runs.append([r])
     return ",".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in runs)
-
-
-def barrier(dp: DPGroup) -> None:
-    """Collective. Wait for every rank of the group."""
-    if dp.size > 1:
-        dist.barrier(group=dp.group)

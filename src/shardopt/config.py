@@ -1,4 +1,4 @@
-"""Optimizer configuration: one validated dataclass."""
+"""Optimizer configuration: one validated dataclass, and the rules for hyperparameters."""
 
 from __future__ import annotations
 
@@ -29,19 +29,18 @@ class OptimizerConfig:
     align_numel: int = 64
     """Each rank's shard of a bucket is a multiple of this many elements."""
     overlap_grad_reduce: bool = True
-    """Start each bucket's reduce-scatter from backward hooks as soon as it is complete."""
+    """Start each bucket's reduction from backward hooks as soon as it is complete."""
     overlap_param_gather: bool = False
     """Let ``step()`` return with the param all-gathers in flight, overlapping the next forward
-    (each module's forward pre-hook waits for its own params). Read params otherwise only after
-    ``optimizer.shard_state.finish_param_sync()`` (docs/optimizer.md, "Configuration")."""
+    (each module's forward pre-hook waits for its own params); read params otherwise only after
+    ``optimizer.finish_param_sync()`` (docs/optimizer.md, "Configuration")."""
     grad_dtype: torch.dtype = torch.float32
     """Grad buffer and reduction dtype of bf16/fp16 params: ``torch.float32``, or
     ``torch.bfloat16`` (their own dtype) to halve grad memory and traffic."""
     grad_mode: str = "torch"
-    """``"torch"``: after backward every param's ``.grad`` is its gradient averaged over the DP
-    ranks (all-reduces), as with DDP, and ``step()`` uses what ``p.grad`` holds; ``"buffer"``:
-    gradients live only in the grad buffer, ``p.grad`` is None (reduce-scatters: half the
-    traffic). docs/optimizer.md, "Gradients"."""
+    """``"torch"``: after backward each ``p.grad`` is its gradient averaged over the DP ranks
+    (all-reduces), as with DDP; ``"buffer"``: gradients live only in the grad buffer, ``p.grad``
+    is None (reduce-scatters: half the traffic). docs/optimizer.md, "Gradients"."""
     exp_avg_dtype: torch.dtype | str = torch.float32
     """Storage of the first Adam moment: ``torch.float32``, ``torch.bfloat16`` (rounded to
     nearest even) or ``"int8"`` (one fp32 scale per block of 64, :mod:`shardopt.quant`)."""
@@ -65,14 +64,13 @@ class OptimizerConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm must be >= 0 or None, got {self.max_grad_norm!r}")
-        if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1):
-            raise ValueError(f"bucket_numel must be an int >= 1, got {self.bucket_numel!r}")
-        if self.grad_mode not in GRAD_MODES:
-            raise ValueError(f"grad_mode must be one of {GRAD_MODES}, got {self.grad_mode!r}")
-        if self.step_kernel not in STEP_KERNELS:
-            raise ValueError(f"step_kernel must be one of {STEP_KERNELS}, got {self.step_kernel!r}")
-        if not (isinstance(self.align_numel, int) and self.align_numel >= 1):
-            raise ValueError(f"align_numel must be an int >= 1, got {self.align_numel!r}")
+        for name in ("bucket_numel", "align_numel"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name, allowed in (("grad_mode", GRAD_MODES), ("step_kernel", STEP_KERNELS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         self.exp_avg_dtype = _state_dtype("exp_avg_dtype", self.exp_avg_dtype, MOMENT_DTYPES)
         self.exp_avg_sq_dtype = _state_dtype("exp_avg_sq_dtype", self.exp_avg_sq_dtype,
                                              MOMENT_DTYPES)
@@ -88,22 +86,17 @@ class OptimizerConfig:
         """Whether either Adam moment is stored in less than fp32."""
         return (self.exp_avg_dtype, self.exp_avg_sq_dtype) != (torch.float32, torch.float32)
 
-    @property
-    def quantized_moments(self) -> bool:
-        """Whether either Adam moment is stored in 8 bits (the layout then aligns params)."""
-        return INT8 in (self.exp_avg_dtype, self.exp_avg_sq_dtype)
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (the checkpoint manifest stores it)."""
         out = dataclasses.asdict(self)
         out["betas"] = list(self.betas)
         for key in ("grad_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-            value = out[key]
-            out[key] = value if isinstance(value, str) else dtype_name(value)
+            out[key] = dtype_name(out[key])
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OptimizerConfig:
+        """The config of :meth:`to_dict`'s ``data``; keys it does not know are ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -116,9 +109,10 @@ GRAD_DTYPES = (torch.float32, torch.bfloat16)
 _BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, INT8: INT8}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: how state dicts, manifests and configs name it."""
-    return str(dtype).removeprefix("torch.")
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (``"int8"`` stays): how state dicts, manifests and
+    configs name a dtype or a moment's storage."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
 def _state_dtype(name: str, value: Any, allowed: tuple) -> torch.dtype | str:
@@ -131,6 +125,7 @@ def _state_dtype(name: str, value: Any, allowed: tuple) -> torch.dtype | str:
         shown = ", ".join(a if isinstance(a, str) else str(a) for a in allowed)
         raise ValueError(f"{name} must be one of {shown}, got {value!r}")
     return value
+
 
 # Hyperparameters a param group may override through ``param_group_fn``.
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")

@@ -8,9 +8,8 @@ say what to do.
 
 
 class UsageError(ValueError, TypeError):
-    """The optimizer was called the way torch.optim optimizers are, or with a wrong argument.
-
-    Also a ``TypeError``, as Python raises for a call with the wrong arguments."""
+    """The optimizer was called the way torch.optim optimizers are, or with a wrong argument
+    (also a ``TypeError``, as Python raises for a call with the wrong arguments)."""
 
 
 class StateDictError(ValueError):
@@ -18,8 +17,7 @@ class StateDictError(ValueError):
 
 
 class StateWriteError(ValueError):
-    """A write to ``optimizer.state`` that could not reach the sharded state (removing an
-    entry, replacing one by something else than a tensor like it); names the FQN and rank."""
+    """A write to ``optimizer.state`` that could not reach the sharded state."""
 
 
 class LowPrecisionStateError(ValueError):
@@ -27,8 +25,7 @@ class LowPrecisionStateError(ValueError):
 
 
 class OffloadError(ValueError):
-    """A call that needs the optimizer's state on the device while it is offloaded (or
-    the reverse), or an unknown kind to offload."""
+    """A call that needs the state on the device while it is offloaded, or a bad offload kind."""
 
 
 class CheckpointError(ValueError):
@@ -40,8 +37,8 @@ class FormatError(CheckpointError):
 
 
 class ParamMovedError(RuntimeError):
-    """A trainable param no longer lives in the optimizer's flat buffer: the model was changed
-    after the optimizer took hold of its params; only rebuilding the optimizer fixes it."""
+    """A trainable param left the optimizer's buffer (the model was changed after the
+    optimizer took hold of its params); only rebuilding the optimizer fixes it."""
 
 
 class WrappedModelError(RuntimeError):

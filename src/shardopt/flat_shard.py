@@ -22,12 +22,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 
 class FlatShard(torch.Tensor):
-    """Elements ``[offset, offset + local.numel())`` of a flattened tensor of ``numel`` elements.
-
-    ``local`` may be given as a callable that makes it on first use (state that
-    does not exist yet, e.g. Adam moments before the first step, costs nothing
-    until a save or load asks for it).
-    """
+    """Elements ``[offset, offset + local.numel())`` of a flattened tensor of ``numel`` elements
+    (:meth:`lazy`: made on first use, so state that does not exist yet costs nothing)."""
 
     _local: torch.Tensor | None
     _make: Callable[[], torch.Tensor] | None

@@ -3,87 +3,87 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from . import comm
+from .buffers import FlatBuffers
+from .config import OptimizerConfig
+from .layout import Layout
 
-if TYPE_CHECKING:
-    from .buffers import FlatBuffers
-    from .config import OptimizerConfig
-    from .layout import Layout
+
+@dataclass(frozen=True)
+class Agreed:
+    """What the ranks agreed on: the global grad norm (None when the update sums it), the
+    params that got a gradient on some rank (None: every param) and the clip divisor (None:
+    no clipping)."""
+
+    total: torch.Tensor | None
+    got: frozenset[str] | None
+    grad_scale: torch.Tensor | None = None
 
 
 class GradNorm:
-    """What one optimizer's ``step()`` agrees on, and the views it reads for that."""
+    """What one optimizer's ``step()`` agrees on, and the views it reads for that.
+    ``written`` is the optimizer's set of params that got a gradient on this rank."""
 
     def __init__(self, dp: comm.DPGroup, buffers: FlatBuffers, layout: Layout,
                  config: OptimizerConfig, fqns: tuple[str, ...], written: set[str]) -> None:
         self.dp, self.buffers, self.layout, self.config = dp, buffers, layout, config
-        self.device = buffers.device
-        self.fqns = fqns  # order of the grad-presence flags
-        self.written = written  # the optimizer's: params that got a gradient on this rank
+        self.fqns, self.written = fqns, written  # fqns: the order of the flags
         self._views: list[torch.Tensor] | None = None  # each bucket's own grad shard
         self._all_present: torch.Tensor | None = None  # flags of a rank that has every grad
 
-    def global_norm(self) -> tuple[torch.Tensor, torch.Tensor | None, frozenset[str] | None]:
-        """Collective. Global grad L2 norm (as ``clip_grad_norm_`` on the full model), the
-        clipping divisor the update applies (None without clipping), and which params got a
-        gradient (:meth:`agree`). Reads each bucket's own shard whole: padding is zero."""
+    def global_norm(self) -> Agreed:
+        """Collective. :meth:`agree` with the global grad L2 norm (as ``clip_grad_norm_`` on
+        the full model) and the clip divisor. Reads each bucket's own shard whole: padding is
+        zero."""
         if self._views is None:
-            self._views = contiguous_runs([
-                self.buffers.bucket_step_grads(b).narrow(0, self.dp.rank * b.shard_numel,
-                                                       b.shard_numel)
-                for buf in self.layout.buffers for b in buf.buckets])
-        sq = sum_of_squares(self._views, self.device)
-        total, got = self.agree(sq)
-        assert total is not None
+            rank = self.dp.rank
+            self._views = contiguous_runs([self.buffers.step_grads[b.buffer_index][
+                b.shard_range_global(rank).as_slice()] for buf in self.layout.buffers
+                for b in buf.buckets])
+        agreed = self.agree(sum_of_squares(self._views, self.buffers.device))
         max_norm = self.config.max_grad_norm
         if not max_norm:
-            return total, None, got
+            return agreed
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its
         # reciprocal inside the update saves a pass over the grads (no host sync either).
-        return total, torch.clamp((total + 1e-6) / max_norm, min=1.0), got
+        scale = torch.clamp((agreed.total + 1e-6) / max_norm, min=1.0)
+        return Agreed(agreed.total, agreed.got, scale)
 
     def finish(self, local_sq: torch.Tensor) -> torch.Tensor:
         """Collective. sqrt of the sum over ranks of each rank's sum of squared grads."""
         return comm.all_reduce_sum_(local_sq.reshape(1), self.dp).sqrt()[0]
 
-    def agree(self, local_sq: torch.Tensor | None
-              ) -> tuple[torch.Tensor | None, frozenset[str] | None]:
-        """Collective (one all-reduce; none with ``dp_size == 1``). The params that got a
-        gradient on some rank in this step (None: every param) and, given this rank's sum
-        of squared grads ``local_sq``, the global grad norm.
-
-        A rank that got every gradient itself knows the answer (None) and sends ones
-        without reading the result back: only a rank that misses some syncs the host."""
+    def agree(self, local_sq: torch.Tensor | None) -> Agreed:
+        """Collective (one all-reduce; none with ``dp_size == 1``): who got a gradient and,
+        given this rank's sum of squared grads ``local_sq``, the global norm. A rank that got
+        every gradient sends ones and never reads them back: only a rank missing some syncs."""
         missing = len(self.written) < len(self.fqns)
         local = frozenset(self.written) if missing else None
         if self.dp.size == 1:
-            return (None if local_sq is None else local_sq.sqrt()), local
+            return Agreed(None if local_sq is None else local_sq.sqrt(), local)
         if missing:
             flags = torch.tensor([f in self.written for f in self.fqns],
-                                 dtype=torch.float32).to(self.device)
+                                 dtype=torch.float32).to(self.buffers.device)
         else:
             if self._all_present is None:
-                self._all_present = torch.ones(len(self.fqns), device=self.device)
+                self._all_present = torch.ones(len(self.fqns), device=self.buffers.device)
             flags = self._all_present
         sums = torch.cat([local_sq.reshape(1), flags]) if local_sq is not None else flags.clone()
         comm.all_reduce_sum_(sums, self.dp)
         norm = None if local_sq is None else sums[0].sqrt()
         if not missing:
-            return norm, None
+            return Agreed(norm, None)
         counts = sums[len(sums) - len(self.fqns):].tolist()
         got = frozenset(f for f, c in zip(self.fqns, counts) if c > 0)
-        return norm, (None if len(got) == len(self.fqns) else got)
-
+        return Agreed(norm, None if len(got) == len(self.fqns) else got)
 
 
 # A run this long is reduced alone (torch's vector_norm), shorter ones together (_foreach_norm):
-# on an H200, 1e9 bf16 elements read at 3.6 TB/s as one run, 2.8 TB/s as 25 runs of 40M
-# alone and 2.2 TB/s through _foreach_norm; 10M-element runs read faster through _foreach_norm
-# (1.9 against 1.5 TB/s). benchmarks/probes/grad_norm_kernels.py measures it.
+# the faster way for each on an H200 (benchmarks/probes/grad_norm_kernels.py).
 LONG_RUN = 1 << 24
 
 

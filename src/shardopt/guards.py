@@ -1,7 +1,6 @@
 """Misuse checks for :class:`~shardopt.DistributedOptimizer`: clear errors up front instead of
 a ``TypeError`` from deep inside, a silently detached param or a collective that hangs. Only
-:func:`check_same_layout` communicates (a digest, and the param lists when digests differ).
-"""
+:func:`check_same_layout` communicates."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ import torch
 from . import comm
 from .build import alignment, owner_of
 from .config import OptimizerConfig
-from .layout import ParamSpec
 from .errors import UsageError
-
+from .layout import ParamSpec
 
 HOW = ("pass the model and an OptimizerConfig: DistributedOptimizer(model, "
        "OptimizerConfig(lr=1e-3, ...)); per-param settings come from "
@@ -55,10 +53,10 @@ def unowned_trainable(named: Iterable[tuple[str, torch.nn.Parameter]]) -> str | 
 def check_same_layout(dp: comm.DPGroup, specs: list[ParamSpec], config: OptimizerConfig,
                       local_problem: str | None) -> None:
     """Collective. Raise :class:`UsageError` on every rank if any rank has ``local_problem``
-    (naming the ranks) or built a different model (naming the first differing FQN)."""
+    (naming the ranks) or built a different model (naming the first differing FQN): a digest,
+    then the param lists when digests differ."""
     described = [(s.fqn, tuple(s.shape), str(s.dtype)) for s in specs]
-    # Everything else the layout and the collectives depend on: bucket size, alignment (8-bit
-    # moments align params), and the grad dtype that the reduce-scatters carry.
+    # Besides the params, what the layout and the collectives depend on.
     described.append((_SETTINGS, (config.bucket_numel, *alignment(config)), str(config.grad_dtype)))
     digest = hashlib.sha256(repr(described).encode()).hexdigest() if dp.size > 1 else None
     error = None if local_problem is None else UsageError(local_problem)
@@ -101,9 +99,7 @@ def check_model(fqns: Mapping[torch.nn.Parameter, str], model: torch.nn.Module,
                 named: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """Coordinator-free. Raise :class:`UsageError` unless ``model`` is the one built over the
     params of ``fqns`` (param -> FQN): all of them under the same names, and no trainable param
-    not owned (one frozen since construction still is). ``named``: the model's
-    ``named_parameters()`` where the caller has them already (a walk of the module tree costs
-    milliseconds on a large model)."""
+    not owned. ``named``: the model's ``named_parameters()`` if the caller has them."""
     # Keyed by id: a Parameter's own hash is a Python call, paid per param on every save.
     fqn_of = {id(p): fqn for p, fqn in fqns.items()}
     seen = set()
@@ -122,8 +118,7 @@ def check_model(fqns: Mapping[torch.nn.Parameter, str], model: torch.nn.Module,
                              "pass the model it was built over")
 
 
-# torch.optim.AdamW's options this optimizer does not implement, with the one value it
-# does: a scheduler or user setting another in ``param_groups`` would otherwise be ignored.
+# AdamW's options this optimizer lacks, with the one value it implements.
 FIXED_GROUP_OPTIONS = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": True}
 
 

@@ -1,12 +1,12 @@
-"""Host copies of the shard state: ``offload()`` / ``onload()``, and moving the moments a
-``low_memory_resume`` load staged to the device in the first ``step()``. Both change the
-records of :mod:`.shard_state` and copy on one side CUDA stream between exact-size
-page-locked host tensors (:mod:`.pinned`) and the device (docs/offload.md).
+"""Host copies of the shard state: ``offload()`` / ``onload()``, and the first ``step()``'s
+move of the moments a ``low_memory_resume`` load staged. Both replace records of
+:mod:`.shard_state` and copy on one side CUDA stream between exact-size page-locked host
+tensors (:mod:`.pinned`) and the device (docs/offload.md).
 
-Offload: the D2H copies queue behind the current stream's work; every device storage is then
-resized to zero (views, params included, stay valid objects, as FSDP does) and the memory
-handed back. Grads are copied only when a backward left some pending (``no_sync``); else
-they are freed and zeroed at onload. Onload re-allocates each storage and queues its H2D copy
+Offload queues the D2H copies behind the current stream's work, then resizes every device
+storage to zero (views, params included, stay valid objects, as FSDP does) and hands the
+memory back; grads are copied only when a backward left some pending (``no_sync``), else
+freed and zeroed at onload. Onload re-allocates each storage and queues its H2D copy
 (:func:`queue_h2d`); the current stream waits for them, the host does not. The host copies
 are kept for the next cycle until :meth:`HostState.release`. Off CUDA nothing can be freed
 safely, so offload copies the state aside and fills the live tensors with NaN.
@@ -27,9 +27,6 @@ from .errors import OffloadError
 from .pinned import PinnedBuffer
 from .shard_state import DEVICE, FREED, HOST, KINDS, STAGED, ShardState
 
-# Host-to-device copies by a kernel (True), by the copy engine (False), or by the allocator's
-# settings (None): see h2d_by_kernel.
-H2D_BY_KERNEL: bool | None = None
 H2D_WAYS = ("kernel", "copy_engine")  # onload(copy=...)
 
 
@@ -42,13 +39,14 @@ class _Unpin:
 
 
 class HostState:
-    """Offload and staged moments of one :class:`~shardopt.shard_state.ShardState`."""
+    """Offload and staged moments of one :class:`~shardopt.shard_state.ShardState`; a forward
+    of ``modules`` is refused while params or grads are offloaded."""
 
     def __init__(self, state: ShardState, modules: list[tuple[str, torch.nn.Module]]) -> None:
         self.state = state
         self.rank = state.dp.rank
         self.cuda = state.device.type == "cuda"
-        self._modules = modules  # where a forward is refused while params or grads are out
+        self._modules = modules
         self.offloaded: tuple[str, ...] = ()  # kinds whose values are in the host copies
         self._nbytes: dict[str, int] = {}  # storage bytes of each record freed by offload
         self._guards: list[torch.utils.hooks.RemovableHandle] = []
@@ -56,7 +54,6 @@ class HostState:
         self._last_h2d: torch.cuda.Event | None = None
         self._unpin: _Unpin | None = None
 
-    # ---------------------------------------------------------------- offload
     def offload(self, what: Iterable[str], pending_grads: bool) -> None:
         """Move the kinds ``what`` to the host; ``pending_grads``: a backward left gradients."""
         kinds = _check_kinds(what)
@@ -145,17 +142,21 @@ class HostState:
         held = self.state.held
         moved = [n for n, h in held.items() if h.where == HOST]
         dropped = [n for n, h in held.items() if h.where == FREED]
-        pairs = [(held[n].device, held[n].host) for n in moved]
-        zeros = [held[n].device for n in dropped]
         if self.cuda:
-            self._last_h2d = self._to_device(pairs, zeros, [self._nbytes[n] for n in moved + dropped],
-                                             None if copy is None else copy == "kernel")
-            self._nbytes = {}
+            event = queue_h2d([(held[n].device, held[n].host) for n in moved],
+                              self._side_stream(), [self._nbytes[n] for n in moved],
+                              None if copy is None else copy == "kernel")
+            for n in dropped:  # zeroed on the current stream, beside the copies
+                held[n].device.untyped_storage().resize_(self._nbytes[n])
+            for n in dropped:
+                held[n].device.zero_()
+            torch.cuda.current_stream(self.state.device).wait_event(event)
+            self._last_h2d, self._nbytes = event, {}
         else:
-            for dev, host in pairs:
-                dev.copy_(host)
-            for grads in zeros:
-                grads.zero_()
+            for n in moved:
+                held[n].device.copy_(held[n].host)
+            for n in dropped:
+                held[n].device.zero_()
         for name in moved + dropped:
             self.state.replace(name, where=DEVICE)
         for guard in self._guards:
@@ -185,55 +186,27 @@ class HostState:
                                f"{', '.join(out)} on the device, but they are offloaded; "
                                "call onload() first")
 
-    def host_bytes(self) -> int:
-        """Bytes of host memory kept for offloading."""
-        return sum(h.host.numel() * h.host.element_size() for h in self.state.held.values()
-                   if h.host is not None and h.where != STAGED)
-
-    # ------------------------------------------------------------ device copies
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.state.device)
         return self._stream
 
-    def _to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                   zero: Iterable[torch.Tensor] = (), nbytes: list[int] | None = None,
-                   by_kernel: bool | None = None) -> torch.cuda.Event:
-        """Queue the copies of ``pairs`` (:func:`queue_h2d`), zero ``zero`` beside them, and make
-        the current stream wait for them; ``nbytes``: re-allocate each device storage (pairs',
-        then ``zero``'s) first. Returns the event after which the host tensors are free."""
-        current = torch.cuda.current_stream(self.state.device)
-        zero = list(zero)
-        if nbytes is not None and len(nbytes) != len(pairs) + len(zero):
-            raise ValueError(f"{len(nbytes)} sizes for {len(pairs) + len(zero)} tensors")
-        event = queue_h2d(pairs, self._side_stream(),
-                          None if nbytes is None else nbytes[:len(pairs)], by_kernel)
-        for t, size in zip(zero, nbytes[len(pairs):] if nbytes is not None else []):
-            t.untyped_storage().resize_(size)
-        for t in zero:
-            t.zero_()
-        current.wait_event(event)
-        return event
-
-    # ------------------------------------------------------- low_memory_resume
-    def bring_staged(self) -> bool:
+    def bring_staged(self) -> None:
         """Move staged moments to the device (inside ``step()``, after backward); their
-        page-locked memory is unlocked after the step. Whether there were any."""
+        page-locked memory is unlocked after the step (:meth:`after_step`)."""
         held = self.state.held
         staged = [n for n, h in held.items() if h.where == STAGED]
-        if not staged:
-            return False
-        hosts = [held[n].host for n in staged]
-        devs = hosts
-        if self.cuda:
-            devs = [torch.empty_like(t, device=self.state.device) for t in hosts]
-            event = self._to_device(list(zip(devs, hosts)))
+        devs = [held[n].host for n in staged]
+        if self.cuda and staged:
+            pairs = [(torch.empty_like(t, device=self.state.device), t) for t in devs]
+            event = queue_h2d(pairs, self._side_stream())
+            torch.cuda.current_stream(self.state.device).wait_event(event)
+            devs = [d for d, _ in pairs]
             pins = tuple(held[n].pin for n in staged if held[n].pin is not None)
             if pins:
                 self._unpin = _Unpin(event, pins)
         for name, dev in zip(staged, devs):
             self.state.replace(name, where=DEVICE, device=dev, host=None, pin=None)
-        return True
 
     def after_step(self) -> None:
         if self._unpin is not None:
@@ -266,10 +239,9 @@ def _check_kinds(what: Iterable[str]) -> tuple[str, ...]:
 
 
 class _ForwardGuard:
-    """Forward pre-hook on the model's modules while params or grads are offloaded: a
-    forward raises, and so does pickling or copying the module (its params hold nothing).
-    A copy made otherwise keeps the guard after ``onload()`` removed it from the original,
-    and its forward runs."""
+    """Forward pre-hook on the model's modules while params or grads are offloaded: a forward
+    raises, and so does pickling or copying the module (its params hold nothing). A copy made
+    otherwise keeps the guard after ``onload()`` removed it from the original, and runs."""
 
     def __init__(self, host: HostState, module_name: str) -> None:
         self.host, self.name = host, module_name or "<root>"
@@ -316,11 +288,9 @@ def queue_h2d(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda
 
 
 def h2d_by_kernel() -> bool:
-    """Whether host-to-device copies into fresh memory go by kernel: :data:`H2D_BY_KERNEL` if
-    set, else unless the allocator makes expandable segments (there an allocation maps its
-    pages itself and the copy engine is the faster; docs/offload.md)."""
-    if H2D_BY_KERNEL is not None:
-        return H2D_BY_KERNEL
+    """Whether host-to-device copies into fresh memory go by kernel when not told: unless the
+    allocator makes expandable segments (there an allocation maps its pages itself and the
+    copy engine is the faster; docs/offload.md)."""
     return not allocator_expandable()
 
 

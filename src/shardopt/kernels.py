@@ -4,17 +4,13 @@ Per element the kernel reads the grad, the main param and both moments, and writ
 param, the moments and (bf16/fp16 buffers) the model-dtype param, where torch's fused AdamW
 and a copy take two passes. The work is cut into blocks of ``BLOCK`` elements on a grid
 aligned to each bucket shard's start; a table (built once per layout) lists the blocks a
-param group covers whole and, masked, its params' ragged ends, so each (buffer, param group)
-takes two launches, padding is never touched, and loads and stores are vectorised.
-
-The arithmetic is torch's fused AdamW in fp32 (bias corrections on the host in double;
-clipping divides the grad by the device scalar ``grad_scale``). bf16 and int8 moments
-(:mod:`.quant`) are widened in registers and narrowed again; a block's scale is its new
-absolute maximum, so each scale block lies whole inside one launch (the layout's
-``param_align``). With int8 moments, whose step is not torch's to the bit anyway, two IEEE
-divisions per element become products and a fast division (docs/lowprec.md, "The two step
-paths"). Triton is optional: :func:`available` (CUDA, or the interpreter on the CPU with
-``TRITON_INTERPRET=1``, as the tests run it).
+param group covers whole and, masked, its params' ragged ends: two launches per (buffer,
+param group), padding never touched. The arithmetic is torch's fused AdamW in fp32 (bias
+corrections on the host in double); bf16 and int8 moments (:mod:`.quant`) are widened in
+registers, each scale block whole inside one launch (the layout's ``param_align``); with int8
+moments two IEEE divisions per element become products and a fast division (docs/lowprec.md,
+"The two step paths"). Triton is optional: :func:`available` (CUDA, or its interpreter on the
+CPU with ``TRITON_INTERPRET=1``, as the tests run it).
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import torch
 
 from .quant import QBLOCK, Moment
@@ -35,8 +32,6 @@ except ImportError:  # optional: the optimizer falls back to torch's fused AdamW
 
 BLOCK = 1024  # elements per program; with NUM_WARPS: benchmarks/probes/step_kernel_sweep.py
 NUM_WARPS = 4
-
-
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 2}
 
 

@@ -161,17 +161,9 @@ class Layout:
                     hit = slot.range_global.intersect(own)
                     if hit is None:
                         continue
-                    out.append(
-                        ParamShard(
-                            fqn=fqn,
-                            dp_rank=dp_rank,
-                            buffer_index=buf.index,
-                            bucket_index=bucket.index,
-                            range_global=hit,
-                            range_local=hit.shift(local_base),
-                            range_param=hit.shift(-slot.range_global.start),
-                        )
-                    )
+                    out.append(ParamShard(fqn, dp_rank, buf.index, bucket.index, hit,
+                                          hit.shift(local_base),
+                                          hit.shift(-slot.range_global.start)))
         return tuple(out)
 
 
@@ -179,13 +171,8 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def build_layout(
-    params: Sequence[ParamSpec],
-    dp_size: int,
-    bucket_numel: int,
-    align_numel: int = 64,
-    param_align: int = 1,
-) -> Layout:
+def build_layout(params: Sequence[ParamSpec], dp_size: int, bucket_numel: int,
+                 align_numel: int = 64, param_align: int = 1) -> Layout:
     """Lay ``params`` (in registration order) out for ``dp_size`` ranks, each buffer and the
     params in it in reverse registration order, so the first bucket fills first in backward.
 
@@ -207,7 +194,6 @@ def build_layout(
         if p.fqn in seen:
             raise ValueError(f"duplicate param name {p.fqn!r}")
         seen.add(p.fqn)
-
     by_dtype: dict[torch.dtype, list[ParamSpec]] = {}
     for p in reversed(params):
         by_dtype.setdefault(p.dtype, []).append(p)
@@ -217,35 +203,31 @@ def build_layout(
         buckets: list[Bucket] = []
         slots: list[ParamSlot] = []
         cursor = 0
-        pending: list[ParamSpec] = []
-
-        def close_bucket() -> None:
-            nonlocal cursor
-            start = cursor
-            offset = start
-            for spec in pending:
-                slots.append(
-                    ParamSlot(spec.fqn, spec.shape, buffer_index, len(buckets),
-                              Range(offset, offset + spec.numel))
-                )
+        for members in _bucket_members(group, bucket_numel):
+            offset = cursor
+            for spec in members:
+                slots.append(ParamSlot(spec.fqn, spec.shape, buffer_index, len(buckets),
+                                       Range(offset, offset + spec.numel)))
                 offset = _round_up(offset + spec.numel, param_align)
-            used = offset - start
+            used = offset - cursor
             padded = _round_up(max(used, 1), dp_size * align_numel)
-            buckets.append(
-                Bucket(buffer_index, len(buckets), Range(start, start + padded), used,
-                       padded // dp_size, tuple(s.fqn for s in pending))
-            )
-            cursor = start + padded
-            pending.clear()
-
-        pending_numel = 0
-        for spec in group:
-            if pending and pending_numel + spec.numel > bucket_numel:
-                close_bucket()
-                pending_numel = 0
-            pending.append(spec)
-            pending_numel += spec.numel
-        if pending:
-            close_bucket()
+            buckets.append(Bucket(buffer_index, len(buckets), Range(cursor, cursor + padded),
+                                  used, padded // dp_size, tuple(s.fqn for s in members)))
+            cursor += padded
         buffers.append(BufferLayout(buffer_index, dtype, cursor, tuple(buckets), tuple(slots)))
     return Layout(dp_size, tuple(buffers))
+
+
+def _bucket_members(group: list[ParamSpec], bucket_numel: int) -> list[list[ParamSpec]]:
+    """``group`` cut at param boundaries into runs of at most ``bucket_numel`` elements (a
+    param larger than that alone in its run)."""
+    out: list[list[ParamSpec]] = []
+    numel = 0
+    for spec in group:
+        if out and numel + spec.numel <= bucket_numel:
+            out[-1].append(spec)
+            numel += spec.numel
+        else:
+            out.append([spec])
+            numel = spec.numel
+    return out

@@ -10,16 +10,17 @@ from typing import Any
 
 import torch
 
-from .state_dict import names, view
 from .errors import StateWriteError
+from .state_dict import names, view
 
 
 def _refuse_write(opt: Any, fqn: str, what: str) -> StateWriteError:
     return StateWriteError(
-        f"[dp rank {opt.shard_state.dp.rank}] {what} optimizer.state[{fqn!r}]: its entries are computed "
-        "from the sharded state on each access, so the change would be lost. Write into its "
-        "tensors in place (state['exp_avg'].zero_()) or assign a tensor of the same shape and "
-        f"dtype (copied in); set step counts in optimizer.param_steps[{fqn!r}], on every rank")
+        f"[dp rank {opt.shard_state.dp.rank}] {what} optimizer.state[{fqn!r}]: its entries are "
+        "computed from the sharded state on each access, so the change would be lost. Write "
+        "into its tensors in place (state['exp_avg'].zero_()) or assign a tensor of the same "
+        f"shape and dtype (copied in); set step counts in optimizer.param_steps[{fqn!r}], on "
+        "every rank")
 
 
 # In-place operators, whose names do not end in "_" as torch's in-place methods' do.
@@ -29,10 +30,9 @@ _INPLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "f
 
 
 class _StepCount(torch.Tensor):
-    """``optimizer.state[param]["step"]``: a 0-dim float copy of the param's step count (they
-    live in ``optimizer.param_steps``) whose in-place writes (``zero_()``, ``+=``, ``out=``)
-    raise :class:`StateWriteError`. Anything else computes, copies and pickles as a plain
-    tensor."""
+    """``optimizer.state[param]["step"]``: a 0-dim float copy of the param's step count (kept in
+    ``optimizer.param_steps``) whose in-place writes (``zero_()``, ``+=``, ``out=``) raise;
+    anything else computes, copies and pickles as a plain tensor."""
 
     @staticmethod
     def __new__(cls, opt: Any, fqn: str) -> _StepCount:
@@ -69,9 +69,9 @@ class _StepCount(torch.Tensor):
 
 
 class _Entry(dict):
-    """``optimizer.state[param]``: tensors viewing the live state; assigning a tensor of the
-    same shape and dtype copies it in (frameworks moving state between devices do this);
-    anything else that would replace or remove an entry raises. Copies and pickles are dicts."""
+    """``optimizer.state[param]``: tensors viewing the live state; assigning a tensor of the same
+    shape and dtype copies it in (as frameworks moving state do); replacing or removing an
+    entry otherwise raises. Copies and pickles are dicts."""
 
     def __init__(self, opt: Any, fqn: str, values: dict[str, Any]) -> None:
         super().__init__(values)
@@ -111,9 +111,8 @@ class _Entry(dict):
 class LocalState(defaultdict):
     """``optimizer.state``: a ``defaultdict`` keyed by param, as torch's, whose entries are
     computed on access: ``step``, and for the part of the param this rank holds ``offset``,
-    ``master_param`` and, once they exist, the moments, as 1-D views starting at element
-    ``offset`` of the flattened param. Replacing or removing an entry raises
-    :class:`StateWriteError`: the change could not reach the state."""
+    ``master_param`` and the moments, as 1-D views from element ``offset`` of the flattened
+    param. Replacing or removing an entry raises :class:`StateWriteError`."""
 
     def __init__(self, opt: Any) -> None:
         super().__init__(dict)

@@ -12,14 +12,25 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
+@dataclass(frozen=True)
+class _Made:
+    """A copy made for the state dict in progress (held weakly: the state dict owns it), and
+    the optimizer's write count and the param's version it was made at."""
+
+    copy: weakref.ref
+    writes: int
+    version: int
+
+
 class StateDictCopies:
     """The post-hooks of one optimizer, and the copies made in the ``state_dict()`` call in
-    progress (weakly: the state dict owns them)."""
+    progress."""
 
     def __init__(self, opt: Any, model: torch.nn.Module) -> None:
         self._opt = weakref.ref(opt)
@@ -30,8 +41,7 @@ class StateDictCopies:
             if mine:
                 self._own[module] = mine
         self._dest: weakref.ref | None = None
-        # id(param) -> (copy, optimizer writes, param version) made for that state dict.
-        self._made: dict[int, tuple[weakref.ref, int, int]] = {}
+        self._made: dict[int, _Made] = {}  # by id(param)
 
     def register(self) -> list[Any]:
         return [m.register_state_dict_post_hook(CopyOwnParams(names, self))
@@ -46,14 +56,14 @@ class StateDictCopies:
         opt.shard_state.check_onloaded("model.state_dict() (it copies the params)", ("params",))
         if self._dest is None or self._dest() is not state_dict:
             self._dest, self._made = weakref.ref(state_dict), {}
-        stamp = (opt.shard_state.param_writes, p._version)
+        writes = opt.shard_state.param_writes
         made = self._made.get(id(p))
-        if made is not None and made[1:] == stamp:
-            copy = made[0]()
+        if made is not None and (made.writes, made.version) == (writes, p._version):
+            copy = made.copy()
             if copy is not None:  # the same param under another name: one copy for both
                 return copy
         copy = value.clone()
-        self._made[id(p)] = (weakref.ref(copy), *stamp)
+        self._made[id(p)] = _Made(weakref.ref(copy), writes, p._version)
         return copy
 
 

@@ -1,9 +1,8 @@
 """The Adam moments of one rank as one record: what a load fills and the shard state adopts.
 
 Each moment of each layout buffer is a :class:`~shardopt.quant.Moment` in its storage form
-(fp32, bf16, or int8 codes plus one fp32 scale per block). A record built for a load may
-live in host memory; ``pinned`` is the page-locked memory behind it (:mod:`.shard_state`
-takes it over).
+(fp32, bf16, or int8 codes plus one fp32 scale per block). A record built for a load may live
+in host memory; ``pinned`` is the page-locked memory behind it, which the shard state takes.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ class Moments:
 
 
 def piece(m: quant.Moment, r: Range) -> quant.Moment:
-    """Views of the local range ``r`` of ``m`` (``r`` starts on a block boundary where ``m``
-    has scales: the layout's ``param_align``): its values and the scales of its blocks."""
+    """Views of the local range ``r`` of ``m``: its values and, where ``m`` has scales (``r``
+    then starts on a block boundary, the layout's ``param_align``), those of its blocks."""
     scales = None if m.scales is None else m.scales[r.blocks(quant.QBLOCK).as_slice()]
     return quant.Moment.wrap(m.kind, m.values[r.as_slice()], scales, m.sqrt)

@@ -1,17 +1,16 @@
 """DistributedOptimizer: AdamW whose state is sharded over the data-parallel ranks.
 
-Communication schedule of one iteration (``dp_size`` ranks, buckets in a launch order every
-rank shares; at ``dp_size == 1`` the collectives are skipped):
+Communication schedule of one iteration (buckets in a launch order every rank shares; at
+``dp_size == 1`` the collectives are skipped):
 
 * Phase 1, in backward and at the start of ``step()``: when every param of the next bucket
-  has its gradient, that bucket's reduction (average) starts asynchronously, strictly in
-  launch order, so every rank issues identical collectives: all-reduces with
-  ``grad_mode="torch"`` (:mod:`.param_grads`; ``p.grad`` then views the average),
-  reduce-scatters with ``"buffer"`` (:mod:`.sync`). ``step()`` re-seeds the main params of
-  weights the user wrote (:mod:`.param_watch`), waits, and all-reduces the squared norm of
-  the local grad shard with one "got a gradient" flag per param (:mod:`.grad_norm`).
+  has its gradient, that bucket's reduction (average) starts asynchronously, in launch order:
+  all-reduces with ``grad_mode="torch"`` (:mod:`.param_grads`), reduce-scatters with
+  ``"buffer"`` (:mod:`.sync`). ``step()`` re-seeds the main params of weights the user wrote
+  (:mod:`.param_watch`), waits, and all-reduces the squared norm of the local grad shard with
+  one "got a gradient" flag per param (:mod:`.grad_norm`).
 * Phase 2, ``step()``: fused AdamW on the local shard (:mod:`.update`); a param with no
-  gradient on any rank is left alone, as in ``torch.optim.AdamW`` (:mod:`.step_plan`).
+  gradient on any rank is left alone, as in ``torch.optim.AdamW``.
 * Phase 3, ``step()`` (:mod:`.sync`): all-gather every param bucket.
 
 The state and where it is: :mod:`.shard_state`; offload: :mod:`.host_state`. No file I/O
@@ -23,19 +22,18 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import build, comm, guards, host_state, quant, step_plan
+from . import build, comm, guards, host_state, quant
 from . import state_dict as state_dicts
-from .build import Named, ParamGroupFn
+from .build import ParamGroupFn
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
-from .grad_norm import GradNorm
+from .grad_norm import Agreed, GradNorm
 from .host_state import HostState
 from .layout import STATE_NAMES, Layout, ParamShard, ParamSpec, build_layout
 from .local_state import LocalState
@@ -43,34 +41,21 @@ from .model_state import StateDictCopies
 from .moments import Moments
 from .param_grads import ParamGrads
 from .param_watch import ParamWatch, Replacements
-from .shard_state import DEVICE, KINDS, STAGED, Held, ShardState
+from .shard_state import DEVICE, KINDS, STAGED, Held, LoadTarget, ShardState
 from .sync import GradSync, ParamSync
-from .update import Update
+from .update import KeptGrads, Update, advance, next_steps
 from .wrap_guard import WrapGuard
 
 __all__ = ["STATE_NAMES", "DistributedOptimizer", "ParamGroupFn", "ShardStateAccess"]
 
 
-@dataclass(frozen=True)
-class StepGrads:
-    """Phase 1's result: the loss, who got a gradient (None: all), the clip divisor or None."""
-
-    loss: Any
-    got: frozenset[str] | None
-    grad_scale: torch.Tensor | None
-
-
 class DistributedOptimizer(torch.optim.Optimizer):
     """ZeRO-1/2 AdamW over the DP group ``process_group`` (default group if None).
 
-    Construction is collective: every rank raises naming the first differing FQN if the
-    ranks built different models. ``param_group_fn(fqn, param)`` returns per-param overrides
-    of ``lr``, ``betas``, ``eps`` and ``weight_decay``. A param belongs to one optimizer.
-    Weights written in place after construction are re-seeded into the fp32 main params by
-    the next ``step()``; writes through ``p.data`` or collectives need
-    :meth:`reload_model_params`; moving or casting the model raises. ``state_dict()`` and
-    ``state[param]`` follow torch.optim, keyed by FQN. docs/optimizer.md has the semantics;
-    the layers above the optimizer use :attr:`shard_state` (:class:`ShardStateAccess`).
+    Construction is collective (ranks that built different models raise, naming the first
+    differing FQN). ``param_group_fn(fqn, param)`` returns per-param overrides of ``lr``,
+    ``betas``, ``eps`` and ``weight_decay``. Semantics: docs/optimizer.md; the layers above
+    the optimizer use :attr:`shard_state` (:class:`ShardStateAccess`).
     """
 
     def __init__(self, model: torch.nn.Module, config: OptimizerConfig | None = None,
@@ -80,15 +65,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.config = config if config is not None else OptimizerConfig()
         dp = comm.DPGroup.resolve(process_group)
         named, device = build.trainable(model)
-        self._init_layout(model, named, dp, device)
-        self._init_groups(named, param_group_fn)
-        self.shard_state = ShardStateAccess(self)
-        self.state = LocalState(self)  # torch's defaultdict, computed on access
-        self._init_sync(model, named)
-
-    def _init_layout(self, model: torch.nn.Module, named: Named, dp: comm.DPGroup,
-                     device: torch.device) -> None:
-        """Collective: the ranks agree on params and settings, then lay the params out."""
         specs = [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named]
         guards.check_same_layout(dp, specs, self.config, guards.ownership_problem(named))
         self.layout: Layout = build_layout(specs, dp.size, self.config.bucket_numel,
@@ -96,11 +72,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buffers = FlatBuffers(named, self.layout, device, self.config.grad_dtype,
                                     self.config.param_grads)
         self._state = ShardState(self.layout, self._buffers, dp, self.config, device)
-        self._aliases = build.tied_aliases(model)
         self._fqn_of = {p: fqn for fqn, p in named}
         self._fqns = tuple(fqn for fqn, _ in named)
+        self._init_groups(named, param_group_fn)
+        self._init_sync(model, named)
+        self.shard_state = ShardStateAccess(self, build.tied_aliases(model))
+        self.state = LocalState(self)  # torch's defaultdict, computed on access
+        self._hooks += StateDictCopies(self, model).register()  # model.state_dict(): copies
 
-    def _init_groups(self, named: Named, param_group_fn: ParamGroupFn | None) -> None:
+    def _init_groups(self, named: build.Named, param_group_fn: ParamGroupFn | None) -> None:
         defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
                     "weight_decay": self.config.weight_decay}
         super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
@@ -110,13 +90,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._group_fqns = [[self._fqn_of[p] for p in g["params"]] for g in self.param_groups]
         group_shards = [[i for i, s in enumerate(self._state.shards) if self._group_of[s.fqn] == gi]
                         for gi in range(len(self.param_groups))]
-        # Updates applied to each param (torch's state[p]["step"]; :mod:`.step_plan`).
+        # Updates applied to each param (torch's state[p]["step"]; :mod:`.update`).
         self.param_steps: dict[str, int] = {fqn: 0 for fqn in self._fqns}
         kernel = build.choose_kernel(self.config, self._state.device)
         self._update = Update(self._state, kernel, self.param_groups, group_shards,
                               self._group_of, self.param_steps)
 
-    def _init_sync(self, model: torch.nn.Module, named: Named) -> None:
+    def _init_sync(self, model: torch.nn.Module, named: build.Named) -> None:
         """Phases 1 and 3 of the schedule, the norm between them, and the checks around them."""
         dp = self._state.dp
         replaced = Replacements(model, self._fqn_of, dp.rank)
@@ -134,55 +114,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               self._grad_sync.written)
         self._param_sync = ParamSync(self._state, self._grad_sync.launch_order)
         self._hooks += self._param_sync.register_hooks(model, self.config, self._fqn_of)
-        self._hooks += StateDictCopies(self, model).register()  # model.state_dict(): copies
         self._wrap_guard = WrapGuard(self._grad_sync, model)  # wrapped in DDP or copied after
         self._state_write_hooks: OrderedDict[int, Callable[[bool], None]] = OrderedDict()
         self._grad_norm: torch.Tensor | None = None
-        self._kept_grads = step_plan.KeptGrads()
+        self._kept_grads = KeptGrads()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Collective. The schedule's three phases; returns the loss of ``closure`` if given.
+        """Collective. Run ``closure`` if given (its loss is returned), then the schedule's
+        three phases:
 
-        1. gradients: run ``closure``, check the optimizer may step, re-seed written weights,
-           take or launch what backward left, wait for the reductions, agree on the global
-           norm (the Triton kernel without clipping sums the squares as it reads the grads);
+        1. gradients: check the optimizer may step, re-seed written weights, wait for the
+           reductions, agree on the global norm and on who got a gradient;
         2. update: the state-write hooks run, then AdamW on the local shard and the copy into
            this rank's shard of the model-dtype param buffer;
         3. params: all-gather every param bucket.
         """
-        grads = self._reduce_grads(closure)
-        self._update_shard(grads)
-        self._publish_params()
-        return grads.loss
-
-    def _reduce_grads(self, closure: Callable[[], Any] | None) -> StepGrads:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        agreed = self._reduce_grads()
+        self._update_shard(agreed)
+        self._publish_params()
+        return loss
+
+    def _reduce_grads(self) -> Agreed:
         self._wrap_guard.check_step()
         self._host.check_onloaded("step()")
         guards.check_group_options(self.param_groups, self._fqn_of)
         self._param_sync.finish()  # the update writes into the param buffers
         self._reseed_written()  # before any collective: a moved param raises
         self._grad_sync.before_step()
-        if self._update.fuses_norm:
-            return StepGrads(loss, self._norm.agree(None)[1], None)
-        self._grad_norm, grad_scale, got = self._norm.global_norm()
-        return StepGrads(loss, got, grad_scale)
+        if self._update.fuses_norm:  # the Triton kernel sums the squares as it reads the grads
+            return self._norm.agree(None)
+        agreed = self._norm.global_norm()
+        self._grad_norm = agreed.total
+        return agreed
 
-    def _update_shard(self, grads: StepGrads) -> None:
+    def _update_shard(self, agreed: Agreed) -> None:
         # Staged moments' page-locked memory is released after the step: the host waits.
         self._before_state_write(host=self._state.has_staged)
         self._host.bring_staged()  # low_memory_resume: the loaded moments waited until now
         self._state.ensure_moments()
-        got = self._kept_grads.step(grads.got, self._fqns)
-        steps = step_plan.next_steps(self.param_steps, self._group_fqns, got)
-        sq = self._update.run(grads.grad_scale, steps, got)
+        got = self._kept_grads.step(agreed.got, self._fqns)
+        steps = next_steps(self.param_steps, self._group_fqns, got)
+        sq = self._update.run(agreed.grad_scale, steps, got)
         if sq is not None:
             self._grad_norm = self._norm.finish(sq)
-        step_plan.advance(self.param_steps, self._group_fqns, got, steps)
+        advance(self.param_steps, self._group_fqns, got, steps)
 
     def _publish_params(self) -> None:
         self._param_sync.publish(own_written=self._update.writes_params,
@@ -207,10 +187,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Global gradient norm before clipping of the last ``step()`` (syncs when read)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
+    def finish_param_sync(self) -> None:
+        """Wait for the param all-gathers ``overlap_param_gather`` leaves in flight: call it
+        before reading params outside a forward (each module's forward waits for its own)."""
+        self._param_sync.finish()
+
     def offload(self, what: tuple[str, ...] | list[str] = KINDS) -> None:
         """Move ``what`` (of :data:`~shardopt.shard_state.KINDS`; default all) to pinned host
         memory and free its device memory; forward, ``step()`` and loads are refused until
-        :meth:`onload`. Not collective (:mod:`.host_state`, docs/offload.md)."""
+        :meth:`onload`. Not collective (docs/offload.md)."""
         self._before_state_write(host=True)  # offload frees (CUDA) or overwrites (CPU) it
         if not self._host.offloaded:  # the host copies hold the weights written since the step
             self._reseed_written()
@@ -289,11 +274,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state_dicts.load_state_dict(self, state_dict)
 
     def register_state_write_hook(self, hook: Callable[[bool], None]) -> RemovableHandle:
-        """Register ``hook(host)``, run before ``step()``, ``load_state_dict()``, ``offload()``,
-        ``release_host_memory()``, re-seeding or a write to ``opt.state`` change or free this
-        rank's state; it returns once the state may be overwritten (``host``: the host waited for
-        its readers, else the current CUDA stream waits). ``checkpoint.load`` waits for the
-        optimizer's own background saves instead; a background save registers one."""
+        """Register ``hook(host)``, run before anything changes or frees this rank's state
+        (``step()``, loads, offload, re-seeding, ``opt.state`` writes); it returns once the
+        state may be overwritten (``host``: the host waited for its readers, else the current
+        CUDA stream waits). A background save registers one (docs/optimizer.md)."""
         handle = RemovableHandle(self._state_write_hooks)
         self._state_write_hooks[handle.id] = hook
         return handle
@@ -302,7 +286,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for hook in list(self._state_write_hooks.values()):  # a hook may remove itself
             hook(host)
 
-    def _adopt(self, moments: Moments, param_steps: Mapping[str, int], on_host: bool) -> None:
+    def _adopt(self, moments: Moments, param_steps: Mapping[str, int],
+               on_host: bool = False) -> None:
         self._state.set_moments(moments, STAGED if on_host else DEVICE)
         self.param_steps.update(param_steps)
         self._param_sync.publish()
@@ -322,12 +307,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 class ShardStateAccess:
     """``opt.shard_state``: the optimizer's one interface to the layers above it (its torch
-    views ``state_dict`` and ``opt.state``, :mod:`shardopt.checkpoint`,
-    :mod:`shardopt.integrations`); docs/optimizer.md, "The shard state". Flat state tensors
-    are named ``{name}.{i}`` for layout buffer ``i`` (:mod:`.shard_state`); reads give them
-    where their values are now: on the device, in host copies while offloaded, or staged."""
+    views, :mod:`shardopt.checkpoint`, :mod:`shardopt.integrations`); docs/optimizer.md, "The
+    shard state". Flat state tensors are named ``{name}.{i}`` for layout buffer ``i``; reads
+    give them where their values are now (:class:`~shardopt.shard_state.ShardState`)."""
 
-    def __init__(self, opt: DistributedOptimizer) -> None:
+    def __init__(self, opt: DistributedOptimizer, aliases: dict[str, str]) -> None:
         self._opt = opt
         state = opt._state
         self.dp: comm.DPGroup = state.dp
@@ -335,7 +319,7 @@ class ShardStateAccess:
         self.shards: tuple[ParamShard, ...] = state.shards
         self.shard_of: Mapping[str, ParamShard] = MappingProxyType(state.shard_of)
         self.fqn_of: Mapping[torch.nn.Parameter, str] = MappingProxyType(opt._fqn_of)
-        self.aliases: Mapping[str, str] = MappingProxyType(opt._aliases)  # alias FQN -> FQN
+        self.aliases: Mapping[str, str] = MappingProxyType(aliases)  # alias FQN -> FQN
         self.group_of: Mapping[str, int] = MappingProxyType(opt._group_of)
         self.moment_kinds: Mapping[str, torch.dtype | str] = MappingProxyType(state.kinds)
         self.held: Mapping[str, Held] = MappingProxyType(state.held)  # the records, by name
@@ -359,8 +343,13 @@ class ShardStateAccess:
         """How many times the optimizer wrote the params (steps, loads, onloads)."""
         return self._opt._watch.writes
 
+    @property
+    def gathers_in_flight(self) -> int:
+        """How many param all-gathers ``step()`` left in flight (``overlap_param_gather``)."""
+        return len(self._opt._param_sync.handles)
+
     def sources(self) -> dict[str, torch.Tensor]:
-        """The flat tensors a save reads, by name (:meth:`.ShardState.sources`)."""
+        """The flat tensors a save reads, by name."""
         return self._opt._state.sources()
 
     def view(self, name: str, shard: ParamShard) -> torch.Tensor:
@@ -371,8 +360,8 @@ class ShardStateAccess:
         """Adam moment ``name`` of ``shard`` in its storage form (values, and int8 scales)."""
         return self._opt._state.moment(name, shard)
 
-    def load_target(self, on_host: bool) -> tuple[Moments, bool]:
-        """Moments for a load to fill, and whether they are new (:meth:`.ShardState.load_target`)."""
+    def load_target(self, on_host: bool) -> LoadTarget:
+        """Where a load reads moments into, and whether they are new."""
         return self._opt._state.load_target(on_host)
 
     def adopt(self, moments: Moments, param_steps: Mapping[str, int],
@@ -382,8 +371,8 @@ class ShardStateAccess:
         self._opt._adopt(moments, param_steps, on_host)
 
     def finish_param_sync(self) -> None:
-        """Wait for the param all-gathers in flight (``overlap_param_gather``)."""
-        self._opt._param_sync.finish()
+        """:meth:`DistributedOptimizer.finish_param_sync`."""
+        self._opt.finish_param_sync()
 
     def reseed_written(self) -> None:
         """Re-seed the main params of weights written in place since the optimizer last wrote

@@ -1,17 +1,14 @@
 """``grad_mode="torch"``: every param's ``.grad`` is its gradient after backward, as with DDP.
 
-Schedule of one backward (buckets in the launch order of :mod:`.sync`): per param, when
-autograd has accumulated its gradient, it reaches the grad buffer and ``p.grad`` becomes the
-param's view of it in the param's dtype; outside ``no_sync()``, when every param of the next
-bucket has reported, that bucket's all-reduce (average) starts. When backward ends (the
-autograd engine's final callback, as DDP's) the rest is launched with one all-reduce of "got
-a gradient" flags, and every param that got a gradient on some rank holds its average; one
-that got none anywhere keeps ``p.grad`` None. ``step()`` takes what ``p.grad`` holds.
-
-bf16/fp16 params with fp32 grads keep two copies: the fp32 sum and the rounded ``p.grad``
-the step reads; a pre-hook on the param's gradient accumulator takes ``p.grad`` away before
-a second backward would add into the rounded copy, so sums stay in fp32. docs/optimizer.md,
-"What p.grad is" and "Dtypes", has the rules.
+Schedule of one backward (buckets in the launch order of :mod:`.sync`): each param's gradient
+reaches the grad buffer and ``p.grad`` becomes its view of it in the param's dtype; outside
+``no_sync()``, when every param of the next bucket has reported, that bucket's all-reduce
+(average) starts. When backward ends (the autograd engine's final callback, as DDP's) the rest
+is launched with one all-reduce of "got a gradient" flags: a param that got a gradient on some
+rank holds its average, one that got none anywhere keeps ``p.grad`` None. ``step()`` takes
+what ``p.grad`` holds. bf16/fp16 params with fp32 grads keep the fp32 sum and the rounded
+``p.grad``; a pre-hook on the param's gradient accumulator takes ``p.grad`` away before a
+second backward would add into the rounded copy (docs/optimizer.md, "What p.grad is").
 """
 
 from __future__ import annotations
@@ -57,10 +54,10 @@ class ParamGrads(GradSync):
         self._task: int | None = None  # the backward whose final callback is queued
         self._flags_all: torch.Tensor | None = None
         self._accumulators: list[Any] = []  # kept alive: their pre-hooks live on them
-        self._prehooks = self._register_prehooks(named)
+        self._register_prehooks(named)
 
     # ------------------------------------------------------------------ backward
-    def _register_prehooks(self, named: build.Named) -> list[Any]:
+    def _register_prehooks(self, named: build.Named) -> None:
         """On the gradient accumulator of each mirrored param (not a tensor hook: those run
         for ``torch.autograd.grad`` too, which accumulates nothing)."""
         handles = []
@@ -73,8 +70,7 @@ class ParamGrads(GradSync):
                 self._accumulators.append(acc)
                 handles.append(acc.register_prehook(
                     _WeakPrehook(me, fqn, p, self.buffers.param_grad_views[fqn])))
-        weakref.finalize(self, build.remove_hooks, list(handles))
-        return handles
+        weakref.finalize(self, build.remove_hooks, handles)
 
     def before_accumulate(self, fqn: str) -> None:
         """Mirrored params: autograd is about to add a gradient to ``p.grad``; if that is the

@@ -15,7 +15,7 @@ Each check is a C-level ``map`` over the params (docs/optimizer.md).
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
@@ -67,9 +67,8 @@ class ParamWatch:
         self.writes += 1
 
     def rebase(self, views: Sequence[torch.Tensor]) -> None:
-        """The optimizer re-allocated the params' storage (``onload()``): ``views`` (in
-        ``fqns`` order) are where they live now. Versions stay, so a write made before the
-        offload is still found."""
+        """The params' storage was re-allocated (``onload()``): ``views`` (in ``fqns`` order)
+        are where they live now. Versions stay: a write made before the offload still counts."""
         self._ptrs = list(map(_data_ptr, views))
 
     def versions(self) -> list[int]:
@@ -79,9 +78,8 @@ class ParamWatch:
     def undone(self, before: list[int]) -> list[str]:
         """FQNs of the params written since ``before`` (:meth:`versions`), which ``onload()``
         undid; those in sync at ``before`` are in sync again."""
-        now = self.versions()
         out = []
-        for i, (fqn, a, b) in enumerate(zip(self.fqns, now, before)):
+        for i, (fqn, a, b) in enumerate(zip(self.fqns, self.versions(), before)):
             if a != b:
                 out.append(fqn)
                 if self._versions[i] == b:
@@ -92,7 +90,7 @@ class ParamWatch:
         """FQNs of the params written in place since :meth:`record` (before the first: every
         param, with ``record``), recording the current versions unless ``record`` is False.
         Raises :class:`ParamMovedError` if a param left the buffer or was replaced, a
-        :class:`~shardopt.guards.UsageError` if a param frozen at construction was unfrozen."""
+        :class:`UsageError` if a param frozen at construction was unfrozen."""
         if list(map(_data_ptr, self.params)) != self._ptrs:
             self._raise_moved()
         self.replaced.check()
@@ -127,8 +125,7 @@ class ParamWatch:
 
 def moved_message(dp_rank: int, fqn: str, p: torch.Tensor, placed: Placement) -> str:
     """Why param ``fqn`` no longer lives in the optimizer's buffer, naming what differs: its
-    dtype, device or shape when those changed, else its storage (``param.data = ...``, or
-    a library that re-binds it, as ``resize_token_embeddings`` does)."""
+    dtype, device or shape, else its storage (``param.data = ...``, a library re-binding it)."""
     differs = []
     if p.dtype != placed.dtype:
         differs.append(f"it is {p.dtype} (the optimizer holds it as {placed.dtype})")
@@ -147,42 +144,56 @@ def moved_message(dp_rank: int, fqn: str, p: torch.Tensor, placed: Placement) ->
             f"copies it with .to('cpu:0') on CPU) unless told not to: {ADAPTERS}.")
 
 
+class _Places:
+    """Entries of modules' ``_parameters`` or ``_modules`` dicts and what each held when the
+    optimizer was built, as parallel lists a C-level ``map`` compares."""
+
+    def __init__(self) -> None:
+        self.tables: list[dict] = []
+        self.names: list[str] = []
+        self.held: list[Any] = []
+        self.fqns: list[str] = []
+
+    def add(self, table: dict, name: str, held: Any, fqn: str) -> None:
+        for column, value in zip((self.tables, self.names, self.held, self.fqns),
+                                 (table, name, held, fqn)):
+            column.append(value)
+
+    def unchanged(self) -> bool:
+        return all(map(operator.is_, map(dict.get, self.tables, self.names), self.held))
+
+    def changed(self) -> Iterator[tuple[str, Any, Any]]:
+        """``(fqn, held, now)`` of each entry that holds another object now."""
+        for table, name, held, fqn in zip(self.tables, self.names, self.held, self.fqns):
+            now = table.get(name)
+            if now is not held:
+                yield fqn, held, now
+
+
 class Replacements:
-    """Params of the model replaced by other objects after construction: ``module.weight =
-    nn.Parameter(...)``, a submodule swapped for a new one (``model.head = nn.Linear(...)``).
-    The optimizer holds the old params and would never train the new ones (nor would
-    ``torch.optim.AdamW``, silently). :meth:`check` compares each place that held one of the
-    optimizer's params (or a module holding some) with what it holds now, and raises
-    :class:`ParamMovedError` naming the first place where a trainable param the optimizer
-    does not hold came in. Setting the old one back undoes it."""
+    """Params of the model replaced by other objects after construction (``module.weight =
+    nn.Parameter(...)``, ``model.head = nn.Linear(...)``): the optimizer would never train the
+    new ones (nor would ``torch.optim.AdamW``, silently). :meth:`check` raises
+    :class:`ParamMovedError` naming the first place where a trainable param the optimizer does
+    not hold came in; setting the old one back undoes it."""
 
     def __init__(self, model: torch.nn.Module, owned: Mapping[Any, str], dp_rank: int) -> None:
         self._dp_rank = dp_rank
         self._owned = owned
-        self._params: list[_Place] = []
-        self._children: list[_Place] = []
+        self._params, self._children = _Places(), _Places()
         for name, module in model.named_modules():
             for n, q in module._parameters.items():
                 if q is not None and q in owned:
-                    self._params.append(_Place(module._parameters, n, q, _join(name, n)))
+                    self._params.add(module._parameters, n, q, _join(name, n))
             for n, c in module._modules.items():
                 if c is not None and any(q in owned for q in c.parameters()):
-                    self._children.append(_Place(module._modules, n, c, _join(name, n)))
-        self._param_dicts = [p.table for p in self._params]
-        self._param_names = [p.name for p in self._params]
-        self._param_held = [p.held for p in self._params]
-        self._child_dicts = [p.table for p in self._children]
-        self._child_names = [p.name for p in self._children]
-        self._child_held = [p.held for p in self._children]
+                    self._children.add(module._modules, n, c, _join(name, n))
         self._task: int | None = None
 
     def check(self) -> None:
-        """Raise :class:`ParamMovedError` naming the first replacement, if any. A C-level
-        ``map`` per place: nothing is called per param unless a place changed."""
-        if not (all(map(operator.is_, map(dict.get, self._param_dicts, self._param_names),
-                        self._param_held))
-                and all(map(operator.is_, map(dict.get, self._child_dicts, self._child_names),
-                            self._child_held))):
+        """Raise :class:`ParamMovedError` naming the first replacement, if any (nothing is
+        called per param unless a place changed)."""
+        if not (self._params.unchanged() and self._children.unchanged()):
             self._raise_first()
 
     def check_in_backward(self) -> None:
@@ -194,36 +205,22 @@ class Replacements:
             self.check()
 
     def _raise_first(self) -> None:
-        for place in self._params:
-            new = place.table.get(place.name)
-            if not (new is place.held or new is None or new in self._owned
-                    or not new.requires_grad):
-                self._raise(f"param {place.fqn!r} was replaced by a new Parameter after "
+        for fqn, _, new in self._params.changed():
+            if not (new is None or new in self._owned or not new.requires_grad):
+                self._raise(f"param {fqn!r} was replaced by a new Parameter after "
                             "DistributedOptimizer(model) was built (module.weight = "
                             "nn.Parameter(...), or a library swapping it): the optimizer holds "
                             "the old one and would never train the new one")
-        for place in self._children:
-            new = place.table.get(place.name)
-            if new is not place.held and new is not None and any(
-                    q.requires_grad and q not in self._owned for q in new.parameters()):
-                self._raise(f"module {place.fqn!r} was replaced after DistributedOptimizer("
+        for fqn, _, new in self._children.changed():
+            if new is not None and any(q.requires_grad and q not in self._owned
+                                       for q in new.parameters()):
+                self._raise(f"module {fqn!r} was replaced after DistributedOptimizer("
                             "model) was built: the optimizer holds the old module's params "
                             "and would never train the new one's")
 
     def _raise(self, what: str) -> None:
         raise ParamMovedError(f"[dp rank {self._dp_rank}] {what}. Change the model first, then "
                               "build the optimizer.")
-
-
-@dataclass(frozen=True)
-class _Place:
-    """Entry ``name`` of a module's ``_parameters`` or ``_modules`` (``table``) and what it
-    held when the optimizer was built; ``fqn`` names it in the model."""
-
-    table: dict
-    name: str
-    held: Any
-    fqn: str
 
 
 def _join(prefix: str, name: str) -> str:

@@ -1,16 +1,13 @@
 """Page-locked host memory of exactly the size asked for, locked at once or piece by piece.
 
 ``pin_memory=True`` goes through torch's caching host allocator, which rounds every block up
-to a power of two (a 4.9 GiB tensor locks 8 GiB) and keeps the blocks after the tensor is
-gone; for the large, long-lived host tensors of ``low_memory_resume``, ``offload()`` and
-asynchronous saves this module page-locks exactly the pages of ordinary host memory with
-``cudaHostRegister``: at construction, or (:meth:`PinnedBuffer.lock_to`) in segments of
-:data:`SEGMENT_BYTES` just ahead of their first use, where locking stalls nothing.
-
-Rules: :meth:`PinnedBuffer.release` unregisters before the memory can go (``__del__`` calls
-it), so memory is never freed while registered; whoever issues asynchronous copies from or to
-a buffer waits for them before releasing it; a copy into a buffer locked in segments stays
-within one segment.
+to a power of two and keeps it after the tensor is gone; the large, long-lived host tensors
+of ``low_memory_resume``, ``offload()`` and asynchronous saves instead page-lock exactly their
+pages with ``cudaHostRegister``: at construction, or (:meth:`PinnedBuffer.lock_to`) in
+segments of :data:`SEGMENT_BYTES` just ahead of their first use. Rules: memory is unregistered
+before it can go (:meth:`~PinnedBuffer.release`, also from ``__del__``); whoever issues
+asynchronous copies from or to a buffer waits for them before releasing it; a copy into a
+buffer locked in segments stays within one segment.
 """
 
 from __future__ import annotations
@@ -28,12 +25,8 @@ SEGMENT_BYTES = 256 << 20
 
 class PinnedBuffer:
     """``numel`` elements of ``dtype`` in host memory, page-locked when CUDA is available.
-
-    ``shared``: the memory is a memfd mapping (Linux) whose descriptor, :attr:`fd`, another
-    process can map to read it (the writer process of asynchronous saves,
-    :mod:`.checkpoint.writer_process`); closed by :meth:`release`. ``lock=False``: not
-    page-locked at construction (memory no GPU copies from, or locked later by
-    :meth:`lock_to`)."""
+    ``shared``: a memfd mapping (Linux) whose descriptor :attr:`fd` another process can map
+    (the writer process of asynchronous saves); ``lock=False``: not locked at construction."""
 
     def __init__(self, numel: int, dtype: torch.dtype, shared: bool = False,
                  lock: bool = True) -> None:
@@ -49,7 +42,7 @@ class PinnedBuffer:
                 self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
         else:
             self.tensor = torch.empty(numel, dtype=dtype)
-        self._registered: list[tuple[int, int]] = []  # (address, bytes) of each locked range
+        self._registered: dict[int, int] = {}  # address -> bytes of each locked range
         self.locked_bytes = 0  # the first bytes locked so far
         if lock:
             try:
@@ -83,18 +76,17 @@ class PinnedBuffer:
                 f"({cudart.cudaGetErrorString(err)}); is the locked-memory limit "
                 "(ulimit -l) too low for this much page-locked host memory?"
             )
-        self._registered.append((ptr, nbytes))
+        self._registered[ptr] = nbytes
         self.locked_bytes += nbytes
 
     def release(self) -> None:
-        """Unlock the pages (the memory stays valid while referenced). Idempotent. A
-        failed unlock is reported as a :class:`ResourceWarning` (the pages then stay
-        locked until the process exits), except at interpreter shutdown."""
+        """Unlock the pages and close :attr:`fd` (the memory stays valid while referenced).
+        Idempotent; a failed unlock is a :class:`ResourceWarning`, except at shutdown."""
         fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)  # the mapping stays while the tensor references it
-        ranges, self._registered, self.locked_bytes = self._registered, [], 0
-        for ptr, nbytes in ranges:
+        ranges, self._registered, self.locked_bytes = self._registered, {}, 0
+        for ptr, nbytes in ranges.items():
             try:
                 cudart = torch.cuda.cudart()
                 err = cudart.cudaHostUnregister(ptr)

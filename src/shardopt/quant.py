@@ -8,10 +8,9 @@ converts a rank's local state tensor to and from fp32 (docs/lowprec.md, "Formats
   ``exp_avg`` as signed codes ``rne(m * 127 / max|m|)``, ``exp_avg_sq`` as unsigned codes of
   its square root ``rne(sqrt(v) * 255 / max sqrt(v))``, read back as ``(q * scale) ** 2``.
 
-A block is defined in the param's flattened space (block ``k``: elements ``[k * QBLOCK,
-(k + 1) * QBLOCK)``); the layout (``param_align=QBLOCK``) keeps each block whole on one rank
-at every DP size, so a checkpoint stores codes and scales by FQN and loads them at another DP
-size without re-quantising. Padding elements are zero.
+Block ``k`` of a param is its flattened elements ``[k * QBLOCK, (k + 1) * QBLOCK)``; the
+layout (``param_align=QBLOCK``) keeps each block whole on one rank at every DP size, so
+checkpoints store codes and scales by FQN and reshard them without re-quantising.
 """
 
 from __future__ import annotations
@@ -49,12 +48,9 @@ def bytes_per_element(kind: torch.dtype | str) -> float:
 
 
 class Moment:
-    """One moment of one local state tensor in its storage form.
-
-    ``values`` has the local tensor's element count in :func:`storage_dtype`;
-    ``scales`` (int8 only, else None) has one fp32 entry per :data:`QBLOCK` block.
-    ``sqrt`` (int8 only) marks that the stored quantity is the moment's square root.
-    """
+    """One moment of one local state tensor in its storage form: ``values`` (the local
+    tensor's element count, in :func:`storage_dtype`) and, for int8 only, ``scales`` (one fp32
+    per block) and ``sqrt`` (the stored quantity is the moment's square root)."""
 
     def __init__(self, kind: torch.dtype | str, numel: int, device: torch.device,
                  sqrt: bool = False) -> None:
@@ -72,12 +68,6 @@ class Moment:
         """A moment over existing storage tensors (no copy)."""
         out = cls.__new__(cls)
         out.kind, out.sqrt, out.values, out.scales = kind, sqrt and kind == INT8, values, scales
-        return out
-
-    def num_bytes(self) -> int:
-        out = self.values.numel() * self.values.element_size()
-        if self.scales is not None:
-            out += self.scales.numel() * 4
         return out
 
     def to_fp32(self) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from . import comm, quant
 from .buffers import FlatBuffers
-from .config import INT8, OptimizerConfig
+from .config import INT8, OptimizerConfig, dtype_name
 from .errors import LowPrecisionStateError
 from .layout import Layout, ParamShard, Range
 from .moments import NAMES, Moments, piece
@@ -55,6 +55,14 @@ class Held:
         return (self.device if self.device is not None else self.tensor).dtype
 
 
+@dataclass(frozen=True)
+class LoadTarget:
+    """Where a load reads moments into, and whether they are ``new`` (else the live ones)."""
+
+    moments: Moments
+    new: bool
+
+
 class ShardState:
     """The records of one rank (module docstring), and the facts of its layout."""
 
@@ -75,17 +83,12 @@ class ShardState:
                 self.held[f"param_grads.{i}"] = Held("grads", DEVICE,
                                                      buffers.param_grad_buffers[i])
             if buf.dtype != torch.float32:
-                self.held[f"master_param.{i}"] = Held("main_params", DEVICE, self._seeded(i))
-
-    def _seeded(self, i: int) -> torch.Tensor:
-        """Buffer ``i``'s fp32 main params, copied from this rank's shard of its params."""
-        buf = self.layout.buffers[i]
-        main = torch.zeros(buf.local_numel, dtype=torch.float32, device=self.device)
-        for b in buf.buckets:
-            main.narrow(0, buf.local_offset(b.index), b.shard_numel).copy_(
-                self.buffers.bucket_params(b).narrow(0, self.dp.rank * b.shard_numel,
-                                                     b.shard_numel))
-        return main
+                main = torch.zeros(buf.local_numel, dtype=torch.float32, device=device)
+                for b in buf.buckets:  # seeded from this rank's shard of the params
+                    main.narrow(0, buf.local_offset(b.index), b.shard_numel).copy_(
+                        buffers.bucket_params(b).narrow(0, dp.rank * b.shard_numel,
+                                                        b.shard_numel))
+                self.held[f"master_param.{i}"] = Held("main_params", DEVICE, main)
 
     # ------------------------------------------------------------------ reads
     def main(self, i: int) -> torch.Tensor | None:
@@ -111,6 +114,8 @@ class ShardState:
                                for i in range(len(self.layout.buffers))) for name in NAMES))
 
     def _moment(self, name: str, i: int, device: bool = False) -> quant.Moment:
+        if name not in NAMES:
+            raise KeyError(f"no Adam moment {name!r}; the moments are {list(NAMES)}")
         held = self.held.get(f"{name}.{i}")
         if held is None:
             raise RuntimeError(f"optimizer state {name!r} is not allocated before the first step")
@@ -145,8 +150,6 @@ class ShardState:
     def moment(self, name: str, shard: ParamShard) -> quant.Moment:
         """Moment ``name`` of ``shard`` in its storage form: views of its values and, for
         int8, of the scales of its blocks (the shard starts on a block boundary)."""
-        if name not in NAMES:
-            raise KeyError(f"no Adam moment {name!r}; the moments are {list(NAMES)}")
         return piece(self._moment(name, shard.buffer_index), shard.range_local)
 
     def memory_bytes(self) -> dict[str, int]:
@@ -173,14 +176,19 @@ class ShardState:
             self.generation += 1
         self.held[name] = dataclasses.replace(self.held[name], **changes)
 
-    def allocate_moments(self, on_host: bool) -> Moments:
-        """New moments whose params' parts are for the caller to fill (padding and scales
-        zero), on the device or (``on_host``) in host memory, page-locked on CUDA."""
+    def load_target(self, on_host: bool) -> LoadTarget:
+        """Where loaded moments go: new ones on the host (``on_host``) or before the moments
+        are on the device (a load reads into them before the ranks agree); else the moments
+        in place, so a resume never holds a second copy of the state. Padding and scales of
+        new moments are zero, the rest is for the load to fill."""
+        moments = None if on_host else self.device_moments()
+        if moments is not None:
+            return LoadTarget(moments, False)
         cuda = self.device.type == "cuda"
         pinned: list[PinnedBuffer] = []
 
         def tensor(dtype: torch.dtype, numel: int, bi: int | None) -> torch.Tensor:
-            if on_host and cuda:  # registering faults every page in
+            if on_host and cuda:  # page-locked; registering faults every page in
                 pinned.append(PinnedBuffer(numel, dtype))
                 t = pinned[-1].tensor
             elif cuda:
@@ -200,7 +208,7 @@ class ShardState:
                                   tensor(torch.float32, quant.num_scales(b.local_numel), None)
                                   if kind == INT8 else None, sqrt)
                 for bi, b in enumerate(self.layout.buffers)))
-        return Moments(out[0], out[1], tuple(pinned))
+        return LoadTarget(Moments(out[0], out[1], tuple(pinned)), True)
 
     def _zero_padding(self, t: torch.Tensor, bi: int) -> None:
         """Zero what no param shard of buffer ``bi`` covers in local tensor ``t``."""
@@ -211,15 +219,6 @@ class ShardState:
             if r.start > pos:
                 t[pos:r.start].zero_()
             pos = max(pos, r.end)
-
-    def load_target(self, on_host: bool) -> tuple[Moments, bool]:
-        """Where loaded moments go, and whether they are new: new on the host (``on_host``) or
-        before the moments are on the device (a load reads into them before the ranks agree);
-        else the moments in place: a resume must never hold a second copy of the state."""
-        moments = None if on_host else self.device_moments()
-        if moments is None:
-            return self.allocate_moments(on_host), True
-        return moments, False
 
     def set_moments(self, moments: Moments, where: str) -> None:
         """Take ``moments`` (a load's, or zeros) on the device or ``STAGED`` on the host, with
@@ -251,4 +250,4 @@ class ShardState:
 
 
 def _shown(kind: torch.dtype | str) -> str:
-    return kind if isinstance(kind, str) else str(kind).removeprefix("torch.")
+    return kind if isinstance(kind, str) else dtype_name(kind)

@@ -9,14 +9,12 @@ by param FQN, never by position::
 
 Every trainable param has an entry on every rank; each state tensor is a
 :class:`~shardopt.flat_shard.FlatShard` of this rank's range of the param's flattened state
-(possibly empty), viewing the live state, so DCP saves and loads it at any DP size. Before
-the first step the moments' FlatShards make host zeros on demand. bf16/int8 moments appear as
+(possibly empty) viewing the live state, so DCP saves and loads it at any DP size; before the
+first step the moments' FlatShards make host zeros on demand. bf16/int8 moments appear as
 stored (int8 with ``"{moment}.scale"`` entries), with ``"{moment}_dtype"`` naming how they
-were kept; ``load_state_dict`` refuses a dict whose 8-bit moments were kept otherwise.
-
-``load_state_dict`` is collective: every rank validates its dict, the ranks agree, and only
-then is anything written; on any mismatch every rank raises :class:`StateDictError` naming
-the FQN and nothing has changed (docs/optimizer.md, docs/lowprec.md). No file I/O here.
+were kept. ``load_state_dict`` is collective: every rank validates its dict, the ranks agree,
+and only then is anything written; on any mismatch every rank raises
+:class:`StateDictError` naming the FQN (docs/optimizer.md, docs/lowprec.md).
 """
 
 from __future__ import annotations
@@ -30,21 +28,17 @@ from typing import Any
 import torch
 
 from . import comm, quant
-from .moments import NAMES as MOMENTS
 from .config import GROUP_KEYS, INT8, dtype_name, group_value
+from .errors import StateDictError
 from .flat_shard import FlatShard
-from .moments import piece
 from .layout import ParamShard, Range
-from .errors import StateDictError, StateWriteError
+from .moments import NAMES as MOMENTS
+from .moments import piece
 
 # ``opt`` is the DistributedOptimizer this serves, typed ``Any``: the optimizer imports
 # this module, never the reverse.
 
 log = logging.getLogger("shardopt.state_dict")
-
-
-def _numel(opt: Any, fqn: str) -> int:
-    return math.prod(opt.layout.slots[fqn].shape)
 
 
 def names(opt: Any) -> list[str]:
@@ -68,7 +62,7 @@ class _Expected:
 
 
 def _expected(opt: Any, name: str, fqn: str, shard: ParamShard | None) -> _Expected:
-    numel = _numel(opt, fqn)
+    numel = math.prod(opt.layout.slots[fqn].shape)
     r = shard.range_param if shard else Range(0, 0)
     if name.endswith(".scale"):  # a piece starts on a block boundary (the layout's param_align)
         r = r.blocks(quant.QBLOCK)
@@ -79,19 +73,12 @@ def _expected(opt: Any, name: str, fqn: str, shard: ParamShard | None) -> _Expec
     return _Expected(quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, r.start, r.size)
 
 
-def _kind_names(opt: Any) -> dict[str, str]:
-    """How ``opt`` keeps each moment, by config name (``"float32"``, ``"bfloat16"``,
-    ``"int8"``)."""
-    return {name: kind if isinstance(kind, str) else dtype_name(kind)
-            for name, kind in opt.shard_state.moment_kinds.items()}
-
-
 def _check_kinds(opt: Any, fqn: str, entry: Mapping, cast: set[str]) -> None:
     """Refuse moments kept in another format where one of them is 8-bit (a load that cast
     codes into values, or values into codes); collect float-to-float casts in ``cast``.
-    Entries without the dtypes (state dicts older than them) are taken as they are."""
-    for name, mine in _kind_names(opt).items():
-        saved = entry.get(f"{name}_dtype")
+    Entries without the dtypes (older state dicts) are taken as they are."""
+    for name, kind in opt.shard_state.moment_kinds.items():
+        saved, mine = entry.get(f"{name}_dtype"), dtype_name(kind)
         if saved is None or saved == mine:
             continue
         if INT8 in (saved, mine):
@@ -106,11 +93,11 @@ def _check_kinds(opt: Any, fqn: str, entry: Mapping, cast: set[str]) -> None:
 
 
 def view(m: quant.Moment, name: str) -> torch.Tensor:
+    """The tensor of moment ``m`` that state entry ``name`` holds: its scales or values."""
     return m.scales if name.endswith(".scale") else m.values  # type: ignore[return-value]
 
 
-def _value(opt: Any, name: str, fqn: str, shard: ParamShard | None
-           ) -> FlatShard:
+def _value(opt: Any, name: str, fqn: str, shard: ParamShard | None) -> FlatShard:
     e = _expected(opt, name, fqn, shard)
     st = opt.shard_state
     if shard is None:
@@ -118,8 +105,8 @@ def _value(opt: Any, name: str, fqn: str, shard: ParamShard | None
     if name == "master_param":
         return FlatShard(st.view(name, shard), e.offset, e.numel)
     if st.has_moments:
-        base = name.removesuffix(".scale")
-        return FlatShard(view(st.moment(base, shard), name), e.offset, e.numel)
+        return FlatShard(view(st.moment(name.removesuffix(".scale"), shard), name), e.offset,
+                         e.numel)
     return FlatShard.lazy(lambda: torch.zeros(e.size, dtype=e.dtype), e.offset, e.numel, e.size,
                           e.dtype, torch.device("cpu"))
 
@@ -129,16 +116,10 @@ def state_dict(opt: Any) -> dict[str, Any]:
     hooks of ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` as torch."""
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
         pre_hook(opt)
-    sd = _build(opt)
-    for post_hook in opt._optimizer_state_dict_post_hooks.values():
-        sd = post_hook(opt, sd) or sd
-    return sd
-
-
-def _build(opt: Any) -> dict[str, Any]:
     st = opt.shard_state
     st.finish_param_sync()
     st.reseed_written()  # weights written since the last step are what the dict holds
+    kinds = {f"{name}_dtype": dtype_name(kind) for name, kind in st.moment_kinds.items()}
     state: dict[str, dict[str, Any]] = {}
     for fqn in st.fqn_of.values():
         entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
@@ -146,14 +127,15 @@ def _build(opt: Any) -> dict[str, Any]:
             entry[name] = _value(opt, name, fqn, st.shard_of.get(fqn))
         entry["param_dtype"] = dtype_name(opt.layout.buffers[
             opt.layout.slots[fqn].buffer_index].dtype)
-        entry.update({f"{name}_dtype": kind for name, kind in _kind_names(opt).items()})
-        state[fqn] = entry
+        state[fqn] = {**entry, **kinds}
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [st.fqn_of[p] for p in g["params"]]} for g in opt.param_groups]
-    return {"state": state, "param_groups": groups}
+    sd = {"state": state, "param_groups": groups}
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        sd = post_hook(opt, sd) or sd
+    return sd
 
 
-# ---------------------------------------------------------------------------- load
 @dataclass(frozen=True)
 class _Copy:
     """One tensor of a validated state dict and the state of ``shard`` it goes into."""
@@ -178,25 +160,15 @@ def load_state_dict(opt: Any, sd: Any) -> None:
     runs the hooks of ``register_load_state_dict_pre_hook`` / ``..._post_hook`` as torch."""
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
         sd = pre_hook(opt, sd) or sd
-    _load(opt, sd)
-    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
-        post_hook(opt)
-
-
-def _load(opt: Any, sd: Any) -> None:
     st = opt.shard_state
     st.finish_param_sync()
-    old_steps = {fqn: opt.param_steps[fqn] for fqn in st.fqn_of.values()}
     plan, error = None, None
     try:
         plan = _check(opt, sd)
-        opt.param_steps.update(plan.steps)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
-        error, plan = e, None
+        error = e
     problems = comm.agree(st.dp, error)[1]
     if problems:
-        if plan is not None:
-            opt.param_steps.update(old_steps)
         raise StateDictError(f"load_state_dict failed: {problems}") from error
     assert plan is not None
     if plan.cast:  # the tensors already hold this optimizer's dtypes: a DCP load cast them
@@ -206,14 +178,16 @@ def _load(opt: Any, sd: Any) -> None:
         if c.name == "master_param":
             st.view(c.name, c.shard).copy_(c.source)
     host = opt.config.low_memory_resume
-    moments = st.load_target(host)[0]
+    moments = st.load_target(host).moments
     for c in plan.copies:
         if c.name != "master_param":
             m = moments.of(c.name.removesuffix(".scale"))[c.shard.buffer_index]
             view(piece(m, c.shard.range_local), c.name).copy_(c.source)
-    st.adopt(moments, {f: opt.param_steps[f] for f in st.fqn_of.values()}, on_host=host)
+    st.adopt(moments, plan.steps, on_host=host)
     for group, saved in zip(opt.param_groups, plan.groups):
         group.update(saved)  # as torch's load_state_dict: lr & co. resume as saved
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
 
 
 def _check(opt: Any, sd: Any) -> _Plan:
@@ -287,8 +261,7 @@ def _check_steps(opt: Any, state: Mapping) -> dict[str, int]:
     return steps
 
 
-def _check_state(opt: Any, state: Mapping, cast: set[str]
-                 ) -> list[_Copy]:
+def _check_state(opt: Any, state: Mapping, cast: set[str]) -> list[_Copy]:
     for fqn in state:
         if fqn not in opt.layout.slots:
             raise StateDictError(f"state of param {fqn!r} in the state dict: no trainable "
@@ -307,26 +280,25 @@ def _check_state(opt: Any, state: Mapping, cast: set[str]
         shard = st.shard_of.get(fqn)
         for name in names(opt):
             e = _expected(opt, name, fqn, shard)
-            dtype, numel, offset, size = e.dtype, e.numel, e.offset, e.size
             v = entry.get(name)
             where = f"param {fqn!r}: {name} of the state dict"
             if not isinstance(v, FlatShard):
                 raise StateDictError(f"{where} is a {type(v).__name__}, not a FlatShard as "
                                      "DistributedOptimizer.state_dict() returns")
-            if v.shape[0] != numel or v.dtype != dtype:
+            if v.shape[0] != e.numel or v.dtype != e.dtype:
                 raise StateDictError(f"{where} has {v.shape[0]} {v.dtype} elements; this "
-                                     f"optimizer keeps {numel} {dtype} elements (moments: "
+                                     f"optimizer keeps {e.numel} {e.dtype} elements (moments: "
                                      "exp_avg_dtype / exp_avg_sq_dtype)")
-            if (v.offset, v.local_numel) != (offset, size):
+            if (v.offset, v.local_numel) != (e.offset, e.size):
                 raise StateDictError(
                     f"{where} holds elements [{v.offset}, {v.offset + v.local_numel}) on dp "
-                    f"rank {st.dp.rank}, which holds [{offset}, {offset + size}) here "
+                    f"rank {st.dp.rank}, which holds [{e.offset}, {e.offset + e.size}) here "
                     f"(dp size {st.dp.size}): it was saved at another DP size or bucket "
                     "layout; reshard with shardopt.checkpoint or torch.distributed.checkpoint")
             local = v.local
-            if local.dim() != 1 or local.numel() != size or local.dtype != dtype:
+            if local.dim() != 1 or local.numel() != e.size or local.dtype != e.dtype:
                 raise StateDictError(f"{where}: its local tensor is {local.dtype} of shape "
-                                     f"{tuple(local.shape)}, expected ({size},) {dtype}")
+                                     f"{tuple(local.shape)}, expected ({e.size},) {e.dtype}")
             if shard is not None:
                 copies.append(_Copy(shard, name, local))
     return copies

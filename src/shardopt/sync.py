@@ -24,7 +24,6 @@ from .layout import Bucket, Layout
 from .param_watch import Placement, Replacements, moved_message
 from .shard_state import ShardState
 
-
 _grad = attrgetter("grad")
 
 
@@ -35,17 +34,16 @@ class GradSync:
     def __init__(self, dp: comm.DPGroup, buffers: FlatBuffers, layout: Layout,
                  config: OptimizerConfig, named: build.Named,
                  fqn_of: Mapping[torch.nn.Parameter, str], replaced: Replacements) -> None:
-        self.dp, self.buffers, self.config, self.fqn_of = dp, buffers, config, fqn_of
-        self.replaced = replaced
-        self.layout = layout
+        self.dp, self.buffers, self.layout, self.config = dp, buffers, layout, config
+        self.fqn_of, self.replaced = fqn_of, replaced
         self._params = list(fqn_of)
         self.launch_order = build.launch_order(layout, named)
         position = {(b.buffer_index, b.index): i for i, b in enumerate(self.launch_order)}
         self._launch_pos = {fqn: position[(slot.buffer_index, slot.bucket_index)]
                             for fqn, slot in layout.slots.items()}
         # Params that got a gradient on this rank since the last step or zero_grad (their
-        # grad-buffer region holds it); the others hold stale values and are overwritten by
-        # their first gradient or zeroed when their bucket launches.
+        # grad-buffer region holds it); the others' regions are stale until their first
+        # gradient overwrites them or their bucket's launch zeroes them.
         self.written: set[str] = set()
         self._handles: list[object] = []
         self._enabled = True
@@ -70,25 +68,22 @@ class GradSync:
         """The post-accumulate-grad hook of every param (through :func:`.build.grad_hooks`)."""
         fqn = self.fqn_of[param]
         self.check_placed(param, fqn)
-        pos = self._launch_pos[fqn]
-        if pos < self._next_launch:
+        if self._launch_pos[fqn] < self._next_launch:
             raise GradientOrderError(
                 f"[dp rank {self.dp.rank}] gradient for {fqn!r} arrived after its bucket's "
                 f"reduction started: a second backward before step() at DP size {self.dp.size} "
                 "with grad_mode='buffer', whose reduce-scatter kept only this rank's shard of "
                 "the first. Run the micro-batches before the last under optimizer.no_sync(), "
-                "or build the optimizer with OptimizerConfig(grad_mode='torch') (the default), "
-                "where a second backward accumulates as in torch (what a framework's "
-                "gradient_accumulation_steps or accumulate_grad_batches needs); call step() "
-                "or zero_grad() between iterations")
+                "or use grad_mode='torch' (the default), where a second backward accumulates "
+                "as in torch (what a framework's gradient_accumulation_steps or "
+                "accumulate_grad_batches needs); call step() or zero_grad() between iterations")
         hooks = build.post_accumulate_grad_hooks(param)
         if len(hooks) > 1 and not isinstance(next(reversed(hooks)), build.WeakGradHook):
             raise UsageError(
                 f"[dp rank {self.dp.rank}] param {fqn!r} has a post-accumulate-grad hook "
-                "registered after the optimizer was built: with grad_mode='buffer' the "
-                "gradient has left p.grad when it runs, so it would see p.grad None. Build "
-                "the optimizer with grad_mode='torch' (the default), or register the hook "
-                "with p.register_hook (it sees the gradient before it reaches the buffer)")
+                "registered after the optimizer was built: with grad_mode='buffer' it would "
+                "see p.grad None (the gradient has left it). Use grad_mode='torch' (the "
+                "default), or register the hook with p.register_hook")
         g = param.grad
         if g.requires_grad:  # create_graph: not recorded by autograd
             g = g.detach()
@@ -115,10 +110,8 @@ class GradSync:
             self._launch_next()
 
     def check_placed(self, param: torch.nn.Parameter, fqn: str) -> None:
-        """Raise :class:`~shardopt.param_watch.ParamMovedError` if ``param`` no longer lives
-        in its place in the param buffer (``param.data`` re-bound, as
-        ``resize_token_embeddings`` does), before its gradient of another shape or dtype
-        reaches the grad buffer."""
+        """Raise :class:`ParamMovedError` if ``param`` no longer lives in its place in the
+        param buffer (``param.data`` re-bound), before its gradient reaches the grad buffer."""
         self.replaced.check_in_backward()
         if param.data_ptr() != self.buffers.param_views[fqn].data_ptr():
             slot = self.layout.slots[fqn]
@@ -126,12 +119,10 @@ class GradSync:
                 self.layout.buffers[slot.buffer_index].dtype, self.buffers.device, slot.shape)))
 
     def take_assigned(self) -> None:
-        """Grads set by hand (``p.grad = g``: ``torch.autograd.grad``, ``torch.func``,
-        gradient surgery) bypass the hooks that take a backward's grads at once; torch's
-        optimizers step with whatever ``p.grad`` holds, so they are taken here, before
-        ``step()`` reduces, as a backward's would be. As in torch, an assignment replaces
-        the gradient a backward left (it is not added to it); one whose bucket a backward
-        already reduced cannot, and raises before anything changes."""
+        """Take grads set by hand (``p.grad = g``), which bypass the hooks, as a backward's
+        would be: torch's optimizers step with whatever ``p.grad`` holds. An assignment
+        replaces the gradient a backward left; one whose bucket was already reduced raises
+        before anything changes."""
         grads = list(map(_grad, self._params))
         if grads.count(None) == len(grads):
             return
@@ -141,10 +132,9 @@ class GradSync:
             if self._launch_pos[fqn] < self._next_launch:
                 raise GradientOrderError(
                     f"[dp rank {self.dp.rank}] p.grad of {fqn!r} was set by hand after a "
-                    "backward had started reducing its bucket: torch would replace the "
-                    "gradient with it, which a reduced bucket no longer allows. Set it "
-                    "before that backward, or build the optimizer with grad_mode='torch' "
-                    "(the default), where step() takes whatever p.grad holds")
+                    "backward had started reducing its bucket, which no longer allows replacing "
+                    "its gradient. Set it before that backward, or use grad_mode='torch' (the "
+                    "default), where step() takes whatever p.grad holds")
         for p in assigned:
             self.written.discard(self.fqn_of[p])  # replaced, not added to
             self.on_grad_ready(p)
@@ -171,8 +161,7 @@ class GradSync:
             if fqn not in self.written:  # no gradient here this iteration: it counts as zero
                 self.buffers.grad_views[fqn].zero_()
         self._handles.append(
-            comm.reduce_scatter_avg_(self.buffers.bucket_grads(bucket), self.dp, async_op=True)
-        )
+            comm.reduce_scatter_avg_(self.buffers.bucket_grads(bucket), self.dp, async_op=True))
         self._next_launch += 1
 
     def finish(self) -> None:
@@ -224,8 +213,7 @@ class ParamSync:
             if keys:
                 wait = lambda *_, keys=tuple(keys): self._wait(keys)  # noqa: E731
                 hooks.append(module.register_forward_pre_hook(wait))
-                # model.state_dict() (torch.save, an EMA or export of it) reads them too.
-                hooks.append(module.register_state_dict_pre_hook(wait))
+                hooks.append(module.register_state_dict_pre_hook(wait))  # torch.save reads them
         # model.load_state_dict writes the params: no gather may still be writing them.
         hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.finish()))
         return hooks
@@ -245,8 +233,8 @@ class ParamSync:
 
     def publish(self, own_written: bool = False, wait: bool = True) -> None:
         """Collective. Copy main shards into the model-dtype buffer (unless the update wrote
-        them: ``own_written``), then all-gather every bucket, in the order forward uses them.
-        Without ``wait`` the all-gathers stay in flight (see :meth:`finish`)."""
+        them: ``own_written``), then all-gather every bucket, in the order forward uses them;
+        without ``wait`` the all-gathers stay in flight (:meth:`finish`)."""
         self.finish()
         for bucket in reversed(self.launch_order):
             full = self.buffers.bucket_params(bucket)

@@ -1,30 +1,98 @@
-"""The AdamW update of a rank's local shard, by torch's fused AdamW (the reference: it widens
-low-precision moments to fp32 copies and stores them back) or the Triton kernel
-(:mod:`.kernels`: in registers), each param group at its step count (:mod:`.step_plan`)."""
+"""Phase 2 of the schedule: the AdamW update of a rank's local shard, and which params it
+updates at which step count.
+
+The update runs torch's fused AdamW (the reference: low-precision moments through fp32
+copies) or the Triton kernel (:mod:`.kernels`: one pass, moments widened in registers). As
+``torch.optim.AdamW`` does, a param that got no gradient on any DP rank is left alone and its
+own step count stays (``param_steps``, FQN -> updates applied). The common case keeps one
+launch per (buffer, param group): :func:`next_steps` says per group whether all its params
+are updated at one count; other groups are split by :func:`split`. ``got`` is the set of
+FQNs that got a gradient on some rank in this step, or None for all.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
 
-from . import kernels, step_plan
-from .layout import STATE_NAMES
+from . import kernels
+from .layout import STATE_NAMES, ParamShard
 from .shard_state import ShardState
+
+
+def next_steps(param_steps: dict[str, int], group_fqns: Sequence[Sequence[str]],
+               got: frozenset[str] | None) -> list[int | None]:
+    """Per param group: the count all its params reach in this step, when every one of
+    them is updated and they share a count now; else None (the group takes subsets)."""
+    out: list[int | None] = []
+    for fqns in group_fqns:
+        counts = list(map(param_steps.__getitem__, fqns))
+        uniform = bool(counts) and counts.count(counts[0]) == len(counts)
+        out.append(counts[0] + 1 if uniform and (got is None or got.issuperset(fqns)) else None)
+    return out
+
+
+def advance(param_steps: dict[str, int], group_fqns: Sequence[Sequence[str]],
+            got: frozenset[str] | None, steps: Sequence[int | None]) -> None:
+    """Count this step for every param it updated (``steps`` from :func:`next_steps`)."""
+    for fqns, n in zip(group_fqns, steps):
+        if n is not None:
+            param_steps.update(zip(fqns, repeat(n)))
+            continue
+        for fqn in fqns:
+            if got is None or fqn in got:
+                param_steps[fqn] += 1
+
+
+def split(shard_ids: Sequence[int], shards: Sequence[ParamShard], param_steps: dict[str, int],
+          got: frozenset[str] | None) -> dict[tuple[int, int], list[int]]:
+    """(buffer index, count after this step) -> the ids among ``shard_ids`` (indices into
+    ``shards``) of the shards this step updates, in order."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for i in shard_ids:
+        fqn = shards[i].fqn
+        if got is None or fqn in got:
+            out.setdefault((shards[i].buffer_index, param_steps[fqn] + 1), []).append(i)
+    return out
+
+
+class KeptGrads:
+    """The zero grads ``zero_grad(set_to_none=False)`` keeps: torch keeps a zero ``p.grad`` for
+    every param that got a gradient since ``set_to_none=True``, and AdamW steps such a param."""
+
+    def __init__(self) -> None:
+        self.had: set[str] | None = set()  # got a gradient since set_to_none (None: all)
+        self.kept: frozenset[str] | None = frozenset()  # zero grads now (None: all)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if set_to_none:
+            self.had = set()
+        self.kept = (frozenset() if set_to_none else None if self.had is None
+                     else frozenset(self.had))
+
+    def step(self, got: frozenset[str] | None, fqns: Sequence[str]) -> frozenset[str] | None:
+        """``got`` widened by the kept zero grads (then consumed, as step() consumes grads)."""
+        if got is not None and self.kept != frozenset():
+            got = None if self.kept is None or len(got | self.kept) == len(fqns) \
+                else got | self.kept
+        if self.had is not None:
+            self.had = None if got is None else self.had | got
+        self.kept = frozenset()
+        return got
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch of a step: buffer and param group, the step count, the launch
-    table, and the shards it covers when not the group's whole (indices into ``shards``)."""
+    """One kernel launch of a step: buffer and param group, the step count, the launch table."""
 
     buffer_index: int
     group_index: int
     count: int
     table: kernels.ChunkTable
-    shard_ids: tuple[int, ...] | None = None
 
 
 class Update:
@@ -51,17 +119,17 @@ class Update:
 
     def run(self, grad_scale: torch.Tensor | None, steps: list[int | None],
             got: frozenset[str] | None) -> torch.Tensor | None:
-        """Update every param this step updates (``steps``, ``got``: :mod:`.step_plan`) and,
-        with :attr:`fuses_norm`, return the local sum of squared grads (a device scalar)."""
+        """Update every param this step updates (``steps`` from :func:`next_steps`) and, with
+        :attr:`fuses_norm`, return the local sum of squared grads (a device scalar)."""
         if self.kernel == "triton":
-            return self._triton(grad_scale, self.fuses_norm, steps, got)
+            return self._triton(grad_scale, steps, got)
         self._torch(grad_scale, steps, got)
         return None
 
-    def _triton(self, grad_scale: torch.Tensor | None, sum_sq: bool,
-                steps: list[int | None], got: frozenset[str] | None) -> torch.Tensor | None:
-        """Two kernel launches per (buffer, param group), or per (buffer, param group, step
-        count) for a group not updated whole at one count: update and write the params."""
+    def _triton(self, grad_scale: torch.Tensor | None, steps: list[int | None],
+                got: frozenset[str] | None) -> torch.Tensor | None:
+        # Two launches per (buffer, param group), or per (buffer, param group, step count)
+        # for a group not updated whole at one count.
         state = self.state
         if self.chunk_tables is None:
             ids: dict[tuple[int, int], list[int]] = {}
@@ -72,12 +140,11 @@ class Update:
                     for (bi, gi), table in self.chunk_tables.items() if steps[gi] is not None]
         for gi, n in enumerate(steps):
             if n is None:
-                parts = step_plan.split(self.group_shards[gi], state.shards, self.param_steps,
-                                        got)
-                launches += [Launch(bi, gi, count, self._subset_table(tuple(ids)), tuple(ids))
+                parts = split(self.group_shards[gi], state.shards, self.param_steps, got)
+                launches += [Launch(bi, gi, count, self._subset_table(tuple(ids)))
                              for (bi, count), ids in parts.items()]
         partials = None
-        if sum_sq:
+        if self.fuses_norm:
             partials = torch.empty(sum(launch.table.num_blocks for launch in launches),
                                    dtype=torch.float32, device=state.device)
         moments = state.device_moments()
@@ -94,12 +161,11 @@ class Update:
                 main_global=main is None, lr=float(group["lr"]), beta1=group["betas"][0],
                 beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
                 step=launch.count, grad_scale=grad_scale,
-                sum_sq=None if partials is None else partials[first:first + table.num_blocks],
-            )
+                sum_sq=None if partials is None else partials[first:first + table.num_blocks])
             first += table.num_blocks
         return None if partials is None else partials.sum()
 
-    def _chunk_table(self, shard_ids: tuple[int, ...] | list[int]) -> kernels.ChunkTable:
+    def _chunk_table(self, shard_ids: Sequence[int]) -> kernels.ChunkTable:
         """The Triton launch table of ``shards[i]`` for ``i`` in ``shard_ids`` (one buffer)."""
         state = self.state
         parts = []
@@ -114,7 +180,7 @@ class Update:
         return kernels.chunk_table(parts, state.device)
 
     def _subset_table(self, shard_ids: tuple[int, ...]) -> kernels.ChunkTable:
-        """Cached: once a param skipped a step its group splits in every later step too."""
+        # Cached: once a param skipped a step its group splits in every later step too.
         table = self._subset_tables.get(shard_ids)
         if table is None:
             if len(self._subset_tables) >= 256:  # patterns that keep changing (MoE): bounded
@@ -123,9 +189,9 @@ class Update:
         return table
 
     def _torch(self, grad_scale: torch.Tensor | None, steps: list[int | None],
-              got: frozenset[str] | None) -> None:
-        """torch's fused AdamW on the fp32 main params of each param group (the params this
-        step updates, each at its own count); low-precision moments through fp32 copies."""
+               got: frozenset[str] | None) -> None:
+        # torch's fused AdamW on the fp32 main params of each param group (the params this
+        # step updates, each at its own count); low-precision moments through fp32 copies.
         state = self.state
         shards = state.shards
         grads = self._grad_shards()
@@ -167,21 +233,20 @@ class Update:
                     moment.store_(w)
 
     def _state_views(self) -> list[list[list[torch.Tensor]]]:
-        """Per param group: views of main params, exp_avg, exp_avg_sq (cached until a record's
-        device tensor changes)."""
+        # Per param group: views of main params, exp_avg, exp_avg_sq (cached until a record's
+        # device tensor changes).
         state = self.state
         if self._views is None or self._views_of != state.generation:
             self._views = [
                 [[state.view(name, state.shards[i]) for i in idx] for name in STATE_NAMES]
-                for idx in self.group_shards
-            ]
+                for idx in self.group_shards]
             self._views_of = state.generation
         return self._views
 
     def _grad_shards(self) -> list[torch.Tensor]:
-        """This rank's grad of each shard in fp32: views of the step's grads where they are
-        fp32; where they are the bf16/fp16 copy of an fp32 grad buffer, that buffer's part of
-        this rank, overwritten with the copy's values (``p.grad`` counts); else fp32 copies."""
+        # This rank's grad of each shard in fp32: views of the step's grads where they are
+        # fp32; where they are the bf16/fp16 copy of an fp32 grad buffer, that buffer's part of
+        # this rank, overwritten with the copy's values (p.grad counts); else fp32 copies.
         state, buffers = self.state, self.state.buffers
         if self._fp32_grads is None:
             self._fp32_grads = {}

@@ -1,12 +1,12 @@
 """Loud errors for a model trained the wrong way around its optimizer: wrapped in
-``DistributedDataParallel`` (which would reduce the gradients a second time, over the
-optimizer's) or deep-copied after the optimizer was built (whose params it does not hold).
+``DistributedDataParallel`` (which would reduce the gradients a second time) or deep-copied
+after the optimizer was built (whose params it does not hold). No communication.
 
 :class:`WrapGuard` puts one forward pre-hook on the model: its forward inside a DDP forward
 raises :class:`WrappedModelError`, naming the framework adapters. A deep copy of the model
 gets a copy of the hook that notes the copy's first param to get a gradient; ``step()``
 raises if one did while none of the optimizer's own params got one. Pickling the model stores
-an inert hook. No communication.
+an inert hook.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+
 from .errors import WrappedModelError
 
 ADAPTERS = (
@@ -33,9 +34,7 @@ class WrapGuard:
     def __init__(self, grad_sync: Any, model: torch.nn.Module) -> None:
         self.sync = weakref.ref(grad_sync)
         self.model = weakref.ref(model)
-        # FQN of the first param of a deep copy of the model that got a gradient since the
-        # last step, and of which copy.
-        self.copy_grad: str | None = None
+        self.copy_grad: str | None = None  # a deep copy's first param to get a gradient
         self._ddp_holds: weakref.WeakKeyDictionary[torch.nn.Module, bool] = \
             weakref.WeakKeyDictionary()
         self.handle = model.register_forward_pre_hook(_ForwardCheck(weakref.ref(self)))
@@ -71,8 +70,7 @@ class WrapGuard:
                    if name not in ignored)
 
     def copy_got_grad(self, fqn: str) -> None:
-        """A param of a deep copy of the model got a gradient (its hook, registered by the
-        copy's first forward)."""
+        """A param of a deep copy of the model got a gradient (the hook of its first forward)."""
         if self.copy_grad is None:
             self.copy_grad = fqn
 

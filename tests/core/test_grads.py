@@ -29,9 +29,7 @@ from helpers.checks import bits
 from helpers.dist import run_distributed
 from helpers.models import FP32_TOL
 from shardopt import DistributedOptimizer, FlatShard, OptimizerConfig, ParamMovedError
-from shardopt.comm import ProcessGroupError
-from shardopt.guards import UsageError
-from shardopt.sync import GradientOrderError
+from shardopt.errors import GradientOrderError, ProcessGroupError, UsageError
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

@@ -105,8 +105,17 @@ def test_triton_kernel_unavailable_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda device: False)
     with pytest.raises(ValueError, match="step_kernel='triton' needs Triton"):
         DistributedOptimizer(torch.nn.Linear(2, 2), OptimizerConfig(step_kernel="triton"))
-    opt = DistributedOptimizer(torch.nn.Linear(2, 2), OptimizerConfig(step_kernel="auto"))
-    assert opt._update.kernel == "torch"
+    # "auto" falls back to torch's fused AdamW: the same bits as step_kernel="torch".
+    params = {}
+    for kernel in ("auto", "torch"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+        opt = DistributedOptimizer(model, OptimizerConfig(step_kernel=kernel))
+        model(torch.ones(3, 2, dtype=torch.bfloat16)).float().square().sum().backward()
+        opt.step()
+        params[kernel] = [opt.shard_state.view("master_param", s).clone()
+                          for s in opt.shard_state.shards]
+    assert all(torch.equal(a, b) for a, b in zip(params["auto"], params["torch"]))
 
 
 def test_step_kernel_is_validated():

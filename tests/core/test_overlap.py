@@ -30,10 +30,10 @@ def _overlap_rank(rank: int, world_size: int, backend: str, overlap: bool) -> di
         opt.step()
         opt.zero_grad()
         history.append(float(loss))
-    in_flight = len(opt._param_sync.handles)
+    in_flight = opt.shard_state.gathers_in_flight
     with torch.no_grad():  # each module's pre-hook waits for (and drops) its buckets' gathers
         model(tokens[0, 0, rank].to(device), targets[0, 0, rank].to(device), True)
-    after_forward = len(opt._param_sync.handles)
+    after_forward = opt.shard_state.gathers_in_flight
     opt.shard_state.finish_param_sync()
     return {"losses": history, "params": param_copies(model), "in_flight": in_flight,
             "after_forward": after_forward}
@@ -61,9 +61,9 @@ def _overlap_state_dict_rank(rank: int, world_size: int) -> dict[str, Any]:
     tokens, targets = sc.batches()
     model(tokens[0, 0, rank], targets[0, 0, rank], False).backward()
     opt.step()
-    in_flight = len(opt._param_sync.handles)
+    in_flight = opt.shard_state.gathers_in_flight
     saved = {k: v.clone() for k, v in model.state_dict().items()}  # as torch.save would read
-    left = len(opt._param_sync.handles)
+    left = opt.shard_state.gathers_in_flight
     opt.shard_state.finish_param_sync()
     return {"in_flight": in_flight, "left": left, "saved": saved, "params": param_copies(model)}
 

@@ -23,7 +23,7 @@ from helpers.dist import run_distributed
 from helpers.models import (MixedLM, STATE_NAMES, build, live_optimizer_state, make_config,
                             param_groups, train)
 from shardopt import DistributedOptimizer, FlatShard
-from shardopt.state_dict import StateDictError
+from shardopt.errors import StateDictError
 
 SAVE_STEP, END_STEP = 3, 6
 
@@ -306,7 +306,7 @@ def test_optimizer_state_writes_take_effect_or_raise():
     changes the state (a framework moving the state between devices assigns each tensor
     back). Removing an entry, assigning something else, or writing into ``step`` (a copy)
     cannot reach the sharded state: it raises instead of being silently dropped."""
-    from shardopt.state_dict import StateWriteError
+    from shardopt.errors import StateWriteError
 
     model, opt = build(0)
     train(model, opt, range(2), 0, 1)

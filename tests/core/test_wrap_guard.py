@@ -13,7 +13,7 @@ from torch import nn
 
 from helpers.dist import run_distributed
 from shardopt import DistributedOptimizer, OptimizerConfig
-from shardopt.wrap_guard import WrappedModelError
+from shardopt.errors import WrappedModelError
 
 
 def _model() -> nn.Module:

@@ -39,7 +39,7 @@ def write_weights(model: MixedMLP, how: str, opt: DistributedOptimizer) -> None:
         opt.reload_model_params()
         return
     model.load_state_dict(fresh.state_dict())
-    assert not opt._param_sync.handles  # it waited for gathers still in flight before writing
+    assert opt.shard_state.gathers_in_flight == 0  # it waited for them before writing
     ema = {f: p.detach() * 0.5 + 0.25 for f, p in model.c.named_parameters()}
     with torch.no_grad():
         model.a.weight.zero_()
@@ -166,7 +166,8 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     model = MixedMLP()
     opt = DistributedOptimizer(model, mlp_config("torch"))
     mlp_train_step(model, opt, 0, 0, [frozenset()])
-    held = [t.clone() for t in opt._buffers.param_buffers + [h.device for h in opt.shard_state.held.values() if h.kind == "main_params"]]
+    held = [h.device.clone() for h in opt.shard_state.held.values()
+            if h.kind in ("params", "main_params")]
     steps = dict(opt.param_steps)
     {"float": model.float, "double": lambda: model.to(torch.float64), "half": model.half}[move]()
     # d (fp16) is first to get a gradient; "half" leaves it as it was and moves a, b, c.
@@ -184,7 +185,7 @@ def test_cast_model_is_a_clear_error_naming_the_param(move):
     with pytest.raises(ParamMovedError, match=r"'a\.weight'"):
         opt.reload_model_params()
     assert opt.param_steps == steps  # the failed step changed nothing
-    now = opt._buffers.param_buffers + [h.device for h in opt.shard_state.held.values() if h.kind == "main_params"]
+    now = [h.device for h in opt.shard_state.held.values() if h.kind in ("params", "main_params")]
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(held, now))
 
 

@@ -24,7 +24,7 @@ from helpers.dist import launcher_env, runs_at_two_sizes  # noqa: E402
 from shardopt import (  # noqa: E402
     DistributedOptimizer, OptimizerConfig, ParamMovedError, checkpoint)
 from shardopt.integrations.accelerate import prepare  # noqa: E402
-from shardopt.wrap_guard import WrappedModelError  # noqa: E402
+from shardopt.errors import WrappedModelError  # noqa: E402
 
 LR, CLIP, EPOCHS = 2e-2, 0.3, 2
 SAMPLES, MICRO_BATCH = 32, 4  # over all processes: 8 micro-batches an epoch, 4 steps of 2

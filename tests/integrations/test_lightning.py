@@ -23,7 +23,7 @@ from helpers.checks import (  # noqa: E402
 from helpers.dist import runs_at_two_sizes  # noqa: E402
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint  # noqa: E402
 from shardopt.integrations.lightning import ShardoptStrategy  # noqa: E402
-from shardopt.wrap_guard import WrappedModelError  # noqa: E402
+from shardopt.errors import WrappedModelError  # noqa: E402
 
 LR, CLIP, STEPS_PER_EPOCH, EPOCHS = 2e-2, 0.3, 4, 2
 SAMPLES, MICRO_BATCH = 32, 4  # over all processes; 8 micro-batches an epoch: 4 steps of 2

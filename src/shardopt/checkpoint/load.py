@@ -202,7 +202,8 @@ def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, ver
     _check_compatible(m, model, opt)
     steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
     hparams = [{} for _ in opt.param_groups] if keep_hyper else _group_hyperparameters(m, opt)
-    moments, fresh = opt.shard_state.load_target(host)
+    target = opt.shard_state.load_target(host)
+    moments, fresh = target.moments, target.new
     dp = opt.shard_state.dp
     rng_file = data_file_name("rng", dp.rank) if m.dp_size == dp.size else None
     files = DataFiles(m, [f.name for f in m.data_files()] + ([rng_file] if rng_file else []))
