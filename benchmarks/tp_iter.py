@@ -7,7 +7,8 @@ it with ``DistributedOptimizer(process_group=mesh["dp"])``. Recorded: seconds pe
 (forward and backward, then the step, each between barriers: median and max over ranks of each
 rank's median over ``--iters`` after ``--warmup``), the step alone, peak GPU memory, then a
 checkpoint save at this layout and its load at ``--load-tp`` (default: no TP, DP the whole
-world) with the exports compared. One JSON under ``--out``. Needs ``dp * tp`` GPUs (``--device cuda``); ``--device cpu --preset tiny`` runs on gloo.
+world) with the exports compared. One JSON under ``--out``. Needs ``dp * tp`` GPUs
+(``--device cuda``); ``--device cpu --preset tiny`` runs on gloo.
 
     PYTHONPATH=src python3 benchmarks/tp_iter.py --tp 2 --dp 4 --out $OUT        # 8 GPUs
     PYTHONPATH=src python3 benchmarks/tp_iter.py --tp 4 --dp 2 --out $OUT

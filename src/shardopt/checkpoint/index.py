@@ -1,8 +1,8 @@
 """Chunk index: which stored bytes fill which elements of a stored tensor.
 
-Pure overlap arithmetic over 1-D chunks (the model-space analogue of DCP's resharding): the same
-code serves loading at the saved DP size and at any other. A key saved in tensor-parallel
-blocks, or read into one, is matched as N-D boxes of its global tensor instead
+Pure overlap arithmetic over 1-D chunks (the model-space analogue of DCP's resharding): the
+same code serves loading at the saved DP size and at any other. A key saved in
+tensor-parallel blocks, or read into one, is matched as N-D boxes of its global tensor instead
 (:mod:`shardopt.boxes`), for any change of DP, TP and EP. :mod:`.manifest` checks the tiling.
 """
 
@@ -19,13 +19,13 @@ from .format import StoredChunk
 
 @dataclass(frozen=True)
 class ReadRequest:
-    """Copy ``numel`` elements at byte ``file_start`` of ``file`` to element ``dest_start``."""
+    """Copy ``numel`` elements at byte ``file_start`` of ``file`` to element ``dest_start`` of
+    the destination."""
 
-    key: str
     file: str
     file_start: int
     numel: int
-    dest_start: int  # element offset in the destination tensor
+    dest_start: int
 
 
 class ChunkIndex:
@@ -33,15 +33,14 @@ class ChunkIndex:
 
     def __init__(self, chunks: Iterable[StoredChunk],
                  shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
-        by_key: dict[str, list[StoredChunk]] = {}
+        self._chunks: dict[str, list[StoredChunk]] = {}
         for c in chunks:
-            by_key.setdefault(c.key, []).append(c)
-        for cs in by_key.values():
+            self._chunks.setdefault(c.key, []).append(c)
+        for cs in self._chunks.values():
             cs.sort(key=lambda c: c.offset)
-        self._chunks = by_key
-        self._starts = {k: [c.offset for c in cs] for k, cs in by_key.items()}
+        self._starts = {k: [c.offset for c in cs] for k, cs in self._chunks.items()}
         self._shapes = dict(shapes or {})
-        self._boxed = {k for k, cs in by_key.items() if any(c.boxes for c in cs)}
+        self._boxed = {k for k, cs in self._chunks.items() if any(c.boxes for c in cs)}
         self._boxes: dict[str, list[tuple[StoredChunk, Box, int]]] = {}
 
     def plan(self, key: str, want: Range, block: Box | None = None) -> list[ReadRequest]:
@@ -52,20 +51,14 @@ class ChunkIndex:
         if block is not None or key in self._boxed:
             return self._plan_boxes(key, want, block)
         chunks = self._chunks[key]
-        i = max(0, bisect.bisect_right(self._starts[key], want.start) - 1)
         out = []
-        while i < len(chunks) and chunks[i].offset < want.end:
-            c = chunks[i]
+        for c in chunks[max(0, bisect.bisect_right(self._starts[key], want.start) - 1):]:
+            if c.offset >= want.end:
+                break
             hit = want.intersect(Range(c.offset, c.offset + c.numel))
             if hit is not None:
-                out.append(ReadRequest(
-                    key=key,
-                    file=c.file,
-                    file_start=c.data_start + (hit.start - c.offset) * c.dtype.itemsize,
-                    numel=hit.size,
-                    dest_start=hit.start - want.start,
-                ))
-            i += 1
+                out.append(ReadRequest(c.file, c.data_start + (hit.start - c.offset) *
+                                       c.dtype.itemsize, hit.size, hit.start - want.start))
         return out
 
     def _plan_boxes(self, key: str, want: Range, block: Box | None) -> list[ReadRequest]:
@@ -75,9 +68,8 @@ class ChunkIndex:
         for dest in flat_boxes(block or Box.whole(shape), want):
             for c, box, first in stored:
                 for r in runs(box, dest):
-                    out.append(ReadRequest(key, c.file,
-                                           c.data_start + (first + r.src) * c.dtype.itemsize,
-                                           r.numel, pos + r.dst))
+                    out.append(ReadRequest(c.file, c.data_start + (first + r.src) *
+                                           c.dtype.itemsize, r.numel, pos + r.dst))
             pos += dest.numel
         return out
 

@@ -1,11 +1,11 @@
 """Model-space view of one rank's state: what it saves and where what it loads goes.
 
-Keyed by FQN, all flat 1-D: model weights as ``"{fqn}"`` in the model dtype, optimizer state
-as ``"{fqn}.master_param"`` (fp32) and ``"{fqn}.exp_avg"``, ``"{fqn}.exp_avg_sq"`` in the
-moments' storage dtype (8-bit codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.). A rank's
-chunks are exactly its :class:`~shardopt.layout.ParamShard` records (those
-``shard_state.parallel.saved_shards`` keeps: one copy of each replicated piece); a tensor-parallel
-param's count in its block of the global tensor (``shard_state.parallel.blocks``).
+Keyed by FQN, all flat 1-D: weights as ``"{fqn}"`` in the model dtype, ``"{fqn}.master_param"``
+(fp32), ``"{fqn}.exp_avg"`` and ``"{fqn}.exp_avg_sq"`` in the moments' storage dtype (8-bit
+codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.). A rank's chunks are its
+:class:`~shardopt.layout.ParamShard` records (``shard_state.parallel.saved_shards``: one
+copy of each replicated piece); a tensor-parallel param's count in its block of the global
+tensor (``shard_state.parallel.blocks``).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from torch.distributed.tensor import DTensor
 from ..boxes import Box
 from ..config import GROUP_KEYS
 from ..errors import CheckpointError
-from ..layout import Range
+from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
-from .format import dtype_name
+from .format import dtype_name, state_file_kind
 from .manifest import MomentEncoding
-from .storage import WriteEntry
+from .storage import Job, WriteEntry
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,8 @@ class Destination:
 
 def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer,
                    check_model: bool = False) -> dict[str, torch.Tensor]:
-    """State-dict tensors the optimizer does not own (frozen params, persistent buffers).
-    With ``check_model``, also ``shard_state.check_model`` on the params the same
-    walk of the model found (one walk instead of two: an asynchronous save's call)."""
+    """State-dict tensors the optimizer does not own (frozen params, persistent buffers);
+    with ``check_model``, ``shard_state.check_model`` on the params the same walk found."""
     sd = model.state_dict(keep_vars=True)
     if check_model:
         params: dict[int, tuple[str, torch.Tensor]] = {}  # named_parameters(): first name
@@ -65,25 +64,21 @@ def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer,
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for fqn, t in sd.items():
-        if (not isinstance(t, torch.Tensor) or fqn in opt.layout.slots
-                or fqn in opt.shard_state.aliases):
-            continue
-        if id(t) in seen:
-            continue
-        if isinstance(t, DTensor):
-            raise CheckpointError(f"tensor {fqn!r} is a DTensor that the optimizer does not "
-                                  "train: checkpoints hold frozen tensors and buffers as plain "
-                                  "tensors only")
-        seen.add(id(t))
-        out[fqn] = t
+        if (isinstance(t, torch.Tensor) and fqn not in opt.layout.slots
+                and fqn not in opt.shard_state.aliases and id(t) not in seen):
+            if isinstance(t, DTensor):
+                raise CheckpointError(f"tensor {fqn!r} is a DTensor that the optimizer does not "
+                                      "train: checkpoints hold frozen tensors and buffers as "
+                                      "plain tensors only")
+            seen.add(id(t))
+            out[fqn] = t
     return out
 
 
 @dataclass(frozen=True)
 class ParamFacts:
-    """What the manifest's ``params`` table says that can change after a save's call (step
-    counts, hyperparameters, frozen tensors), copied at the call, which stays short;
-    :func:`describe` builds the table from it later."""
+    """What of the manifest's ``params`` table can change after a save's call (steps,
+    hyperparameters, frozen tensors), copied at the call; :func:`describe` builds the table."""
 
     steps: dict[str, int]
     groups: list[dict]
@@ -101,26 +96,24 @@ class ParamFacts:
 def describe(opt: DistributedOptimizer, facts: ParamFacts) -> dict[str, dict]:
     """Manifest ``params`` table: shape, dtype, trainable, step and hyperparameters per FQN."""
     table: dict[str, dict] = {}
-    st = opt.shard_state
+    par = opt.shard_state.parallel
     for fqn, slot in opt.layout.slots.items():
         table[fqn] = {
-            "shape": list(st.parallel.global_shapes[fqn]),
+            "shape": list(par.global_shapes[fqn]),
             "dtype": dtype_name(opt.layout.buffers[slot.buffer_index].dtype),
             "trainable": True,
             "step": facts.steps[fqn],
-            "group": dict(facts.groups[st.group_of[fqn]]),
+            "group": dict(facts.groups[opt.shard_state.group_of[fqn]]),
         }
-        if fqn in st.parallel.placements:
-            table[fqn]["placements"] = list(st.parallel.placements[fqn])
+        if fqn in par.placements:
+            table[fqn]["placements"] = list(par.placements[fqn])
     return table | facts.frozen
 
 
 def sources(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
             ) -> dict[str, torch.Tensor]:
-    """The flat tensors everything :func:`model_entries` and :func:`optim_entries` write
-    is a view of: the optimizer's ``shard_state.sources()`` and, on rank
-    0, the ``frozen`` tensors (:func:`frozen_tensors`) flattened (a view where they are
-    contiguous)."""
+    """The flat tensors all that :func:`contents` writes views: ``shard_state.sources()``
+    and (rank 0) the ``frozen`` tensors flattened (views where contiguous)."""
     out = opt.shard_state.sources()
     if opt.shard_state.dp.rank == 0:
         out.update({f"frozen.{fqn}": t.detach().reshape(-1) for fqn, t in frozen.items()})
@@ -130,12 +123,12 @@ def sources(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
 def model_entries(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
                   ) -> list[WriteEntry]:
     """Model weights this rank writes: its shards of trainable params, and (rank 0) the
-    ``frozen`` tensors (:func:`frozen_tensors`)."""
-    blocks = opt.shard_state.parallel.blocks
+    ``frozen`` tensors."""
+    par = opt.shard_state.parallel
     out = [
         WriteEntry(s.fqn, opt.layout.buffers[s.buffer_index].dtype, s.range_param.size,
-                   s.range_param.start, opt.shard_state.view("params", s), blocks.get(s.fqn))
-        for s in opt.shard_state.parallel.saved_shards
+                   s.range_param.start, opt.shard_state.view("params", s), par.blocks.get(s.fqn))
+        for s in par.saved_shards
     ]
     if opt.shard_state.dp.rank == 0:
         for fqn, t in frozen.items():
@@ -172,6 +165,14 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
     return out
 
 
+def contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
+    """Coordinator-free. What this rank writes of the state, by file kind."""
+    out = {"model": model_entries(opt, frozen)}
+    for name in STATE_NAMES:
+        out.setdefault(state_file_kind(name), []).extend(optim_entries(opt, name))
+    return [Job(kind, entries) for kind, entries in out.items()]
+
+
 def check_quantized(opt: DistributedOptimizer, fqn: str) -> None:
     """8-bit moments' scales count blocks of a flattened tensor: of the global tensor only."""
     if fqn in opt.shard_state.parallel.blocks:
@@ -184,8 +185,8 @@ def check_quantized(opt: DistributedOptimizer, fqn: str) -> None:
 def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
                  saved: dict[str, MomentEncoding]) -> list[Destination]:
     """Where this rank's loaded data goes: master params and frozen tensors in place, moments
-    into tensors allocated later (those stored as ``opt`` stores them; the others are for
-    :mod:`.convert`). Trainable weights are not read: the master params rebuild them."""
+    stored as ``opt`` stores them into tensors allocated later (the others: :mod:`.convert`).
+    Trainable weights are not read: the master params rebuild them."""
     out = []
     mine = encodings(opt)
     for s in opt.shard_state.shards:
