@@ -30,17 +30,18 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import build, comm, guards, host_state, quant, step_plan
+from . import build, comm, guards, host_state, muon, quant, step_plan
 from . import state_dict as state_dicts
 from .build import Named, ParamGroupFn
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .grad_norm import GradNorm
 from .host_state import HostState
-from .layout import STATE_NAMES, Layout, ParamShard, ParamSpec, build_layout
+from .layout import STATE_NAMES, Layout, ParamShard, ParamSpec
 from .local_state import LocalState
 from .model_state import StateDictCopies
-from .moments import Moments
+from .moments import MOMENTUM, NAMES, Moments
+from .muon_update import MuonUpdate
 from .param_grads import ParamGrads
 from .param_watch import ParamWatch, Replacements
 from .shard_state import DEVICE, KINDS, STAGED, Held, ShardState
@@ -80,41 +81,56 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.config = config if config is not None else OptimizerConfig()
         dp = comm.DPGroup.resolve(process_group)
         named, device = build.trainable(model)
-        self._init_layout(model, named, dp, device)
-        self._init_groups(named, param_group_fn)
+        defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
+                    "weight_decay": self.config.weight_decay}
+        groups = self._init_layout(model, named, dp, device, defaults, param_group_fn)
+        self._init_groups(groups, defaults)
         self.shard_state = ShardStateAccess(self)
         self.state = LocalState(self)  # torch's defaultdict, computed on access
         self._init_sync(model, named)
 
     def _init_layout(self, model: torch.nn.Module, named: Named, dp: comm.DPGroup,
-                     device: torch.device) -> None:
-        """Collective: the ranks agree on params and settings, then lay the params out."""
-        specs = [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named]
-        guards.check_same_layout(dp, specs, self.config, guards.ownership_problem(named))
-        self.layout: Layout = build_layout(specs, dp.size, self.config.bucket_numel,
-                                           *build.alignment(self.config))
+                     device: torch.device, defaults: dict[str, Any],
+                     param_group_fn: ParamGroupFn | None) -> list[dict[str, Any]]:
+        """Collective: group the params (Muon's are laid out whole), the ranks agree on params
+        and settings, then lay the params out; returns the param groups."""
+        groups, problem = [], guards.ownership_problem(named)
+        try:
+            groups = build.param_groups(named, defaults, param_group_fn)
+        except ValueError as e:  # raised on every rank by the agreement below
+            problem = problem or str(e)
+        whole = {id(p) for g in groups if muon.is_muon(g) for p in g["params"]}
+        specs = [ParamSpec(fqn, tuple(p.shape), p.dtype, id(p) in whole) for fqn, p in named]
+        guards.check_same_layout(dp, specs, self.config, problem)
+        self.layout: Layout = muon.plan_layout(specs, dp.size, self.config.bucket_numel,
+                                               *build.alignment(self.config))
         self._buffers = FlatBuffers(named, self.layout, device, self.config.grad_dtype,
                                     self.config.param_grads)
         self._state = ShardState(self.layout, self._buffers, dp, self.config, device)
         self._aliases = build.tied_aliases(model)
         self._fqn_of = {p: fqn for fqn, p in named}
         self._fqns = tuple(fqn for fqn, _ in named)
+        return groups
 
-    def _init_groups(self, named: Named, param_group_fn: ParamGroupFn | None) -> None:
-        defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
-                    "weight_decay": self.config.weight_decay}
-        super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
+    def _init_groups(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        super().__init__(groups, defaults)
         self._groups_final = True
         self._group_of = {self._fqn_of[p]: gi for gi, g in enumerate(self.param_groups)
                           for p in g["params"]}
         self._group_fqns = [[self._fqn_of[p] for p in g["params"]] for g in self.param_groups]
         group_shards = [[i for i, s in enumerate(self._state.shards) if self._group_of[s.fqn] == gi]
                         for gi in range(len(self.param_groups))]
+        # AdamW updates the shards of AdamW's groups, Muon those of Muon's.
+        is_muon = [muon.is_muon(g) for g in self.param_groups]
+        adamw_shards = [[] if m else ids for ids, m in zip(group_shards, is_muon)]
+        muon_shards = [ids if m else [] for ids, m in zip(group_shards, is_muon)]
         # Updates applied to each param (torch's state[p]["step"]; :mod:`.step_plan`).
         self.param_steps: dict[str, int] = {fqn: 0 for fqn in self._fqns}
         kernel = build.choose_kernel(self.config, self._state.device)
-        self._update = Update(self._state, kernel, self.param_groups, group_shards,
+        self._update = Update(self._state, kernel, self.param_groups, adamw_shards,
                               self._group_of, self.param_steps)
+        self._muon = MuonUpdate(self._state, self.param_groups, muon_shards,
+                                self._update.writes_params)
 
     def _init_sync(self, model: torch.nn.Module, named: Named) -> None:
         """Phases 1 and 3 of the schedule, the norm between them, and the checks around them."""
@@ -180,6 +196,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         got = self._kept_grads.step(grads.got, self._fqns)
         steps = step_plan.next_steps(self.param_steps, self._group_fqns, got)
         sq = self._update.run(grads.grad_scale, steps, got)
+        self._muon.run(grads.grad_scale, got)
         if sq is not None:
             self._grad_norm = self._norm.finish(sq)
         step_plan.advance(self.param_steps, self._group_fqns, got, steps)
@@ -338,6 +355,10 @@ class ShardStateAccess:
         self.aliases: Mapping[str, str] = MappingProxyType(opt._aliases)  # alias FQN -> FQN
         self.group_of: Mapping[str, int] = MappingProxyType(opt._group_of)
         self.moment_kinds: Mapping[str, torch.dtype | str] = MappingProxyType(state.kinds)
+        # Per param FQN, its moments: Adam's, or Muon's momentum buffer (fp32).
+        self.moment_names: Mapping[str, tuple[str, ...]] = MappingProxyType({
+            fqn: (MOMENTUM,) if opt.layout.buffers[slot.buffer_index].whole else NAMES
+            for fqn, slot in opt.layout.slots.items()})
         self.held: Mapping[str, Held] = MappingProxyType(state.held)  # the records, by name
         # Kept for the layers above as long as the optimizer lives, never read by it: where
         # checkpoint.load says the state came from, and objects under their module's name.

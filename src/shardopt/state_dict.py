@@ -10,7 +10,8 @@ by param FQN, never by position::
 Every trainable param has an entry on every rank; each state tensor is a
 :class:`~shardopt.flat_shard.FlatShard` of this rank's range of the param's flattened state
 (possibly empty), viewing the live state, so DCP saves and loads it at any DP size. Before
-the first step the moments' FlatShards make host zeros on demand. bf16/int8 moments appear as
+the first step the moments' FlatShards make host zeros on demand. A Muon param has
+``"momentum_buffer"`` (fp32) in place of the Adam moments. bf16/int8 moments appear as
 stored (int8 with ``"{moment}.scale"`` entries), with ``"{moment}_dtype"`` naming how they
 were kept; ``load_state_dict`` refuses a dict whose 8-bit moments were kept otherwise.
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import comm, quant
+from . import comm, muon, quant
 from .moments import NAMES as MOMENTS
 from .config import GROUP_KEYS, INT8, dtype_name, group_value
 from .flat_shard import FlatShard
@@ -47,11 +48,12 @@ def _numel(opt: Any, fqn: str) -> int:
     return math.prod(opt.layout.slots[fqn].shape)
 
 
-def names(opt: Any) -> list[str]:
-    """The state entries of each param: moments (with ``".scale"`` entries for 8-bit ones),
-    then the master param."""
+def names(opt: Any, fqn: str) -> list[str]:
+    """The state entries of param ``fqn``: its moments (Adam's, with ``".scale"`` entries
+    for 8-bit ones, or Muon's ``momentum_buffer``), then the master param."""
     out = []
-    for name, kind in opt.shard_state.moment_kinds.items():
+    for name in opt.shard_state.moment_names[fqn]:
+        kind = opt.shard_state.moment_kinds.get(name)
         out += [name, f"{name}.scale"] if kind == INT8 else [name]
     return out + ["master_param"]
 
@@ -75,7 +77,7 @@ def _expected(opt: Any, name: str, fqn: str, shard: ParamShard | None) -> _Expec
         return _Expected(torch.float32, quant.num_scales(numel), r.start, r.size)
     if name == "master_param":
         return _Expected(torch.float32, numel, r.start, r.size)
-    kind = opt.shard_state.moment_kinds[name]
+    kind = opt.shard_state.moment_kinds.get(name, torch.float32)  # Muon's: fp32
     return _Expected(quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, r.start, r.size)
 
 
@@ -142,11 +144,12 @@ def _build(opt: Any) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for fqn in st.fqn_of.values():
         entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
-        for name in names(opt):
+        for name in names(opt, fqn):
             entry[name] = _value(opt, name, fqn, st.shard_of.get(fqn))
         entry["param_dtype"] = dtype_name(opt.layout.buffers[
             opt.layout.slots[fqn].buffer_index].dtype)
-        entry.update({f"{name}_dtype": kind for name, kind in _kind_names(opt).items()})
+        if st.moment_names[fqn] == MOMENTS:
+            entry.update({f"{name}_dtype": kind for name, kind in _kind_names(opt).items()})
         state[fqn] = entry
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [st.fqn_of[p] for p in g["params"]]} for g in opt.param_groups]
@@ -270,6 +273,17 @@ def _check_groups(opt: Any, groups: list) -> list[dict[str, Any]]:
             v = values[key] = group_value(key, g.get(key))
             if v is None:
                 raise StateDictError(f"param group {gi} (with {first!r}) has {key}={g.get(key)!r}")
+        if muon.is_muon(g) != muon.is_muon(opt.param_groups[gi]):
+            def kind(group: Mapping) -> str:
+                return "Muon" if muon.is_muon(group) else "AdamW"
+            raise StateDictError(f"param group {gi} (with {first!r}) is {kind(g)}'s in the "
+                                 f"state dict but {kind(opt.param_groups[gi])}'s here (another "
+                                 "param_group_fn?)")
+        if muon.is_muon(g):
+            try:
+                values.update(muon.settings_of(g).group())
+            except ValueError as e:
+                raise StateDictError(f"param group {gi} (with {first!r}): {e}") from None
         out.append(values)
     return out
 
@@ -305,7 +319,7 @@ def _check_state(opt: Any, state: Mapping, cast: set[str]
             raise StateDictError(f"param {fqn!r} is {dtype} here but was "
                                  f"{entry.get('param_dtype')!r} in the state dict")
         shard = st.shard_of.get(fqn)
-        for name in names(opt):
+        for name in names(opt, fqn):
             e = _expected(opt, name, fqn, shard)
             dtype, numel, offset, size = e.dtype, e.numel, e.offset, e.size
             v = entry.get(name)
