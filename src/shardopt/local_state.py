@@ -113,8 +113,9 @@ class LocalState(defaultdict):
     """``optimizer.state``: a ``defaultdict`` keyed by param, as torch's, whose entries are
     computed on access: ``step``, and for the part of the param this rank holds ``offset``,
     ``master_param`` and, once they exist, the moments, as 1-D views starting at element
-    ``offset`` of the flattened param (a Muon matrix's ``momentum_buffer``: the param's shape). Replacing or removing an entry raises
-    :class:`StateWriteError`: the change could not reach the state."""
+    ``offset`` of the flattened param (a Muon matrix's ``momentum_buffer`` in the param's
+    shape). Replacing or removing an entry raises :class:`StateWriteError`: the change could
+    not reach the state."""
 
     def __init__(self, opt: Any) -> None:
         super().__init__(dict)

@@ -15,11 +15,11 @@ import torch
 
 from . import quant
 from .layout import Range
+from .muon import MOMENTUM
 from .pinned import PinnedBuffer
 
 NAMES = ("exp_avg", "exp_avg_sq")
-MOMENTUM = "momentum_buffer"  # Muon's (:data:`shardopt.muon.MOMENTUM`)
-ALL_NAMES = (*NAMES, MOMENTUM)
+ALL_NAMES = (*NAMES, MOMENTUM)  # Muon's momentum buffer last
 
 
 @dataclass(frozen=True)

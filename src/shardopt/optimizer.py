@@ -10,8 +10,9 @@ rank shares; at ``dp_size == 1`` the collectives are skipped):
   reduce-scatters with ``"buffer"`` (:mod:`.sync`). ``step()`` re-seeds the main params of
   weights the user wrote (:mod:`.param_watch`), waits, and all-reduces the squared norm of
   the local grad shard with one "got a gradient" flag per param (:mod:`.grad_norm`).
-* Phase 2, ``step()``: fused AdamW on the local shard (:mod:`.update`); a param with no
-  gradient on any rank is left alone, as in ``torch.optim.AdamW`` (:mod:`.step_plan`).
+* Phase 2, ``step()``: fused AdamW on the local shard (:mod:`.update`), Muon on the whole
+  matrices this rank owns (:mod:`.muon_update`); a param with no gradient on any rank is left
+  alone, as in ``torch.optim.AdamW`` (:mod:`.step_plan`).
 * Phase 3, ``step()`` (:mod:`.sync`): all-gather every param bucket.
 
 The state and where it is: :mod:`.shard_state`; offload: :mod:`.host_state`. No file I/O
@@ -66,7 +67,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Construction is collective: every rank raises naming the first differing FQN if the
     ranks built different models. ``param_group_fn(fqn, param)`` returns per-param overrides
-    of ``lr``, ``betas``, ``eps`` and ``weight_decay``. A param belongs to one optimizer.
+    of ``lr``, ``betas``, ``eps`` and ``weight_decay``, or ``{"optimizer": "muon", ...}`` with
+    Muon's settings for a 2-D param (:mod:`.muon`). A param belongs to one optimizer.
     Weights written in place after construction are re-seeded into the fp32 main params by
     the next ``step()``; writes through ``p.data`` or collectives need
     :meth:`reload_model_params`; moving or casting the model raises. ``state_dict()`` and

@@ -140,3 +140,19 @@ def test_manifest_and_inspect_describe_muon_params(tmp_path):
     opt.param_groups[opt.shard_state.group_of["mix.0.weight"]]["momentum"] = 0.5
     checkpoint.load(path, model, opt)
     assert opt.param_groups[opt.shard_state.group_of["mix.0.weight"]]["momentum"] == 0.9
+
+
+def test_8_bit_adam_moments_beside_muon_convert_on_load(tmp_path):
+    """Low-precision storage is AdamW's: Muon's momentum stays fp32 and loads as stored."""
+    model, opt = _build(exp_avg_dtype="int8", exp_avg_sq_dtype="bfloat16")
+    for step in range(1, 3):
+        train_step(model, opt, step, 0, 1)
+    assert opt.state[model.up.weight]["momentum_buffer"].dtype == torch.float32
+    assert opt.state[model.up.bias]["exp_avg"].dtype == torch.int8
+    path = checkpoint.save(tmp_path, model, opt, step=2)
+    other, fp32 = _build()
+    checkpoint.load(path, other, fp32)  # the Adam moments converted to fp32
+    assert torch.equal(fp32.state[other.up.weight]["momentum_buffer"],
+                       opt.state[model.up.weight]["momentum_buffer"])
+    decoded = exported(path, tmp_path / "out")["up.bias.exp_avg"]
+    assert torch.equal(fp32.state[other.up.bias]["exp_avg"], decoded)
