@@ -23,6 +23,15 @@ from .moments import Moments, piece
 from .shard_state import ShardState
 
 
+def split_shards(group_shards: Sequence[Sequence[int]], param_groups: list[dict[str, Any]]
+                 ) -> tuple[list[Sequence[int]], list[Sequence[int]]]:
+    """Per param group, its shards (``group_shards``) for AdamW and for Muon: each gets the
+    shards of its own groups and none of the other's."""
+    muon_group = [muon.is_muon(g) for g in param_groups]
+    return ([[] if m else ids for ids, m in zip(group_shards, muon_group)],
+            [ids if m else [] for ids, m in zip(group_shards, muon_group)])
+
+
 class MuonUpdate:
     """The Muon update of one optimizer. ``group_shards``: per param group, the indices into
     ``state.shards`` of the matrices this rank owns (none for AdamW's groups);

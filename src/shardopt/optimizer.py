@@ -41,8 +41,8 @@ from .host_state import HostState
 from .layout import STATE_NAMES, Layout, ParamShard, ParamSpec
 from .local_state import LocalState
 from .model_state import StateDictCopies
-from .moments import MOMENTUM, NAMES, Moments
-from .muon_update import MuonUpdate
+from .moments import Moments
+from .muon_update import MuonUpdate, split_shards
 from .param_grads import ParamGrads
 from .param_watch import ParamWatch, Replacements
 from .shard_state import DEVICE, KINDS, STAGED, Held, ShardState
@@ -122,10 +122,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._group_fqns = [[self._fqn_of[p] for p in g["params"]] for g in self.param_groups]
         group_shards = [[i for i, s in enumerate(self._state.shards) if self._group_of[s.fqn] == gi]
                         for gi in range(len(self.param_groups))]
-        # AdamW updates the shards of AdamW's groups, Muon those of Muon's.
-        is_muon = [muon.is_muon(g) for g in self.param_groups]
-        adamw_shards = [[] if m else ids for ids, m in zip(group_shards, is_muon)]
-        muon_shards = [ids if m else [] for ids, m in zip(group_shards, is_muon)]
+        adamw_shards, muon_shards = split_shards(group_shards, self.param_groups)
         # Updates applied to each param (torch's state[p]["step"]; :mod:`.step_plan`).
         self.param_steps: dict[str, int] = {fqn: 0 for fqn in self._fqns}
         kernel = build.choose_kernel(self.config, self._state.device)
@@ -357,10 +354,7 @@ class ShardStateAccess:
         self.aliases: Mapping[str, str] = MappingProxyType(opt._aliases)  # alias FQN -> FQN
         self.group_of: Mapping[str, int] = MappingProxyType(opt._group_of)
         self.moment_kinds: Mapping[str, torch.dtype | str] = MappingProxyType(state.kinds)
-        # Per param FQN, its moments: Adam's, or Muon's momentum buffer (fp32).
-        self.moment_names: Mapping[str, tuple[str, ...]] = MappingProxyType({
-            fqn: (MOMENTUM,) if opt.layout.buffers[slot.buffer_index].whole else NAMES
-            for fqn, slot in opt.layout.slots.items()})
+        self.moment_names: Mapping[str, tuple[str, ...]] = MappingProxyType(state.moment_names)
         self.held: Mapping[str, Held] = MappingProxyType(state.held)  # the records, by name
         # Kept for the layers above as long as the optimizer lives, never read by it: where
         # checkpoint.load says the state came from, and objects under their module's name.

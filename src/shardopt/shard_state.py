@@ -67,6 +67,9 @@ class ShardState:
         # A param lies in one bucket, so this rank holds at most one shard of it.
         self.shard_of = {s.fqn: s for s in self.shards}
         self.kinds = {"exp_avg": config.exp_avg_dtype, "exp_avg_sq": config.exp_avg_sq_dtype}
+        # Per param FQN, its moments: Adam's, or Muon's momentum buffer (fp32).
+        self.moment_names = {fqn: (MOMENTUM,) if layout.buffers[slot.buffer_index].whole
+                             else NAMES for fqn, slot in layout.slots.items()}
         self.held: dict[str, Held] = {}
         self.generation = 0  # bumped whenever a record's device tensor is another one
         for i, buf in enumerate(layout.buffers):
