@@ -67,6 +67,7 @@ class ParamSpec:
     fqn: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    whole: bool = False  # lies whole in one rank's shard (Muon: :func:`shardopt.muon.plan_layout`)
 
     @property
     def numel(self) -> int:
@@ -122,6 +123,7 @@ class BufferLayout:
     numel: int  # padded total
     buckets: tuple[Bucket, ...]
     params: tuple[ParamSlot, ...]
+    whole: bool = False  # every param lies whole in one rank's shard (Muon's buffers)
 
     @property
     def local_numel(self) -> int:

@@ -9,8 +9,9 @@ Communication schedule of one iteration (buckets in a launch order every rank sh
   ``"buffer"`` (:mod:`.sync`). ``step()`` re-seeds the main params of weights the user wrote
   (:mod:`.param_watch`), waits, and all-reduces the squared norm of the local grad shard with
   one "got a gradient" flag per param (:mod:`.grad_norm`).
-* Phase 2, ``step()``: fused AdamW on the local shard (:mod:`.update`); a param with no
-  gradient on any rank is left alone, as in ``torch.optim.AdamW``.
+* Phase 2, ``step()``: fused AdamW on the local shard (:mod:`.update`), Muon on the whole
+  matrices this rank owns (:mod:`.muon_update`); a param with no gradient on any rank is left
+  alone, as in ``torch.optim.AdamW``.
 * Phase 3, ``step()`` (:mod:`.sync`): all-gather every param bucket.
 
 The state and where it is: :mod:`.shard_state`; offload: :mod:`.host_state`. No file I/O
@@ -28,17 +29,18 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import build, comm, guards, host_state, quant
+from . import build, comm, guards, host_state, muon, quant
 from . import state_dict as state_dicts
 from .build import ParamGroupFn
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .grad_norm import Agreed, GradNorm
 from .host_state import HostState
-from .layout import STATE_NAMES, Layout, ParamShard, ParamSpec, build_layout
+from .layout import STATE_NAMES, Layout, ParamShard, ParamSpec
 from .local_state import LocalState
 from .model_state import StateDictCopies
 from .moments import Moments
+from .muon_update import MuonUpdate, split_shards
 from .param_grads import ParamGrads
 from .param_watch import ParamWatch, Replacements
 from .shard_state import DEVICE, KINDS, STAGED, Held, LoadTarget, ShardState
@@ -54,7 +56,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Construction is collective (ranks that built different models raise, naming the first
     differing FQN). ``param_group_fn(fqn, param)`` returns per-param overrides of ``lr``,
-    ``betas``, ``eps`` and ``weight_decay``. Semantics: docs/optimizer.md; the layers above
+    ``betas``, ``eps`` and ``weight_decay``, or ``{"optimizer": "muon", ...}`` with Muon's
+    settings for a 2-D param (:mod:`.muon`). Semantics: docs/optimizer.md; the layers above
     the optimizer use :attr:`shard_state` (:class:`ShardStateAccess`).
     """
 
@@ -65,36 +68,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.config = config if config is not None else OptimizerConfig()
         dp = comm.DPGroup.resolve(process_group)
         named, device = build.trainable(model)
-        specs = [ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named]
-        guards.check_same_layout(dp, specs, self.config, guards.ownership_problem(named))
-        self.layout: Layout = build_layout(specs, dp.size, self.config.bucket_numel,
-                                           *build.alignment(self.config))
+        defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
+                    "weight_decay": self.config.weight_decay}
+        groups, problem = [], guards.ownership_problem(named)
+        try:
+            groups = build.param_groups(named, defaults, param_group_fn)
+        except ValueError as e:  # raised on every rank by the agreement below
+            problem = problem or str(e)
+        whole = {id(p) for g in groups if muon.is_muon(g) for p in g["params"]}  # laid out whole
+        specs = [ParamSpec(fqn, tuple(p.shape), p.dtype, id(p) in whole) for fqn, p in named]
+        guards.check_same_layout(dp, specs, self.config, problem)
+        self.layout: Layout = muon.plan_layout(specs, dp.size, self.config.bucket_numel,
+                                               *build.alignment(self.config))
         self._buffers = FlatBuffers(named, self.layout, device, self.config.grad_dtype,
                                     self.config.param_grads)
         self._state = ShardState(self.layout, self._buffers, dp, self.config, device)
         self._fqn_of = {p: fqn for fqn, p in named}
         self._fqns = tuple(fqn for fqn, _ in named)
-        self._init_groups(named, param_group_fn)
+        self._init_groups(groups, defaults)
         self._init_sync(model, named)
         self.shard_state = ShardStateAccess(self, build.tied_aliases(model))
         self.state = LocalState(self)  # torch's defaultdict, computed on access
         self._hooks += StateDictCopies(self, model).register()  # model.state_dict(): copies
 
-    def _init_groups(self, named: build.Named, param_group_fn: ParamGroupFn | None) -> None:
-        defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
-                    "weight_decay": self.config.weight_decay}
-        super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
+    def _init_groups(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        super().__init__(groups, defaults)
         self._groups_final = True
         self._group_of = {self._fqn_of[p]: gi for gi, g in enumerate(self.param_groups)
                           for p in g["params"]}
         self._group_fqns = [[self._fqn_of[p] for p in g["params"]] for g in self.param_groups]
         group_shards = [[i for i, s in enumerate(self._state.shards) if self._group_of[s.fqn] == gi]
                         for gi in range(len(self.param_groups))]
+        adamw_shards, muon_shards = split_shards(group_shards, self.param_groups)
         # Updates applied to each param (torch's state[p]["step"]; :mod:`.update`).
         self.param_steps: dict[str, int] = {fqn: 0 for fqn in self._fqns}
         kernel = build.choose_kernel(self.config, self._state.device)
-        self._update = Update(self._state, kernel, self.param_groups, group_shards,
+        self._update = Update(self._state, kernel, self.param_groups, adamw_shards,
                               self._group_of, self.param_steps)
+        self._muon = MuonUpdate(self._state, self.param_groups, muon_shards,
+                                self._update.writes_params)
 
     def _init_sync(self, model: torch.nn.Module, named: build.Named) -> None:
         """Phases 1 and 3 of the schedule, the norm between them, and the checks around them."""
@@ -160,6 +172,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         got = self._kept_grads.step(agreed.got, self._fqns)
         steps = next_steps(self.param_steps, self._group_fqns, got)
         sq = self._update.run(agreed.grad_scale, steps, got)
+        self._muon.run(agreed.grad_scale, got)
         if sq is not None:
             self._grad_norm = self._norm.finish(sq)
         advance(self.param_steps, self._group_fqns, got, steps)
@@ -322,6 +335,7 @@ class ShardStateAccess:
         self.aliases: Mapping[str, str] = MappingProxyType(aliases)  # alias FQN -> FQN
         self.group_of: Mapping[str, int] = MappingProxyType(opt._group_of)
         self.moment_kinds: Mapping[str, torch.dtype | str] = MappingProxyType(state.kinds)
+        self.moment_names: Mapping[str, tuple[str, ...]] = MappingProxyType(state.moment_names)
         self.held: Mapping[str, Held] = MappingProxyType(state.held)  # the records, by name
         # Kept for the layers above as long as the optimizer lives, never read by it: where
         # checkpoint.load says the state came from, and objects under their module's name.

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..layout import STATE_NAMES, Range
+from ..muon import MOMENTUM
 from . import commit
 from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, dtype_name
 from .manifest import Manifest, MomentEncoding, parse
@@ -76,7 +77,7 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     stored = m.stored()
 
     def state_bytes(fqn: str) -> int:
-        keys = [f"{fqn}.{n}{scale}" for n in STATE_NAMES for scale in ("", ".scale")]
+        keys = [f"{fqn}.{n}{scale}" for n in (*STATE_NAMES, MOMENTUM) for scale in ("", ".scale")]
         return sum(stored[k].numel * stored[k].dtype.itemsize for k in keys if k in stored)
 
     rows = [{"fqn": fqn, "shape": list(p.shape), "dtype": dtype_name(p.dtype),
@@ -111,8 +112,9 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
            moments_dtype: str = "float32") -> list[str]:
     """Write ``model*.safetensors`` and ``optimizer*.safetensors`` with full-shape tensors.
 
-    Adam moments are written in fp32 (``moments_dtype="float32"``, decoded from bf16 or
-    int8 storage exactly as the optimizer reads them), or as stored
+    Adam moments (and Muon's ``"{fqn}.momentum_buffer"``, fp32) are written in fp32
+    (``moments_dtype="float32"``, decoded from bf16 or int8 storage exactly as the
+    optimizer reads them), or as stored
     (``moments_dtype="stored"``): bf16, or 8-bit codes with their fp32 scales as
     ``"{fqn}.exp_avg.scale"`` (1-D, one per block of the flattened param).
 
@@ -138,7 +140,7 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
         model_shapes = {fqn: p.shape for fqn, p in m.params.items()}
         optim_shapes = {}
         for fqn, p in m.params.items():
-            for n in ("exp_avg", "exp_avg_sq", "master_param") if p.trainable else ():
+            for n in (*p.moment_names, "master_param") if p.trainable else ():
                 enc = m.moments.get(n)
                 optim_shapes[f"{fqn}.{n}"] = p.shape
                 if enc is not None and enc.block and moments_dtype == "stored":

@@ -36,6 +36,7 @@ import torch
 
 from .. import comm
 from ..layout import STATE_NAMES
+from ..muon import MOMENTUM
 from ..optimizer import DistributedOptimizer
 from . import background, commit, state, writer_process
 from .background import SaveHandle
@@ -260,7 +261,7 @@ def _rng_job(opt: DistributedOptimizer) -> Job:
 def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
     """Coordinator-free. What this rank writes of the state, by file kind."""
     contents = {"model": state.model_entries(opt, frozen)}
-    for name in STATE_NAMES:
+    for name in (*STATE_NAMES, MOMENTUM):
         contents.setdefault(state_file_kind(name), []).extend(state.optim_entries(opt, name))
     return [Job(kind, entries) for kind, entries in contents.items()]
 
