@@ -16,32 +16,32 @@ import torch
 
 
 class ShardoptSaver:
-    """shardopt's asynchronous save (``snapshot``), its drain's piece size and pieces in flight
-    set for every save (``drain``: ``(bytes, in flight)``, None for the defaults). With
+    """shardopt's asynchronous save, its drain's piece size and pieces in flight set for
+    every save (``drain``: ``(bytes, in flight)``, None for the defaults). With
     ``verify``, each save is preceded, outside the timed iteration, by a blocking save of
     the same state, and the asynchronous checkpoint is checked against it byte for byte
     (every data file, the manifest but its creation time and checksum) and with
     ``checkpoint.verify`` before the next save; the results are in :attr:`notes`."""
 
-    snapshot = "host"
-    defaults: tuple[int, int] | None = None  # the library's drain setting, before any sweep
+    snapshot = "host"  # the snapshot kind its saves use (the key of prepare_s)
 
     @classmethod
     def prepare(cls, model, opt) -> float:
-        """``checkpoint.prepare`` for this system's snapshot kind; its seconds."""
+        """``checkpoint.prepare``; its seconds."""
         from shardopt import checkpoint
         t0 = time.perf_counter()
-        checkpoint.prepare(model, opt, config=checkpoint.CheckpointConfig(snapshot=cls.snapshot))
+        checkpoint.prepare(model, opt)
         return time.perf_counter() - t0
 
     def __init__(self, model, opt, root: Path, drain: tuple[int, int] | None = None,
                  verify: bool = False) -> None:
         from shardopt import checkpoint
-        from shardopt.checkpoint import drain as drain_module
-        if ShardoptSaver.defaults is None:
-            ShardoptSaver.defaults = (drain_module.PIECE_BYTES, drain_module.IN_FLIGHT)
+        defaults = checkpoint.CheckpointConfig()
         self.ckpt, self.model, self.opt, self.root = checkpoint, model, opt, root
-        self.drain_module, self.drain, self.verify = drain_module, drain or self.defaults, verify
+        self.drain = drain or (defaults.drain_piece_bytes, defaults.drain_in_flight)
+        self.config = checkpoint.CheckpointConfig(drain_piece_bytes=self.drain[0],
+                                                  drain_in_flight=self.drain[1])
+        self.verify = verify
         self.handle = self.reference = None
         self.notes: dict[str, Any] = {"drain": {"piece_bytes": self.drain[0],
                                                 "in_flight": self.drain[1]}}
@@ -56,10 +56,8 @@ class ShardoptSaver:
                                         step=step, keep_last=1)
 
     def save(self, step: int) -> None:
-        self.drain_module.PIECE_BYTES, self.drain_module.IN_FLIGHT = self.drain
         self.handle = self.ckpt.save(self.root / "async", self.model, self.opt, step=step,
-                                     keep_last=1, blocking=False,
-                                     config=self.ckpt.CheckpointConfig(snapshot=self.snapshot))
+                                     keep_last=1, blocking=False, config=self.config)
 
     def before_step(self) -> None:  # step() itself waits for the snapshot copies
         pass
@@ -83,10 +81,6 @@ class ShardoptSaver:
         if self.verify:
             self._check()
             self.notes["all_equal"] = all(v["equal"] for v in self.notes["verified"])
-
-
-class ShardoptDeviceStagedSaver(ShardoptSaver):
-    snapshot = "device_staged"  # a copy in spare GPU memory, written out through pinned staging
 
 
 def _same_checkpoint(a: Path, b: Path) -> bool:
@@ -221,11 +215,8 @@ class MegatronAsyncSaver:
         self.queue.close()
 
 
-SAVERS = {"shardopt": ShardoptSaver, "shardopt_device_staged": ShardoptDeviceStagedSaver,
-          "dcp": DcpSaver,
-          "megatron": MegatronAsyncSaver}
-# Run at --nproc 1 only: megatron's trainer here is built as rank 0 of 1, and at DP > 1 the
-# comparison is between shardopt's snapshot kinds.
+SAVERS = {"shardopt": ShardoptSaver, "dcp": DcpSaver, "megatron": MegatronAsyncSaver}
+# Run at --nproc 1 only: megatron's trainer here is built as rank 0 of 1.
 DP1_ONLY = ("dcp", "megatron")
 
 

@@ -487,7 +487,7 @@ def hook_shardopt(probe: Probe) -> Iterator[dict[str, list[str]]]:
     transfer = mods.get("transfer")
     commit = mods.get("commit")
     # save
-    phase(save, "_write_rank_files", "files", "save._write_rank_files")
+    phase(save, "write_rank_files", "files", "save.write_rank_files")
     phase(save, "_manifest_text", "manifest", "save._manifest_text")
     phase(commit, "commit", "commit", "commit.commit")
     phase(commit, "begin", "begin", "commit.begin")

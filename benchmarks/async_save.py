@@ -34,10 +34,9 @@ save, which allocates the snapshot unless it was prepared, is reported alone);
 ``--sparse-saves 6`` gives 5 saves after the first.
 
 Before the shardopt trainer's first iteration, outside every timed region, each rank calls
-``checkpoint.prepare`` once per snapshot kind its shardopt systems save with (the host
-snapshot, or ``device_staged``'s staging buffer, allocated and page-locked ahead of the
-first save); its seconds are in the result (``prepare_s``, by kind). ``--no-prepare``
-leaves the first save to allocate and lock them.
+``checkpoint.prepare`` (the host snapshot allocated and page-locked ahead of the first
+save); its seconds are in the result (``prepare_s``, by snapshot kind). ``--no-prepare``
+leaves the first save to allocate and lock it.
 
 ``--systems megatron`` adds megatron-core's asynchronous ``dist_checkpointing.save`` of its own
 DDP model and distributed optimizer (same preset, same batches, its own training loop and its
@@ -90,7 +89,7 @@ The drain's sweep on the Hugging Face model (piece size and pieces in flight)::
 DP 2 (two H200)::
 
     PYTHONPATH=src python3 benchmarks/async_save.py --nproc 2 \
-        --systems shardopt,shardopt_device_staged --out $OUT
+        --systems shardopt --out $OUT
 
 CPU smoke (``--nproc 2`` for two ranks over gloo)::
 
@@ -428,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every-iters", type=int, default=50,
                    help="iterations of the save-every-iteration phase (0: none)")
     p.add_argument("--dirs", default="/dev/shm,/tmp")
-    p.add_argument("--systems", default="shardopt,shardopt_device_staged,dcp",
-                   help="comma-separated: shardopt, shardopt_device_staged, dcp, megatron; a "
+    p.add_argument("--systems", default="shardopt,dcp",
+                   help="comma-separated: shardopt, dcp, megatron; a "
                    "shardopt one may name its drain's piece size and pieces in flight, "
                    "shardopt@2m:1 (a sweep: shardopt@2m:1,shardopt@4m:1,shardopt@4m:2)")
     p.add_argument("--no-verify", dest="verify", action="store_false",

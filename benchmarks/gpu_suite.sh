@@ -98,7 +98,7 @@ for part in $PARTS; do
         --out "$OUT/offload_1gpu_expandable.json" "${EXTRA[@]}" ;;
     async)
       run async "$PY" benchmarks/async_save.py --dirs /dev/shm,/tmp --accumulate 3 \
-        --systems shardopt,shardopt_device_staged --sparse-every 9 --sparse-saves 8 \
+        --systems shardopt --sparse-every 9 --sparse-saves 8 \
         --phase-cap-s 90 --every-iters 50 --budget-s 470 --tag _acc3 --out "$OUT" "${EXTRA[@]}" ;;
     gradmodes)
       for g in float32 bfloat16; do

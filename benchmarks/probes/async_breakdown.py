@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--gap", type=int, default=12, help="iterations between saves")
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--snapshots", default="host,device_staged")
+    p.add_argument("--snapshots", default="host")
     p.add_argument("--modes", default="write,copy_only")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args(argv)
@@ -180,7 +180,7 @@ def _median_parts(parts: list[tuple[str, float, float]]) -> dict[str, float]:
 
 
 def _state_tensors(opt):
-    from shardopt.checkpoint.save import _state_contents
+    from shardopt.checkpoint.state import contents as _state_contents
     from shardopt.checkpoint.state import frozen_tensors
     out = {}
     for _, entries in _state_contents(opt, frozen_tensors(_MODEL[0], opt)):

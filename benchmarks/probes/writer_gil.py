@@ -33,7 +33,7 @@ import _peers  # noqa: E402
 
 PARTS = {
     "shardopt.checkpoint.save": ["_take_snapshot", "_manifest_base", "_split",
-                                 "_write_rank_files", "_manifest_text", "agree"],
+                                 "write_rank_files", "_manifest_text", "agree"],
     "shardopt.checkpoint.storage": ["write_file", "build_header", "write_scratch"],
     "shardopt.checkpoint.commit": ["begin", "commit", "fsync_dir"],
 }

@@ -47,6 +47,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shardopt.checkpoint.config import SNAPSHOTS
     from shardopt.recipes.model import PRESETS
 
     parser = _Parser(
@@ -94,11 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--keep-last", type=_positive_int, default=None, metavar="K",
                    help="keep only the K newest checkpoints")
     t.add_argument("--async-save", nargs="?", const="host", default=None,
-                   choices=("host", "device_staged"),  # checkpoint.config.SNAPSHOTS
-                   metavar="SNAPSHOT",
+                   choices=SNAPSHOTS, metavar="SNAPSHOT",
                    help="write checkpoints in the background while training goes on; SNAPSHOT: "
-                   "where the state is copied (host, the default; device_staged: see "
-                   "docs/async_save.md)")
+                   "where the state is copied (host, the only kind: see docs/async_save.md)")
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                    help="resume from the latest checkpoint in --ckpt-dir (fresh start if there is none), "
                    "or from PATH (a checkpoint or a root); --preset, --steps, --batch-size, --lr, "

@@ -23,24 +23,25 @@ from helpers.checks import (SHARED_SNAPSHOTS, checkpoint_bytes, model_state,
                             new_snapshot_buffers, snapshot_buffers, snapshot_bytes)
 from helpers.dist import device_for, require_world_size, run_distributed
 from helpers.models import build, train
-from shardopt import checkpoint
+from shardopt import checkpoint, pinned
 from shardopt.checkpoint import CheckpointError, SaveHandle, background
+from shardopt.checkpoint.drain import Copy, Drain
+from shardopt.checkpoint.snapshot import Snapshot
+from shardopt.checkpoint.storage import Job, WriteEntry
 
 SAVE_MODULE = "shardopt.checkpoint.save"
 TESTS = Path(__file__).resolve().parents[1]
 SRC = str(TESTS.parent / "src")
 
 
-def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
-                       where: str) -> dict[str, Any]:
+def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str) -> dict[str, Any]:
     device = device_for(backend, rank)
     model, opt = build(0, device, dropout=0.1)
     torch.manual_seed(1000 + rank)
     train(model, opt, range(3), rank, world_size)
     at_call = model_state(model)
     sync_path = checkpoint.save(f"{root}/sync", model, opt, step=3, extra={"k": 1})
-    handle = checkpoint.save(f"{root}/async", model, opt, step=3, extra={"k": 1}, blocking=False,
-                             config=checkpoint.CheckpointConfig(snapshot=where))
+    handle = checkpoint.save(f"{root}/async", model, opt, step=3, extra={"k": 1}, blocking=False)
     assert isinstance(handle, SaveHandle)
     for group in opt.param_groups:  # a scheduler's change after the call is not saved
         group["lr"] *= 0.5
@@ -54,17 +55,14 @@ def async_vs_sync_rank(rank: int, world_size: int, backend: str, root: str,
             "loaded": model_state(model), "step": info.step}
 
 
-@pytest.mark.parametrize("world_size,where", [(1, "host"), (2, "host"), (3, "host"),
-                                              (1, "device_staged"), (2, "device_staged")],
-                         ids=["dp1", "dp2", "dp3", "dp1-device-staged", "dp2-device-staged"])
-def test_async_save_equals_sync_save_at_the_call(backend, world_size, where, tmp_path):
+@pytest.mark.parametrize("world_size", [1, 2, 3], ids=["dp1", "dp2", "dp3"])
+def test_async_save_equals_sync_save_at_the_call(backend, world_size, tmp_path):
     """bf16 and fp32 params, a frozen param and a buffer: the async checkpoint's files are
     byte for byte those of a synchronous save at the same step, although the run took
     three more steps (at another learning rate) before it was written, and it loads the state
-    at the call. (On CPU a
-    device snapshot is a host one; with NCCL it is a copy in GPU memory.)"""
+    at the call."""
     require_world_size(backend, world_size)
-    results = run_distributed(async_vs_sync_rank, world_size, backend, str(tmp_path), where,
+    results = run_distributed(async_vs_sync_rank, world_size, backend, str(tmp_path),
                               backend=backend, tmp_path=tmp_path)
     r = results[0]
     sync, asyn = checkpoint_bytes(Path(r["sync"])), checkpoint_bytes(Path(r["async"]))
@@ -89,8 +87,8 @@ def failing_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     def broken(path, *args, **kwargs):
         raise OSError(5, "I/O error (simulated)", path)
 
-    with mock.patch.object(save_module, "_write_rank_files",
-                           broken if rank == 1 else save_module._write_rank_files):
+    with mock.patch.object(save_module, "write_rank_files",
+                           broken if rank == 1 else save_module.write_rank_files):
         handle = checkpoint.save(root, model, opt, step=2, blocking=False)
         train(model, opt, range(2, 3), rank, world_size)  # training collectives meanwhile
         try:
@@ -118,7 +116,7 @@ def _gate_writes(monkeypatch, gate: threading.Event, fail: bool = False) -> None
     """Block the writes of a rank's files (by the writer process or by threads) until
     ``gate`` is set (then fail them with ``fail``)."""
     save_module = importlib.import_module(SAVE_MODULE)  # the module, not the function
-    real = save_module._write_rank_files
+    real = save_module.write_rank_files
 
     def gated(tmp, *args, **kwargs):
         if not gate.wait(60):
@@ -127,7 +125,7 @@ def _gate_writes(monkeypatch, gate: threading.Event, fail: bool = False) -> None
             raise OSError(28, "No space left on device (simulated)", str(tmp))
         return real(tmp, *args, **kwargs)
 
-    monkeypatch.setattr(save_module, "_write_rank_files", gated)
+    monkeypatch.setattr(save_module, "write_rank_files", gated)
 
 
 def test_handle_returns_at_once_and_commits_later(trained_model, tmp_path, monkeypatch):
@@ -250,22 +248,40 @@ def test_one_snapshot_of_exactly_the_state_reused_across_saves(trained_model, tm
 
 @pytest.mark.cuda
 def test_a_host_snapshot_is_page_locked_by_its_first_drain_and_reused(tmp_path):
-    """``snapshot="host"`` on a GPU: the first save's drain page-locks host buffers of exactly
-    the snapshot's size, the next save reuses them, and a ``device_staged`` save of the same
-    state writes the same checkpoint."""
+    """On a GPU the first save's drain page-locks host buffers of exactly the snapshot's
+    size, the next save reuses them, and its checkpoint is a blocking save's."""
     model, opt = build(0, "cuda")
     train(model, opt, range(2), 0, 1)
     snap = background.of(opt).snapshot
     checkpoint.save(tmp_path / "host", model, opt, step=2, blocking=False).wait()
-    assert not snap.on_device and snap.host_nbytes() == snap.nbytes()
+    assert snap.host_nbytes() == snapshot_bytes(model, opt)
     host = {b.tensor.data_ptr() for b in snap.host_buffers()}
     assert all(b.pinned for b in snap.host_buffers())
     train(model, opt, range(2, 3), 0, 1)
     again = checkpoint.save(tmp_path / "host", model, opt, step=3, blocking=False).wait()
     assert {b.tensor.data_ptr() for b in snap.host_buffers()} == host
-    staged = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
-                             config=checkpoint.CheckpointConfig(snapshot="device_staged")).wait()
-    assert checkpoint_bytes(Path(staged)) == checkpoint_bytes(Path(again))
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=3)
+    assert checkpoint_bytes(Path(reference)) == checkpoint_bytes(Path(again))
+
+
+@pytest.mark.cuda
+def test_offload_during_a_background_save_leaves_nothing_of_it_on_the_gpu(tmp_path):
+    """A step (which copies what the drain has not read into spare GPU memory) and
+    ``offload()`` while a save drains in small pieces: after ``offload()`` the GPU holds what
+    an offload without a save leaves, and the checkpoint is a blocking save's at the call."""
+    model, opt = build(0, "cuda")
+    train(model, opt, range(2), 0, 1)
+    opt.offload()
+    bare = torch.cuda.memory_allocated()
+    opt.onload()
+    reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
+    handle = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False,
+                             config=checkpoint.CheckpointConfig(drain_piece_bytes=4096))
+    train(model, opt, range(2, 3), 0, 1)
+    opt.offload()
+    assert torch.cuda.memory_allocated() == bare
+    opt.onload()
+    assert checkpoint_bytes(Path(handle.wait())) == checkpoint_bytes(Path(reference))
 
 
 class _NormedLinear(torch.nn.Module):
@@ -282,9 +298,7 @@ class _NormedLinear(torch.nn.Module):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("where", ["host", "device_staged"])
-def test_buffers_a_forward_updates_right_after_the_call_are_saved_as_at_the_call(where,
-                                                                                  tmp_path):
+def test_buffers_a_forward_updates_right_after_the_call_are_saved_as_at_the_call(tmp_path):
     """A forward right after an asynchronous save's call updates BatchNorm's running
     statistics in place while the state's copies still run on their side stream: the
     checkpoint must hold them as they were at the call (their copies go first, and the
@@ -299,8 +313,7 @@ def test_buffers_a_forward_updates_right_after_the_call_are_saved_as_at_the_call
         opt.step()
         opt.zero_grad()
         at_call = {k: v.clone() for k, v in model.bn.state_dict().items()}
-        handle = checkpoint.save(tmp_path, model, opt, step=step, blocking=False,
-                                 config=checkpoint.CheckpointConfig(snapshot=where))
+        handle = checkpoint.save(tmp_path, model, opt, step=step, blocking=False)
         model(x).backward()  # updates the running statistics at once
         path = handle.wait()
         opt.zero_grad()
@@ -308,39 +321,7 @@ def test_buffers_a_forward_updates_right_after_the_call_are_saved_as_at_the_call
         fresh = _NormedLinear(8192).cuda()
         checkpoint.load(path, fresh, DistributedOptimizer(fresh, OptimizerConfig(lr=1e-3)))
         for k, v in fresh.bn.state_dict().items():
-            assert torch.equal(v, at_call[k]), (where, step, k)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
-def test_a_staged_device_snapshot_streams_through_one_small_host_buffer(tmp_path, monkeypatch):
-    """``snapshot="device_staged"``: the writer process writes the files from one page-locked
-    staging buffer of ``staging_bytes`` (no thread of the save writes a file), reused by the
-    next save; the host holds nothing else, and the checkpoint is the synchronous save's."""
-    save_module = importlib.import_module(SAVE_MODULE)
-    model, opt = build(0, "cuda")
-    train(model, opt, range(2), 0, 1)
-    snap = background.of(opt).snapshot
-
-    def no_thread_writes(*args, **kwargs):
-        raise AssertionError("a save thread wrote a file")
-
-    monkeypatch.setattr(save_module, "write_file", no_thread_writes)
-    staged = checkpoint.save(tmp_path / "staged", model, opt, step=2, blocking=False,
-                             config=checkpoint.CheckpointConfig(snapshot="device_staged",
-                                                                staging_bytes=1 << 20)).wait()
-    staging = snap._staging.tensor.data_ptr()
-    assert snap.on_device and not snap._host and snap._staging.pinned
-    assert snap.host_nbytes() == 1 << 20  # 16 slots of 64 KiB
-    train(model, opt, range(2, 3), 0, 1)
-    again = checkpoint.save(tmp_path / "staged", model, opt, step=3, blocking=False,
-                            config=checkpoint.CheckpointConfig(snapshot="device_staged",
-                                                               staging_bytes=1 << 20)).wait()
-    assert snap._staging.tensor.data_ptr() == staging
-    monkeypatch.undo()
-    assert Path(staged).is_dir()
-    reference = checkpoint.save(tmp_path / "sync", model, opt, step=3)
-    assert checkpoint_bytes(Path(again)) == checkpoint_bytes(Path(reference))
+            assert torch.equal(v, at_call[k]), (step, k)
 
 
 @SHARED_SNAPSHOTS
@@ -421,39 +402,74 @@ def test_snapshot_copies_runs_of_adjacent_elements_and_nothing_between(trained_m
     assert grown == (20 + 10 + 3) * k * 4  # [0, 20), [30, 40) of base, 3 k of other; no gap
 
 
-def test_the_drain_copies_pieces_of_at_most_its_size_never_across_a_segment(monkeypatch):
-    """Pieces of at most ``PIECE_BYTES``, none across a page-locking segment of its host
-    buffer, every byte copied once and where it belongs."""
-    from shardopt import pinned
-    from shardopt.checkpoint import drain as drain_module
-    from shardopt.checkpoint import snapshot
-    from shardopt.checkpoint.storage import WriteEntry
-
+def _segmented_copies(monkeypatch) -> tuple[list[Copy], list[torch.Tensor]]:
+    """Copies into a host buffer of 96-byte page-locking segments: two sources whose
+    destinations start mid-segment and end mid-segment."""
     monkeypatch.setattr(pinned, "SEGMENT_BYTES", 96)
-    monkeypatch.setattr(drain_module, "PIECE_BYTES", 40)
-    pieces = []
-    real = drain_module.Drain._copy
+    into = pinned.PinnedBuffer(512, torch.uint8, lock=False)
+    srcs = [torch.arange(50, dtype=torch.float32), torch.arange(30, dtype=torch.float64)]
+    copies, at = [], 4
+    for src in srcs:
+        n = src.numel() * src.element_size()
+        copies.append(Copy(into.tensor[at:at + n], src.view(torch.uint8), into))
+        at += n + 4
+    return copies, srcs
 
-    def record(self, dst, src):
-        pieces.append((dst.data_ptr(), dst.numel()))
-        real(self, dst, src)
 
-    monkeypatch.setattr(drain_module.Drain, "_copy", record)
-    a, b = torch.arange(50, dtype=torch.float32), torch.arange(30, dtype=torch.float64)
-    entries = [WriteEntry("a", torch.float32, 50, 0, a), WriteEntry("b", torch.float64, 30, 0, b)]
-    snap = snapshot.Snapshot(torch.device("cpu"), False, lambda buf: None)
-    jobs, drain = snap.take([snapshot.Job("f", entries)])
-    drain.run()
-    got = {e.key: e.source for e in jobs[0].entries}
-    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
-    bases = {buf.tensor.data_ptr(): buf.nbytes for buf in snap.host_buffers()}
-    covered = {base: 0 for base in bases}
-    for ptr, n in pieces:
-        base = max(p for p in bases if p <= ptr)
-        assert 0 < n <= 40 and (ptr - base) // 96 == (ptr - base + n - 1) // 96
-        assert ptr - base == covered[base]  # in order, each byte once
-        covered[base] += n
-    assert covered == bases
+@pytest.mark.parametrize("limit", [40, None], ids=["paced", "at_once"])
+def test_pieces_are_at_most_the_limit_and_never_cross_a_segment(monkeypatch, limit):
+    """The drain's pieces (``drain_piece_bytes`` at a time) and those issued at once (the
+    copies taken at the call without spare memory, the rest at ``offload()``): at most the
+    limit, none across a page-locking segment of the host buffer, each byte once, in order;
+    ``end`` is where the piece ends in the buffer."""
+    copies, _ = _segmented_copies(monkeypatch)
+    for c in copies:
+        base, offset = c.dst.data_ptr() - c.into.tensor.data_ptr(), 0
+        while offset < c.dst.numel():
+            p = c.piece(offset, limit)
+            at = base + offset
+            assert 0 < p.nbytes <= (limit or p.nbytes) and p.end == at + p.nbytes
+            assert at // 96 == (p.end - 1) // 96
+            assert limit is not None or p.end % 96 == 0 or offset + p.nbytes == c.dst.numel()
+            offset += p.nbytes
+
+
+def test_the_drain_and_a_copy_issued_at_once_fill_the_snapshot(monkeypatch):
+    """The drain in pieces of 40 bytes and ``issue_now`` fill every destination with its
+    source's bytes."""
+    for issue_now in (False, True):
+        copies, srcs = _segmented_copies(monkeypatch)
+        drain = Drain(copies, torch.device("cpu"), None, lambda: None, 40, 1)
+        if issue_now:
+            drain.issue_now(len(copies))
+        drain.run()
+        for c, src in zip(copies, srcs):
+            assert torch.equal(c.dst.view(src.dtype), src)
+
+
+def test_offload_during_the_drain_finishes_the_copy_first(trained_model):
+    """``offload()`` while the drain has issued nothing (before and after a step took the
+    rest into spare memory): the hook issues every copy into the snapshot before the state
+    leaves (on CPU offload fills it with NaN) and removes itself; the snapshot is the state
+    at the call, with the drain not yet run."""
+    model, opt = trained_model
+    for step_first in (False, True):
+        sources = opt.shard_state.sources()
+        at_call = {name: t.clone() for name, t in sources.items()}
+        dst = {name: torch.empty_like(t) for name, t in sources.items()}
+        drain = Drain([Copy(dst[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+                       for n, t in sources.items()], torch.device("cpu"), None, lambda: None,
+                      64, 1)
+        drain.attach(opt)
+        if step_first:
+            train(model, opt, range(2, 3), 0, 1)
+        opt.offload()
+        for name, t in at_call.items():
+            assert torch.equal(dst[name], t), (step_first, name)
+        opt.onload()
+        drain.run()  # nothing left to copy from the state as it is now
+        for name, t in at_call.items():
+            assert torch.equal(dst[name], t), (step_first, name)
 
 
 # ----------------------------------------------------------- other processes
@@ -468,7 +484,7 @@ _CHILD = textwrap.dedent("""
     train(model, opt, range(2), 0, 1)
     checkpoint.save({root!r}, model, opt, step=1)
     background = importlib.import_module("shardopt.checkpoint.background")
-    real = save_module._write_rank_files
+    real = save_module.write_rank_files
     def write_files(tmp, *args, **kwargs):
         out = real(tmp, *args, **kwargs)
         pid = background.of(opt).writer.pid
@@ -476,7 +492,7 @@ _CHILD = textwrap.dedent("""
         sys.stdout.flush()
         {after_write}
         return out
-    save_module._write_rank_files = write_files
+    save_module.write_rank_files = write_files
     handle = checkpoint.save({root!r}, model, opt, step=2, blocking=False)
     train(model, opt, range(2, 4), 0, 1)
     sys.stdout.write(f"trained; save done: {{handle.done()}}\\n"); sys.stdout.flush()
@@ -550,17 +566,15 @@ def test_copies_of_storages_a_forward_may_write_are_taken_at_the_call():
     """The copies of ``hot`` storages (module buffers, which a forward updates in place) are
     taken before the call returns; the state's are the drain's (the state-write hook keeps
     the state from changing before it has them)."""
-    from shardopt.checkpoint.snapshot import Job, Snapshot
-    from shardopt.checkpoint.storage import WriteEntry
-
     state, buffer = torch.arange(10.0), torch.arange(4.0)
     entries = [WriteEntry("state", torch.float32, 10, 0, state),
                WriteEntry("buffer", torch.float32, 2, 0, buffer[2:])]
     snap = Snapshot(torch.device("cpu"), False, lambda buf: None)
-    jobs, drain = snap.take([Job("f", entries)], hot={buffer.untyped_storage().data_ptr()})
+    taken = snap.take([Job("f", entries)], checkpoint.CheckpointConfig(),
+                      hot={buffer.untyped_storage().data_ptr()})
     state.add_(100)  # no hook here: the drain copies what it finds
     buffer.add_(100)
-    drain.run()
-    got = {e.key: e.source for e in jobs[0].entries}
+    taken.drain.run()
+    got = {e.key: e.source for e in taken.jobs[0].entries}
     assert torch.equal(got["buffer"], torch.tensor([2.0, 3.0]))
     assert torch.equal(got["state"], torch.arange(10.0) + 100)

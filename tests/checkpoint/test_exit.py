@@ -5,7 +5,7 @@ through the interpreter's exit, with its exit handlers, module teardown and fina
 (``run_distributed(..., interpreter_exit=True)``), not through ``os._exit`` as the other
 tests' ranks do. A gloo group still running when the interpreter finalises can abort a
 finished process (``terminate called without an active exception``, SIGABRT, see
-``shardopt.checkpoint.shutdown``), more often under CPU load. So many short jobs (load the
+docs/reliability.md, Shutdown), more often under CPU load. So many short jobs (load the
 previous job's checkpoint at another DP size, train, save blocking and in the background,
 ``destroy_process_group()``, exit) run beside busy-loop processes, one per core, and every
 exit status must be 0; each rank also reports the threads it still runs after
@@ -62,8 +62,8 @@ def failed_save_rank(rank: int, world_size: int, root: str) -> dict[str, object]
         raise OSError(5, "I/O error (simulated)", path)
 
     error = None
-    with mock.patch.object(save_module, "_write_rank_files",
-                           broken if rank == 1 else save_module._write_rank_files):
+    with mock.patch.object(save_module, "write_rank_files",
+                           broken if rank == 1 else save_module.write_rank_files):
         handle = checkpoint.save(root, model, opt, step=1, blocking=False)
         try:
             handle.wait()

@@ -133,7 +133,7 @@ def test_a_prepare_out_of_host_memory_fails_cleanly(tmp_path, monkeypatch):
     assert made and (made[0]() is None or made[0]().fd is None)
     assert not new_snapshot_buffers(known)
     snap = background.of(opt).snapshot
-    assert snap.nbytes() == 0 and snap.host_nbytes() == 0
+    assert snap.host_nbytes() == 0 and not snap.host_buffers()
     monkeypatch.setattr(pinned, "PinnedBuffer", real)
     _both(tmp_path, model, opt, 1)
 
@@ -162,28 +162,26 @@ def test_each_rank_prepares_its_own_shard(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("where", ["host", "device_staged"])
-def test_a_prepared_snapshot_is_page_locked_and_the_save_locks_nothing(where, tmp_path,
-                                                                       monkeypatch):
-    """On a GPU, prepare page-locks the buffers the first save uses (host: the whole host
-    copy; device_staged: its staging buffer only); that save registers no host memory."""
+def test_a_prepared_snapshot_is_page_locked_and_the_save_locks_nothing(tmp_path, monkeypatch):
+    """On a GPU, prepare page-locks the whole host copy the first save uses; that save
+    registers no host memory."""
     model, opt = build(0, "cuda")
-    cfg = checkpoint.CheckpointConfig(snapshot=where)
-    checkpoint.prepare(model, opt, config=cfg)
+    checkpoint.prepare(model, opt)
     snap = background.of(opt).snapshot
-    if where == "host":
-        held = snap.host_buffers()
-        assert held and all(b.pinned for b in held)
-    else:
-        assert snap.nbytes() == 0 and snap._staging is not None and snap._staging.pinned
-        held = [snap._staging]
+    held = snap.host_buffers()
+    assert held and all(b.pinned for b in held)
     train(model, opt, range(2), 0, 1)
     reference = checkpoint.save(tmp_path / "sync", model, opt, step=2)
-    registered = []
-    monkeypatch.setattr(pinned.PinnedBuffer, "_register",
-                        lambda self, nbytes: registered.append(nbytes))
-    got = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False,
-                          config=cfg).wait()
+    runtime, registered = torch.cuda.cudart(), []
+
+    class Counting:  # torch's CUDA runtime, counting the calls that page-lock host memory
+        def __getattr__(self, name):
+            if name == "cudaHostRegister":
+                return lambda *args: registered.append(args) or runtime.cudaHostRegister(*args)
+            return getattr(runtime, name)
+
+    monkeypatch.setattr(torch.cuda, "cudart", Counting)
+    got = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False).wait()
     assert not registered
     assert {id(b) for b in held} <= {id(b) for b in snap.host_buffers()}
     assert checkpoint_bytes(Path(got)) == checkpoint_bytes(Path(reference))

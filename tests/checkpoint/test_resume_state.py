@@ -70,7 +70,6 @@ def test_low_memory_resume_moves_moments_to_the_device_at_the_first_step(tmp_pat
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
     if device == "cuda":  # the host copies were unlocked once they had reached the device
-        assert opt2._host._unpin is None
         assert all(not t.is_pinned() for t in staged)
 
 

@@ -100,12 +100,12 @@ def test_rollback_with_and_without_atomic_exchange(tmp_path: Path, monkeypatch: 
     if exchange:
         (tmp_path / "a").mkdir()
         (tmp_path / "b").mkdir()
-        if not commit._exchange(tmp_path / "a", tmp_path / "b"):
+        if not commit.exchange(tmp_path / "a", tmp_path / "b"):
             pytest.skip("this file system has no RENAME_EXCHANGE")
-        real = commit._exchange
-        monkeypatch.setattr(commit, "_exchange", lambda a, b: used.append(real(a, b)) or used[-1])
+        real = commit.exchange
+        monkeypatch.setattr(commit, "exchange", lambda a, b: used.append(real(a, b)) or used[-1])
     else:
-        monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(commit, "exchange", lambda a, b: False)
     checkpoint.save(root, *trained(2), step=2, extra={"branch": "new"},
                     config=checkpoint.CheckpointConfig(rollback=True))
     assert used == ([True] if exchange else [])

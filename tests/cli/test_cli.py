@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +24,6 @@ from safetensors import safe_open
 import shardopt
 from shardopt import checkpoint, cli
 from shardopt.recipes import demo
-from shardopt.recipes import launch as launch_module
 from shardopt.recipes.demo import DemoPlan
 from shardopt.recipes.launch import LaunchError, WorkerFailed, launch
 from shardopt.recipes.train import TrainConfig, lr_lambda
@@ -254,9 +254,18 @@ def test_launch_reports(kind, capfd):
         assert "RuntimeError: rank 1 crashed" in err
 
 
-def test_exit_descriptions():
-    assert launch_module._how(-9) == "was killed by SIGKILL"
-    assert launch_module._how(2) == "exited with code 2"
+def _killed() -> None:
+    """Rank 1 of :func:`test_a_killed_rank_is_named_with_its_signal`'s job dies of SIGKILL."""
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)  # rank 0 is stopped with the job
+
+
+def test_a_killed_rank_is_named_with_its_signal():
+    """A rank killed by a signal is named with it; one that exits with a code, with that
+    (:func:`test_launch_reports`)."""
+    with pytest.raises(WorkerFailed, match=r"^rank 1 was killed by SIGKILL$"):
+        launch(_killed, nproc=2)
 
 
 def test_not_a_checkpoint(tmp_path, capsys):

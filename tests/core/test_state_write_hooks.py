@@ -156,7 +156,7 @@ def test_the_first_write_takes_the_rest_of_the_copies_and_the_hook_goes(monkeypa
                         lambda self, host: calls.append(host) or real(self, host))
     src, dst = torch.arange(1000.0), torch.zeros(1000)
     drain = Drain([Copy(dst.view(torch.uint8), src.view(torch.uint8))],
-                  torch.device("cpu"), None, lambda: None)
+                  torch.device("cpu"), None, lambda: None, 4 << 20, 1)
     drain.attach(opt)
     opt.reload_model_params()  # host=True: no CUDA stream needed
     opt.reload_model_params()
@@ -165,16 +165,19 @@ def test_the_first_write_takes_the_rest_of_the_copies_and_the_hook_goes(monkeypa
     drain.run()
     assert torch.equal(dst, torch.arange(1000.0))
     done = Drain([Copy(torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8))],
-                 torch.device("cpu"), None, lambda: None)
+                 torch.device("cpu"), None, lambda: None, 4 << 20, 1)
     done.attach(opt)
     done.run()
     opt.reload_model_params()
     assert calls == [True]
 
 
+SMALL_PIECES = checkpoint.CheckpointConfig(drain_piece_bytes=64)
+
+
 def _gate_the_drain(monkeypatch, pieces: int) -> tuple[threading.Event, list]:
-    """Pieces of 64 bytes; the drain stops before its ``pieces + 1``-th until the gate opens."""
-    monkeypatch.setattr(drain_module, "PIECE_BYTES", 64)
+    """The drain (of a save with :data:`SMALL_PIECES`) stops before its ``pieces + 1``-th
+    piece until the gate opens."""
     gate, issued = threading.Event(), []
     real = Drain._prepare
 
@@ -206,7 +209,8 @@ def test_steps_while_the_drain_is_midway_leave_the_state_at_the_call(trained_mod
         monkeypatch.setattr(Drain, "_before_write", lambda self, host: None)
     sync = checkpoint.save(tmp_path / "sync", model, opt, step=2)
     gate, issued = _gate_the_drain(monkeypatch, 3)
-    handle = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False)
+    handle = checkpoint.save(tmp_path / "async", model, opt, step=2, blocking=False,
+                             config=SMALL_PIECES)
     _until(lambda: len(issued) == 3)
     train(model, opt, range(2, 4), 0, 1)
     gate.set()
@@ -225,7 +229,8 @@ def test_a_write_without_spare_memory_for_the_rest_waits_for_the_drain(trained_m
     for step in (2, 3):
         sync = checkpoint.save(tmp_path / "sync", model, opt, step=step)
         gate, issued = _gate_the_drain(monkeypatch, 3)
-        handle = checkpoint.save(tmp_path / "async", model, opt, step=step, blocking=False)
+        handle = checkpoint.save(tmp_path / "async", model, opt, step=step, blocking=False,
+                                 config=SMALL_PIECES)
         _until(lambda: len(issued) == 3)
         threading.Timer(0.2, gate.set).start()
         train(model, opt, range(step, step + 1), 0, 1)

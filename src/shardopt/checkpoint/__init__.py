@@ -1,9 +1,8 @@
 """Checkpoints: name-keyed, reshardable, pickle-free save and resume.
 
-``save`` and ``load`` are collective over the optimizer's DP group (``save`` may finish
-in the background: ``blocking=False``; ``prepare`` allocates its snapshot ahead, each rank
-its own); ``latest``, ``export``, ``inspect`` and ``verify`` run in a single process.
-How the threads, process and process groups of asynchronous saves end: :mod:`.shutdown`.
+``save`` and ``load`` are collective over the optimizer's DP group (``save`` may finish in the
+background: ``blocking=False``; ``prepare`` allocates its snapshot ahead, each rank its own);
+``latest``, ``export``, ``inspect`` and ``verify`` run in a single process.
 """
 
 from .agree import CheckpointError

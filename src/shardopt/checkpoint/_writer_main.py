@@ -1,8 +1,8 @@
 """Entry point of the writer process of asynchronous saves (:mod:`.writer_process`).
 
 Run as a script, it loads :mod:`.transfer` from its file (the package would import torch),
-maps the shared buffers the parent sends, writes the files each request lists through
-:class:`~.transfer.FileWriter` and answers their records or the error (the messages:
+maps the shared buffers the parent sends, writes the files each request lists through the
+block writer and answers their records or the error (the messages:
 docs/async_save.md). It exits when the socket closes, and within ``PARENT_POLL_S`` of its
 parent's death, even mid-write.
 """
@@ -10,7 +10,6 @@ parent's death, even mid-write.
 import importlib.util
 import mmap
 import os
-import queue
 import socket
 import sys
 import threading
@@ -28,22 +27,14 @@ def _load_transfer():
 
 transfer = _load_transfer()
 PARENT_POLL_S = 0.05  # how often the process checks that its parent lives
-_ZEROS = memoryview(bytes(1 << 20))
 
 
-def _view(cut, zeros: memoryview = _ZEROS) -> list:
-    """Memoryviews of a cut of a request's part (zeros from the zero block, in pieces)."""
-    data = cut.part.data
-    if data is not None:
-        return [data[cut.within]]
-    n = cut.end - cut.start
-    return [zeros[:min(len(zeros), n - i)] for i in range(0, n, len(zeros))]
+def write_all(request: dict, maps: dict, blobs: list) -> dict:
+    """Every file of a ``write`` request at once, one thread each; their records. The
+    earliest file that fails is raised, named."""
+    records = {}
 
-
-def write_one(path: str, parts: list, size: int, block_bytes: int, maps: dict,
-              blobs: list) -> dict:
-    """Write one file of a ``write`` request (``parts`` as the request gives them)."""
-    def data(src):
+    def data(src):  # a part's bytes as the request names them: zeros, a blob, a mapping
         if src is None:
             return None
         if isinstance(src, dict):
@@ -51,95 +42,19 @@ def write_one(path: str, parts: list, size: int, block_bytes: int, maps: dict,
         buf, at = src
         return maps[buf][at:]
 
-    layout = transfer.Parts([transfer.Part(s, n, data(src)) for s, n, src in parts])
-    return transfer.write_file(path, size, block_bytes, block_bytes, lambda lo, hi: [
-        v for cut in layout.cuts(lo, hi) for v in _view(cut)])
-
-
-def write_all(request: dict, maps: dict, blobs: list) -> dict:
-    """Every file of the request at once, one thread each; the errors are raised together."""
-    records, errors = {}, []
-
-    def one(name, parts, size):
+    def one(file: list, _slot: int) -> None:
+        name, parts, size = file
+        layout = transfer.Parts([transfer.Part(s, n, data(src)) for s, n, src in parts])
         try:
-            records[name] = write_one(os.path.join(request["dir"], name), parts, size,
-                                      request["block_bytes"], maps, blobs)
+            records[name] = transfer.write_file(
+                os.path.join(request["dir"], name), size, request["block_bytes"],
+                request["block_bytes"],
+                lambda lo, hi: [v for cut in layout.cuts(lo, hi) for v in transfer.cut_views(cut)])
         except BaseException as e:  # noqa: BLE001 - answered to the parent
-            errors.append(f"{name}: {type(e).__name__}: {e}")
+            raise OSError(f"{name}: {type(e).__name__}: {e}") from None
 
-    threads = [threading.Thread(target=one, args=f) for f in request["files"]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise OSError("; ".join(errors))
+    transfer.run_parallel(request["files"], one, len(request["files"]))
     return records
-
-
-def stream(sock: socket.socket, request: dict, maps: dict, failed: dict) -> None:
-    """Serve one streamed write until its ``end``: one thread per file writes the pieces
-    queued for it, in order, from the staging buffer's slots."""
-    slot_bytes, buf = request["slot_bytes"], request["buffer"]
-    staging = maps.get(buf)
-    errors: list[str] = [] if staging is not None else \
-        [failed.get(buf, f"the staging buffer {buf} is not mapped")]
-    lock = threading.Lock()
-    files = request["files"]
-    writers: list = [None] * len(files)
-    queues = [queue.Queue() for _ in files]
-
-    def writer(i: int):  # opened at its first piece, or at the end (an empty file)
-        if writers[i] is None:
-            name, size = files[i]
-            writers[i] = transfer.FileWriter(os.path.join(request["dir"], name), size,
-                                             request["block_bytes"])
-        return writers[i]
-
-    def answer(msg, why: str | None = None) -> None:
-        with lock:
-            if why is not None:
-                errors.append(why)
-                if len(errors) > 1:
-                    return
-            transfer.send(sock, msg)
-
-    def run(i: int) -> None:
-        while (piece := queues[i].get()) is not None:
-            start, nbytes, slot = piece
-            if not errors:
-                try:
-                    writer(i).write(start, [staging[slot * slot_bytes:][:nbytes]])
-                except BaseException as e:  # noqa: BLE001 - answered to the parent
-                    why = f"{files[i][0]}: {type(e).__name__}: {e}"
-                    answer(["failed", why], why)
-            answer(["free", slot])
-
-    if errors:
-        answer(["failed", errors[0]])
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(files))]
-    for t in threads:
-        t.start()
-    records: dict[str, dict] = {}
-    try:
-        while (msg := transfer.recv(sock)[0])[0] != "end":
-            for i, start, nbytes, slot in msg[1]:
-                queues[i].put((start, nbytes, slot))
-    finally:
-        for q in queues:
-            q.put(None)
-        for t in threads:
-            t.join()
-        for i, (name, _) in enumerate(files):
-            try:
-                if not errors:
-                    records[name] = writer(i).finish()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(f"{name}: {type(e).__name__}: {e}")
-            finally:
-                if writers[i] is not None:
-                    writers[i].close()
-    answer(["done", "error", errors[0]] if errors else ["done", "ok", records])
 
 
 def _watch(parent: int) -> None:
@@ -175,11 +90,6 @@ def main(fd: int, parent: int) -> None:
         elif kind == "unmap":
             maps.pop(msg[1], None)
             failed.pop(msg[1], None)
-        elif kind == "stream":
-            try:
-                stream(sock, msg[1], maps, failed)
-            except (EOFError, OSError):  # the parent is gone
-                return
         elif kind == "write":
             try:
                 bad = [failed[b] for b in msg[1]["buffers"] if b in failed]

@@ -1,13 +1,11 @@
 """The background half of asynchronous saves: one optimizer's saves (:class:`Saves`, in
-``opt.shard_state.attachments`` from its first asynchronous save, closed by
-:mod:`.shutdown`), the handle of the save in flight, and the gloo coordination group their
-exchanges run on.
+``opt.shard_state.attachments``), the handle of the save in flight, and the gloo group their
+exchanges run on (why: docs/async_save.md, Collectives from the background).
 
-One save of an optimizer is in flight at a time: its next ``save``, a ``checkpoint.load``
+One save of an optimizer is in flight at a time; its next ``save``, a ``checkpoint.load``
 into it and the interpreter's exit wait for it. Its error is kept until someone sees it:
 :meth:`SaveHandle.wait`, the next ``save`` (which fails on every rank) or a log record at
-:meth:`Saves.close`. Why the exchanges need a group of their own, and its timeout:
-docs/async_save.md, Collectives from the background.
+:meth:`Saves.close`. What ends in which order: docs/reliability.md, Shutdown.
 """
 
 from __future__ import annotations
@@ -20,13 +18,14 @@ import threading
 import traceback
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
 from ..optimizer import DistributedOptimizer
-from . import shutdown, writer_process
+from . import writer_process
 from .snapshot import Snapshot
 from ..errors import CheckpointError
 
@@ -48,7 +47,7 @@ class SaveHandle:
 
     def _run(self, work: Callable[[comm.DPGroup], None], group: comm.DPGroup) -> None:
         # The group is an argument, not a closure cell of ``work``, so that a kept error whose
-        # frames are cleared holds no process group (a group alive at exit: see .shutdown).
+        # frames are cleared holds no process group (a group alive at exit aborts the job).
         try:
             work(group)
         except BaseException as e:  # noqa: BLE001 - kept for wait(), the next save, or exit
@@ -74,8 +73,7 @@ class SaveHandle:
         return self.path
 
     def unreported(self) -> BaseException | None:
-        """Join (unless called from the save's own thread); the error nobody has seen yet
-        (then counted as seen)."""
+        """Join (unless on the save's own thread); the error nobody has seen yet, now seen."""
         if self._thread is not threading.current_thread():
             self._thread.join()
         if self._error is None or self._reported:
@@ -94,6 +92,17 @@ def _drop_locals(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
+@dataclass(frozen=True)
+class _Group:
+    """A coordination group, the default group it was made under (both weakly: torch's
+    registry keeps them while the job's groups exist, and ``destroy_process_group()`` frees
+    them), and the process that made it."""
+
+    made_under: weakref.ref
+    group: weakref.ref
+    pid: int
+
+
 class Saves:
     """One optimizer's asynchronous saves (module docstring). Used by the training thread."""
 
@@ -101,22 +110,11 @@ class Saves:
         self.writer = writer_process.WriterProcess()
         self.snapshot = Snapshot(device, self.writer.available, self.writer.forget)
         self.pending: SaveHandle | None = None
-        # ranks -> weak references to (the default group it was made under, the group), and
-        # the process that made it. Weak: torch's registry keeps the group while the job's
-        # groups exist, and destroy_process_group() frees it with them (.shutdown); a new
-        # default group (a re-initialised process group) makes the one kept here stale.
-        self._groups: dict[tuple[int, ...], tuple[weakref.ref, weakref.ref, int]] = {}
-
-    def start(self, path: str, work: Callable[[comm.DPGroup], None], group: comm.DPGroup
-              ) -> SaveHandle:
-        """Run ``work(group)`` in the background as the asynchronous save of ``path``."""
-        self.pending = SaveHandle(path, work, group)
-        return self.pending
+        self._groups: dict[tuple[int, ...], _Group] = {}  # by ranks
 
     def settle(self, if_busy: str = "wait") -> BaseException | None:
-        """Wait for the save in flight, if any, and return its error that nobody has seen.
-        With ``if_busy="error"`` a save still running is not waited for: an error saying so
-        is returned instead (the caller reports it on every rank)."""
+        """Wait for the save in flight, if any, and return its error nobody has seen; with
+        ``if_busy="error"``, for a save still running, an error saying so instead."""
         handle = self.pending
         if handle is None:
             return None
@@ -127,56 +125,52 @@ class Saves:
 
     def coordination_group(self, dp: comm.DPGroup) -> comm.DPGroup:
         """Collective over ``dp`` the first time for its ranks. A gloo group over the ranks
-        of ``dp`` for the exchanges of background saves (``dp`` itself at size 1)."""
+        of ``dp`` for the exchanges of background saves (``dp`` itself at size 1); made
+        anew under a new default group (a re-initialised process group)."""
         if dp.size == 1:
             return dp
         ranks = tuple(dist.get_process_group_ranks(dp.group) if dp.group is not None
                       else range(dist.get_world_size()))
         world = dist.group.WORLD
-        made_under, pg, _ = self._groups.get(ranks, (None, None, 0))
-        pg = pg() if pg is not None else None
-        if pg is None or made_under() is not world:
+        kept = self._groups.get(ranks)
+        pg = kept.group() if kept is not None else None
+        if pg is None or kept.made_under() is not world:
             pg = dist.new_group(list(ranks), backend="gloo", timeout=_timeout(dp.group),
                                 use_local_synchronization=True)
-            self._groups[ranks] = (weakref.ref(world), weakref.ref(pg), os.getpid())
+            self._groups[ranks] = _Group(weakref.ref(world), weakref.ref(pg), os.getpid())
         return comm.DPGroup(pg, dp.rank, dp.size)
 
-    def destroy_groups(self) -> None:
-        """Coordinator-free. Destroy the coordination groups made here that torch still has
-        (the job did not call ``destroy_process_group``), so that their threads end now."""
-        for _, pg, pid in self._groups.values():
-            pg = pg()
-            # A forked child has the parent's groups without their threads: not its own.
-            if pg is not None and pid == os.getpid() and dist.is_initialized():
-                with contextlib.suppress(ValueError):  # torch no longer has it: nothing to end
-                    dist.destroy_process_group(pg)
-        self._groups.clear()
-
     def close(self) -> None:
-        """When the optimizer goes or the interpreter exits (:mod:`.shutdown`): wait for the
-        save in flight and log its error if nobody saw it, end the writer process, destroy
-        the coordination groups."""
+        """Wait for the save in flight and log its error if nobody saw it, end the writer
+        process, destroy the coordination groups torch still has (so that their threads end
+        now where the job did not call ``destroy_process_group``)."""
         error = self.settle()
         if error is not None:
             log.error("an asynchronous checkpoint save failed and nobody waited for it: %s",
                       error)
         self.writer.close()
-        self.destroy_groups()
+        for kept in self._groups.values():
+            pg = kept.group()
+            # A forked child has the parent's groups without their threads: not its own.
+            if pg is not None and kept.pid == os.getpid() and dist.is_initialized():
+                with contextlib.suppress(ValueError):  # torch no longer has it: nothing to end
+                    dist.destroy_process_group(pg)
+        self._groups.clear()
 
 
 def of(opt: DistributedOptimizer) -> Saves:
-    """``opt``'s :class:`Saves`, made when first asked for and closed with ``opt``."""
+    """``opt``'s :class:`Saves`, made when first asked for and closed when ``opt`` is
+    collected or at interpreter exit (after the non-daemon threads, a save's among them)."""
     attachments = opt.shard_state.attachments
     saves = attachments.get(_KEY)
     if saves is None:
         saves = attachments[_KEY] = Saves(opt.shard_state.device)
-        shutdown.close_with(opt, saves.close)
+        weakref.finalize(opt, saves.close)
     return saves
 
 
 def wait_pending(opt: DistributedOptimizer) -> None:
-    """Wait for ``opt``'s save in flight, leaving its error to be reported by wait() or the
-    next save (``load`` calls this: it may read what that save writes)."""
+    """Wait for ``opt``'s save in flight, leaving its error for wait() or the next save."""
     saves = opt.shard_state.attachments.get(_KEY)
     if saves is not None and saves.pending is not None:
         saves.pending._thread.join()

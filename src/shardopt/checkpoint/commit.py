@@ -111,7 +111,7 @@ def _stat(path: Path) -> os.stat_result | None:
         return None
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def exchange(a: Path, b: Path) -> bool:
     """Swap directories ``a`` and ``b`` atomically; False where the system cannot."""
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
@@ -186,7 +186,7 @@ def latest(root: str | os.PathLike) -> str | None:
 
 def _marker(root: Path) -> str:
     """What ``root/latest`` names; "" when it is missing, unreadable, a symlink or not a
-    regular file (a FIFO would block a plain ``open`` forever): a damaged marker."""
+    regular file (a FIFO would block a plain ``open`` forever)."""
     try:
         fd = open_regular(root / LATEST)
     except FormatError:
@@ -201,8 +201,8 @@ def _marker(root: Path) -> str:
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     """Coordinator-free. Whether ``path`` is a checkpoint directory (True) or a root that
-    may hold some (False). Raises :class:`CheckpointError` for a missing path and for a
-    save's temporary or removed directory (it may hold a manifest before its commit)."""
+    may hold some (False); :class:`CheckpointError` for a missing path and for a save's
+    temporary or removed directory (it may hold a manifest before its commit)."""
     p = Path(path)
     if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
         raise CheckpointError(f"{p} is not a committed checkpoint: a save's temporary or "
@@ -215,8 +215,8 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
 
 
 def resolve(root_or_path: str | os.PathLike) -> Path:
-    """Coordinator-free. A checkpoint directory, given itself or a root holding some.
-    Raises :class:`CheckpointError` when there is none."""
+    """Coordinator-free. A checkpoint directory, given itself or a root holding some
+    (:class:`CheckpointError` when there is none)."""
     p = Path(root_or_path)
     if is_checkpoint_dir(p):
         return p
@@ -228,14 +228,14 @@ def resolve(root_or_path: str | os.PathLike) -> Path:
 
 @dataclass
 class Staged:
-    """A save in progress: its temporary directory and the fd whose flock marks it live."""
+    """A save in progress: its temporary directory, the fd whose flock marks it live, and
+    the committed checkpoints when it began (by name): only these are ever replaced or
+    removed by it (the same device and inode)."""
 
     root: Path
     tmp: Path
     fd: int | None
     committed: bool = False
-    # The committed checkpoints when the save began, by name. Only these are ever replaced
-    # or removed by it (the same device and inode), never one another job committed meanwhile.
     existing: dict[str, os.stat_result] = field(default_factory=dict)
 
     def release(self) -> None:
@@ -256,8 +256,8 @@ def _trash(root: Path, path: Path) -> Path:
 
 
 def _collect_stale(root: Path) -> list[Path]:
-    """Under the root lock: move dead saves' temporary dirs to trash; list all trash.
-    Best effort: what cannot be cleaned now is left for a later save."""
+    """Under the root lock: move dead saves' temporary dirs to trash (best effort); list all
+    trash."""
     for p in root.glob(f"{TMP_PREFIX}*"):
         if not p.is_dir() or p.is_symlink():
             continue
@@ -281,16 +281,15 @@ def _delete(paths: list[Path]) -> None:
 
 @dataclass(frozen=True)
 class Resumed:
-    """A checkpoint a run resumed from (``checkpoint.load``): its saves may roll the root
-    back (held by the optimizer as ``shard_state.loaded_from``)."""
+    """A checkpoint a run resumed from (``shard_state.loaded_from``): its saves may roll
+    the root (resolved) back."""
 
-    root: Path  # resolved
+    root: Path
     step: int
 
 
 def resumed_step(resumed: object, root: Path) -> int | None:
-    """The step ``resumed`` (a :class:`Resumed` or None) names in ``root``; None when it is
-    not a resume from this root."""
+    """The step ``resumed`` (a :class:`Resumed` or None) names in ``root``, else None."""
     if isinstance(resumed, Resumed) and resumed.root == root.resolve():
         return resumed.step
     return None
@@ -337,8 +336,8 @@ def abort(staged: Staged) -> None:
 
 def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | None) -> Path:
     """Steps 3 and 4. ``OSError`` if the checkpoint could not be committed; after the rename
-    it is complete whatever follows: a failure to update ``latest`` is still raised (``latest()``
-    then falls back to the marker's older checkpoint), one to remove old checkpoints warns."""
+    it is complete: a failed ``latest`` update still raises (``latest()`` then falls back to
+    the marker's older checkpoint), a failed removal of old checkpoints warns."""
     root = staged.root
     final = root / final_name
     write_atomic(staged.tmp / MANIFEST, manifest)
@@ -372,7 +371,7 @@ def commit(staged: Staged, final_name: str, manifest: bytes, keep_last: int | No
 
 
 def _publish(staged: Staged, final: Path) -> Path | None:
-    """The commit point, under the root lock: ``staged.tmp`` becomes ``final``. Returns the
+    """The commit point, under the root lock: ``staged.tmp`` becomes ``final``; returns the
     replaced checkpoint, moved to trash, if ``final`` existed when the save began."""
     if _stat(final) is None:
         os.rename(staged.tmp, final)
@@ -380,7 +379,7 @@ def _publish(staged: Staged, final: Path) -> Path | None:
         return None
     if not staged.began_with(final) or not is_complete(final):
         raise FileExistsError(f"checkpoint {final} already exists (saved by another job?)")
-    if _exchange(staged.tmp, final):
+    if exchange(staged.tmp, final):
         staged.committed = True
         return _trash(staged.root, staged.tmp)  # the tmp name now holds the old checkpoint
     old = _trash(staged.root, final)  # no atomic exchange: a crash now leaves no step_k

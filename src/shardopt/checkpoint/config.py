@@ -11,7 +11,7 @@ from ..errors import CheckpointError
 # What a save does while another of this process is still being written.
 BUSY_POLICIES = ("wait", "error")
 # Where an asynchronous save copies the state (see .snapshot).
-SNAPSHOTS = ("host", "device_staged")
+SNAPSHOTS = ("host",)
 # Host memory a save or load stages data through at most (pinned when the optimizer is on a GPU).
 STAGING_BYTES = 128 << 20
 
@@ -48,10 +48,12 @@ class CheckpointConfig:
     if_busy: str = "wait"
     """Save while an asynchronous save is in flight: ``"wait"`` for it, or ``"error"``."""
     snapshot: str = "host"
-    """Asynchronous save on a GPU: copy the state to pinned ``"host"`` memory (one copy of
-    the rank's state, reused), drained in small pieces from where it lives; or to spare
-    device memory written out through the ``staging_bytes`` pinned buffers
-    (``"device_staged"``: no host copy). See :mod:`.snapshot`."""
+    """Asynchronous save: where the state is copied; ``"host"``, the only kind: one reused
+    copy of the rank's state in host memory (:mod:`.snapshot`)."""
+    drain_piece_bytes: int = 4 << 20
+    """Asynchronous save: the most bytes the drain copies at a time (:mod:`.drain`)."""
+    drain_in_flight: int = 1
+    """Asynchronous save on a GPU: the drain's pieces queued at once."""
 
     def __post_init__(self) -> None:
         refuse_invalid({
@@ -65,7 +67,9 @@ class CheckpointConfig:
                             f"an int in [1, {MAX_BLOCK_BYTES}]"),
             "rollback": (isinstance(self.rollback, bool), "a bool"),
             "if_busy": (self.if_busy in BUSY_POLICIES, "'wait' or 'error'"),
-            "snapshot": (self.snapshot in SNAPSHOTS, "'host' or 'device_staged'"),
+            "snapshot": (self.snapshot in SNAPSHOTS, "'host'"),
+            "drain_piece_bytes": (is_int(self.drain_piece_bytes, 1), "an int >= 1"),
+            "drain_in_flight": (is_int(self.drain_in_flight, 1), "an int >= 1"),
         }, vars(self))
 
 

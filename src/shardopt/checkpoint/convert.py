@@ -1,8 +1,8 @@
 """Loading Adam moments stored otherwise (:class:`~.manifest.MomentEncoding`) than the
-optimizer keeps them: each rank reads its pieces as stored (codes with the scales of the blocks
-covering them), decodes them to fp32 as :meth:`shardopt.quant.Moment.to_fp32` does, and stores
-each local tensor blockwise in the target format (:meth:`~shardopt.quant.Moment.store_`), as a
-step would. One log line (logger ``shardopt.checkpoint``) names every conversion of a load.
+optimizer keeps them: each rank reads its pieces as stored (codes with the scales of their
+blocks), decodes them to fp32 as :meth:`shardopt.quant.Moment.to_fp32` does and stores each
+local tensor in the target format (:meth:`~shardopt.quant.Moment.store_`), as a step would.
+One log line (logger ``shardopt.checkpoint``) names every conversion of a load.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ log = logging.getLogger("shardopt.checkpoint")
 @dataclass(frozen=True)
 class Piece:
     """One shard's stored moment ``name`` read as stored: ``values`` and the ``scales`` of
-    the blocks covering it (None unless 8-bit)."""
+    the blocks covering it (None unless 8-bit) from block ``scale_start`` on."""
 
     shard: ParamShard
     name: str
     values: torch.Tensor
     scales: torch.Tensor | None
-    scale_start: int = 0  # the first block ``scales`` holds
+    scale_start: int = 0
 
     @property
     def scale_key(self) -> str:

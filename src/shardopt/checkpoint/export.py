@@ -7,13 +7,13 @@ safetensors through the block writer, split Hugging Face style past ``max_file_b
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-import struct
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from ..layout import STATE_NAMES, Range
 from ..muon import MOMENTUM
 from . import commit
-from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, dtype_name
+from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, dtype_name, pack_header
 from .manifest import Manifest, MomentEncoding, parse
 from .read import DataFiles, read_verified
 from .storage import write_parts
@@ -29,6 +29,8 @@ from .transfer import Part, io_threads
 from ..errors import CheckpointError, FormatError
 
 EXPORT_MOMENTS = ("float32", "stored")
+# Past this a file is split, Hugging Face style (as `save_pretrained`'s default shard size).
+MAX_FILE_BYTES = 5 << 30
 
 
 def _open(path: str | os.PathLike) -> Manifest:
@@ -58,17 +60,25 @@ SCALE_BATCH_BYTES = 64 << 20
 def _check_every_scale(files: DataFiles) -> None:
     """The value check ``load`` and ``export`` make of the 8-bit moment scales they read,
     on every scale (hashes already checked), a batch of keys at a time."""
-    keys = sorted(files.scale_keys)
+    keys, batch = sorted(files.scale_keys), []
     while keys:
-        batch: list[tuple[str, torch.Tensor]] = []
-        while keys and sum(t.numel() * 4 for _, t in batch) < SCALE_BATCH_BYTES:
-            key = keys.pop()
-            batch.append((key, torch.empty(files.stored[key].numel, dtype=torch.float32)))
-        read_verified([r for key, t in batch
-                       for r in files.reads(key, Range(0, t.numel()), t, in_place=False)],
-                      verify=False, threads=io_threads())
-        for key, t in batch:
-            files.check_scales(key, 0, t)
+        batch.append(keys.pop())
+        if not keys or sum(files.stored[k].numel * 4 for k in batch) >= SCALE_BATCH_BYTES:
+            _read_whole(files, batch, verify=False)
+            batch = []
+
+
+def _read_whole(files: DataFiles, keys: list[str], verify: bool) -> dict[str, torch.Tensor]:
+    """Stored tensors ``keys``, whole (1-D, as stored), in one read; 8-bit moment scales
+    value-checked."""
+    out = {k: torch.empty(files.stored[k].numel, dtype=files.stored[k].dtype) for k in keys}
+    read_verified([r for k, t in out.items()
+                   for r in files.reads(k, Range(0, t.numel()), t, in_place=False)],
+                  verify=verify, threads=io_threads())
+    for k, t in out.items():
+        if k in files.scale_keys:
+            files.check_scales(k, 0, t)
+    return out
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
@@ -103,24 +113,17 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-# Past this a file is split, Hugging Face style (as `save_pretrained`'s default shard size).
-MAX_FILE_BYTES = 5 << 30
-
-
 def export(path: str | os.PathLike, out_dir: str | os.PathLike,
            max_file_bytes: int = MAX_FILE_BYTES, verify: bool = True,
            moments_dtype: str = "float32") -> list[str]:
-    """Write ``model*.safetensors`` and ``optimizer*.safetensors`` with full-shape tensors.
+    """Write ``model*.safetensors`` and ``optimizer*.safetensors`` with full-shape tensors;
+    return their paths. Adam moments (and Muon's ``"{fqn}.momentum_buffer"``, fp32) in fp32
+    (``moments_dtype="float32"``, decoded exactly as the optimizer reads them) or as stored (``"stored"``: bf16, or 8-bit codes with their fp32
+    scales as ``"{fqn}.exp_avg.scale"``, one per block of the flattened param).
 
-    Adam moments (and Muon's ``"{fqn}.momentum_buffer"``, fp32) are written in fp32
-    (``moments_dtype="float32"``, decoded from bf16 or int8 storage exactly as the
-    optimizer reads them), or as stored
-    (``moments_dtype="stored"``): bf16, or 8-bit codes with their fp32 scales as
-    ``"{fqn}.exp_avg.scale"`` (1-D, one per block of the flattened param).
-
-    Returns the written file paths. ``out_dir`` must not exist or be empty, nor hold a
-    checkpoint or lie inside this one; the files go into a temporary sibling renamed to
-    ``out_dir`` at the end, so a failed export leaves no partial output.
+    ``out_dir`` must not exist or be empty, nor hold a checkpoint or lie inside this one; the
+    files go into a temporary sibling renamed to ``out_dir`` at the end, so a failed export
+    leaves no partial output.
     """
     if moments_dtype not in EXPORT_MOMENTS:
         raise ValueError(f"moments_dtype must be one of {list(EXPORT_MOMENTS)}, "
@@ -219,9 +222,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str,
         header[key] = {"dtype": DTYPE_CODES[tensors[key].dtype],
                        "shape": list(tensors[key].shape), "data_offsets": [pos, pos + d.numel()]}
         pos += d.numel()
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(len(raw) + 8) % 8)  # data 8-byte aligned, as safetensors does
-    raw = struct.pack("<Q", len(raw)) + raw
+    raw = pack_header(header)
     parts = [Part(0, len(raw), torch.frombuffer(bytearray(raw), dtype=torch.uint8))]
     for d in data:
         parts.append(Part(parts[-1].end, d.numel(), d))
@@ -243,8 +244,8 @@ def _write_split(files: DataFiles, out: Path, stem: str, shapes: dict[str, tuple
                  verify: bool, max_file_bytes: int,
                  decode: dict[str, MomentEncoding]) -> list[str]:
     """Write the tensors of ``shapes`` (key: full shape) as ``stem`` files under ``out``
-    (split past ``max_file_bytes``), each file's tensors read in one call; return the file
-    names. Moments named in ``decode`` (by moment name) are written in fp32."""
+    (split past ``max_file_bytes``); return their names. Moments named in ``decode`` are
+    written in fp32."""
     groups: list[list[str]] = [[]]
     size = 0
     for key in shapes:
@@ -258,34 +259,23 @@ def _write_split(files: DataFiles, out: Path, stem: str, shapes: dict[str, tuple
              [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map, total = {}, 0
     for name, group in zip(names, groups):
-        tensors, scales = {}, {}
+        scales = [f"{k}.scale" for k in group if getattr(_decoded(decode, k), "block", 0)]
+        tensors = _read_whole(files, group + scales, verify)
         for key in group:
-            stored = files.stored[key]
-            tensors[key] = torch.empty(stored.numel, dtype=stored.dtype)
-            enc = _decoded(decode, key)
-            if enc is not None and enc.block:
-                scales[f"{key}.scale"] = torch.empty(files.stored[f"{key}.scale"].numel,
-                                                     dtype=torch.float32)
             weight_map[key] = name
-        read_verified([r for k, t in (tensors | scales).items()
-                       for r in files.reads(k, Range(0, t.numel()), t, in_place=False)],
-                      verify=verify, threads=io_threads())
-        for key, t in (tensors | scales).items():
-            if key in files.scale_keys:
-                files.check_scales(key, 0, t)
-        for key in group:
             enc = _decoded(decode, key)
             if enc is not None:
-                tensors[key] = enc.decode(tensors[key], scales.get(f"{key}.scale"), 0)
+                tensors[key] = enc.decode(tensors[key], tensors.get(f"{key}.scale"), 0)
             tensors[key] = tensors[key].view(shapes[key])
             total += tensors[key].numel() * tensors[key].element_size()
-        _writing(out, name, lambda file: save_file(tensors, file, metadata={"format": "pt"}))
-        del tensors, scales
+        write = functools.partial(save_file, {key: tensors[key] for key in group},
+                                  metadata={"format": "pt"})
+        del tensors  # the scales read for decoding go before the file is written
+        _writing(out, name, write)
+        del write
     if len(names) > 1:
         index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                            indent=2)
         _writing(out, f"{stem}.safetensors.index.json", lambda file: Path(file).write_text(index))
     return names
 
-
-__all__ = ["export", "inspect", "verify"]

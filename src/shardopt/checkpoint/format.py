@@ -14,7 +14,7 @@ import re
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import xxhash
@@ -125,31 +125,30 @@ class FileHeader:
     chunks: tuple[StoredChunk, ...]
 
 
-class HeaderEntry(Protocol):
-    key: str
-    dtype: torch.dtype
-    numel: int
-    offset: int  # element offset in the full tensor
+def pack_header(header: dict) -> bytes:
+    """A safetensors header: its JSON's length, then the JSON, padded so that data is 8-byte
+    aligned (as safetensors does)."""
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
-def build_header(entries: Iterable[HeaderEntry]) -> tuple[bytes, list[int]]:
-    """The header of a file of ``entries`` in order; returns it and each entry's data start."""
+def build_header(entries: Iterable) -> tuple[bytes, list[int]]:
+    """The header of a data file of ``entries`` (``key``, ``dtype``, ``numel`` and
+    ``offset`` in the full tensor) in order; returns it and each entry's data start."""
     header: dict[str, object] = {}
     sharding: dict[str, object] = {}
-    pos = 0
-    starts = []
+    starts = [0]
     for e in entries:
         nbytes = e.numel * e.dtype.itemsize
         header[e.key] = {"dtype": DTYPE_CODES[e.dtype], "shape": [e.numel],
-                         "data_offsets": [pos, pos + nbytes]}
+                         "data_offsets": [starts[-1], starts[-1] + nbytes]}
         sharding[e.key] = {"saved_offsets": [e.offset]}
-        starts.append(pos)
-        pos += nbytes
+        starts.append(starts[-1] + nbytes)
     header["__metadata__"] = {SHARDING_KEY: json.dumps(sharding), "format": "pt",
                               "DCP_VERSION": "1.0"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(len(raw) + 8) % 8)  # data 8-byte aligned, as safetensors does
-    return struct.pack("<Q", len(raw)) + raw, [8 + len(raw) + s for s in starts]
+    raw = pack_header(header)
+    return raw, [len(raw) + s for s in starts[:-1]]
 
 
 def parse_json_object(raw: bytes | str, what: str) -> dict:

@@ -1,7 +1,6 @@
-"""load: collective restore of a checkpoint saved at any DP size.
-
-Load schedule (collective over the DP group); a rank that fails at any step makes every rank
-raise at the next exchange, so nothing changes until step 6:
+"""load: collective restore of a checkpoint saved at any DP size. The schedule (collective over
+the DP group; a rank that fails at any step makes every rank raise at the next exchange, so
+nothing changes until step 6):
 
 1. Coordinator-free (:func:`_propose`): DP rank 0 resolves what it was given (a root: the
    checkpoint its ``latest`` names) and parses the manifest; every other rank given a
@@ -52,12 +51,14 @@ log = logging.getLogger("shardopt.checkpoint")
 
 @dataclass(frozen=True)
 class Choice:
-    """What one rank was asked to load and what it found there (sent to every rank)."""
+    """What one rank was given (a path; ``root``: a root, not a checkpoint directory) and
+    the checkpoint it found there (DP rank 0 always, others when given one) with its
+    manifest's checksum; sent to every rank."""
 
-    given: str  # the argument, a path
-    root: bool  # a root (load its latest checkpoint), not a checkpoint directory
-    path: str | None  # the checkpoint found: DP rank 0 always, others when given one
-    checksum: str | None  # of its manifest
+    given: str
+    root: bool
+    path: str | None
+    checksum: str | None
 
 
 @dataclass(frozen=True)
@@ -94,12 +95,11 @@ def load(
 ) -> LoadInfo:
     """Collective. Restore ``model`` and ``optimizer`` from a checkpoint saved at any DP size.
 
-    ``low_memory_resume`` (default: the optimizer config's) keeps the Adam moments
-    in host memory until the first ``step()``; ``config`` sets the rest (verification,
-    threads, staging, hyperparameters: :class:`~.config.CheckpointConfig`). On any error
-    every rank raises a :class:`CheckpointError` and model and optimizer are left as they
-    were. The optimizer records where it resumed from (``shard_state.loaded_from``): its
-    saves may roll that root back.
+    ``low_memory_resume`` (default: the optimizer config's) keeps the Adam moments in host
+    memory until the first ``step()``; ``config`` sets the rest. On any error every rank
+    raises a :class:`CheckpointError` and model and optimizer are left as they were. The
+    optimizer records where it resumed from (``shard_state.loaded_from``): its saves may roll
+    that root back.
     """
     background.wait_pending(optimizer)  # it may write what this reads, and read what this writes
     dp = optimizer.shard_state.dp
@@ -199,8 +199,7 @@ def _same_dir(a: str, b: str) -> bool:
 
 def _prepare(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer, verify: bool,
              host: bool, staging_bytes: int, threads: int, keep_hyper: bool) -> _Plan:
-    """Coordinator-free. Step 4: every check of a load of ``m``, and what it reads before
-    writing."""
+    """Coordinator-free. Step 4: every check of a load of ``m``, and its reads before writing."""
     opt.shard_state.check_onloaded("checkpoint.load")
     _check_compatible(m, model, opt)
     steps = {fqn: m.params[fqn].step for fqn in opt.layout.slots}
@@ -273,11 +272,9 @@ def _check_rng(rng: dict[str, torch.Tensor], path: str) -> None:
 
 def _group_hyperparameters(m: Manifest, opt: DistributedOptimizer) -> list[dict[str, Any]]:
     """Saved ``lr``, ``betas``, ``eps``, ``weight_decay`` (and a Muon group's settings) of
-    each current param group.
-
-    :class:`CheckpointError` if the params are grouped otherwise than when saved: one group
-    saved with different values, or groups that differ now in more than ``lr`` (which
-    schedulers may have made equal) saved with equal values."""
+    each current param group; :class:`CheckpointError` if the params are grouped otherwise
+    than when saved (one group saved with different values, or groups that differ now in more
+    than ``lr``, which schedulers may have made equal, saved with equal values)."""
     out: list[dict[str, Any]] = []
     seen: dict[str, tuple[str, Any]] = {}  # saved values but lr -> first FQN, current values
     for group in opt.param_groups:
@@ -313,8 +310,8 @@ def _optimizer_name(moments: tuple[str, ...]) -> str:
 
 
 def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer) -> None:
-    """Every tensor of the model is in the checkpoint with its shape, and nothing else is.
-    Reports every mismatching FQN (up to ten), not just the first."""
+    """Every tensor of the model is in the checkpoint with its shape, and nothing else is;
+    reports every mismatching FQN (up to ten)."""
     frozen = state.frozen_tensors(model, opt)
     aliases = opt.shard_state.aliases
     current = {fqn: (tuple(s.shape), True) for fqn, s in opt.layout.slots.items()}

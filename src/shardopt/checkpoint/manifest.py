@@ -1,10 +1,9 @@
 """``manifest.json``: parsed once, validated, into frozen records nothing else re-checks.
 
-A manifest comes from disk and may be damaged or hostile: it is size-limited, read without
-following symlinks, parsed as plain JSON and checked against its own checksum. :func:`parse`
-then checks every field that ``load``, ``verify``, ``export`` and ``inspect`` use and returns
-a :class:`Manifest`. Data file names are fixed patterns (``model-00000.safetensors``), so none
-can leave the directory.
+A manifest may be damaged or hostile: it is size-limited, read without following symlinks,
+parsed as plain JSON and checked against its own checksum; :func:`parse` then checks every
+field ``load``, ``verify``, ``export`` and ``inspect`` use. Data file names are fixed
+patterns (``model-00000.safetensors``), so none can leave the directory.
 """
 
 from __future__ import annotations
@@ -24,7 +23,10 @@ from .. import muon, quant
 from ..config import GROUP_KEYS, INT8, group_value
 from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
-from .format import DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES, ChunkRecord, FileRecord, StoredTensor, data_file_name, dtype_name, is_int, manifest_checksum, parse_json_object
+from .format import (DATA_FILE, FILE_KINDS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
+                     MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES,
+                     ChunkRecord, FileRecord, StoredTensor, data_file_name, dtype_name, is_int,
+                     manifest_checksum, parse_json_object)
 from .storage import open_regular
 from ..errors import FormatError
 
@@ -75,9 +77,9 @@ class MomentEncoding:
 
     def decode(self, values: torch.Tensor, scales: torch.Tensor | None,
                start: int) -> torch.Tensor:
-        """fp32 values of a stored piece that starts at element ``start`` of its param;
-        ``scales`` are those of the blocks from ``start // block`` on. The same fp32
-        operations as :meth:`shardopt.quant.Moment.to_fp32`, so bit-identical to it."""
+        """fp32 values of a stored piece from element ``start`` of its param (``scales``:
+        those of the blocks from ``start // block`` on), bit-identical to
+        :meth:`shardopt.quant.Moment.to_fp32`."""
         x = values.float()
         if not self.block:
             return x
@@ -108,7 +110,9 @@ ENCODINGS = (MomentEncoding(torch.float32), MomentEncoding(torch.bfloat16),
 
 @dataclass(frozen=True)
 class Manifest:
-    path: Path  # the checkpoint directory
+    """A parsed, validated manifest of the checkpoint directory ``path``."""
+
+    path: Path
     version: int
     step: int
     dp_size: int
@@ -380,5 +384,3 @@ def _check_tiling(m: Manifest) -> None:
             raise FormatError(f"{m.file}: stored chunks of {key!r} cover {pos} of "
                               f"{stored[key].numel} elements")
 
-
-__all__ = ["FileRecord", "Manifest", "MomentEncoding", "ParamRecord", "parse"]

@@ -5,14 +5,13 @@ Not collective. What it holds and when it is freed: docs/async_save.md, First sa
 
 from __future__ import annotations
 
-import functools
 from contextlib import nullcontext
 
 import torch
 
 from ..layout import ParamShard, Range
 from ..optimizer import DistributedOptimizer
-from . import background, save, state
+from . import background, state
 from .config import CheckpointConfig, settings
 from .snapshot import Extent, buffer_sizes
 from ..errors import CheckpointError
@@ -20,48 +19,38 @@ from ..errors import CheckpointError
 
 def prepare(model: torch.nn.Module, optimizer: DistributedOptimizer,
             config: CheckpointConfig | None = None) -> None:
-    """Not collective: each rank prepares its own. Allocate now, on the calling thread, the
-    host memory the optimizer's next asynchronous save with ``config`` snapshots into, sized
-    for the state as after the first step (also before it) and page-locked on a GPU, so
-    that save locks nothing; ``config.snapshot="device_staged"`` (GPU): only its staging
-    buffer. Waits for a save in flight first; again, with nothing changed, it allocates
+    """Not collective: each rank prepares its own. Allocate now the host snapshot the
+    optimizer's next asynchronous save with ``config`` copies into, sized for the state as
+    after the first step (also before it) and page-locked on a GPU, so that save locks
+    nothing. Waits for a save in flight first; again, with nothing changed, it allocates
     nothing. Out of host memory: :class:`CheckpointError` naming the rank and the bytes,
-    and no snapshot memory held. What it holds and when it is freed: docs/async_save.md,
-    First save."""
-    cfg, st = settings(config), optimizer.shard_state
+    and no snapshot memory held."""
+    settings(config)
+    st = optimizer.shard_state
     frozen = state.frozen_tensors(model, optimizer, check_model=True)
     background.wait_pending(optimizer)  # its drain and writer use the buffers
-    snap = background.of(optimizer).snapshot
+    sizes = buffer_sizes(snapshot_extents(optimizer, frozen))
     cuda = st.device.type == "cuda"
-    if cfg.snapshot == "device_staged" and cuda:
-        nbytes, kind = save._staging_layout(cfg)[0], "staging buffer"
-        allocate = functools.partial(snap.staging, nbytes)
-    else:
-        sizes = buffer_sizes(snapshot_extents(optimizer, frozen))
-        nbytes, kind = sum(n * d.itemsize for d, n in sizes.items()), "host snapshot"
-        allocate = functools.partial(snap.prepare, sizes)
     try:  # registered for the optimizer's device (its context), whichever is current
         with torch.cuda.device(st.device) if cuda else nullcontext():
-            allocate()
+            background.of(optimizer).snapshot.prepare(sizes)
         return
     except Exception as e:  # noqa: BLE001 - raised below, without the frames that hold memory
         reason = f"{type(e).__name__}: {e}"
+    nbytes = sum(n * d.itemsize for d, n in sizes.items())
     raise CheckpointError(
-        f"[dp rank {st.dp.rank}] checkpoint.prepare: allocating the {kind} of "
+        f"[dp rank {st.dp.rank}] checkpoint.prepare: allocating the host snapshot of "
         f"asynchronous saves, {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of "
-        f"{'page-locked ' if cuda else ''}host memory, failed "
-        f"({reason}); none is held. Free host memory, or save with "
-        "CheckpointConfig(snapshot='device_staged') (a copy in spare GPU memory instead)")
-
+        f"{'page-locked ' if cuda else ''}host memory, failed ({reason}); none is held. "
+        "Free host memory (or raise the locked-memory limit, ulimit -l), or save blocking")
 
 
 def snapshot_extents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
-                      ) -> list[Extent]:
+                     ) -> list[Extent]:
     """Coordinator-free. Where the sources of what an asynchronous save of this rank
-    snapshots (:func:`.save._state_contents`) lie once the first step has allocated the moments:
-    before it, each moment (and its int8 scales) of each layout buffer as a storage yet to
-    be allocated, each shard's piece at its local range (as ``shard_state.moment``)."""
-    out = [Extent.of(e.source) for job in save._state_contents(opt, frozen) for e in job.entries
+    snapshots lie once the first step has allocated the moments: before it, each moment
+    (and its int8 scales) of each layout buffer as storage yet to be allocated."""
+    out = [Extent.of(e.source) for job in state.contents(opt, frozen) for e in job.entries
            if e.source is not None]
     if opt.shard_state.has_moments:
         return out

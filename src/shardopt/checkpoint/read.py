@@ -1,10 +1,9 @@
 """The one read engine of checkpoints: ``load``, ``verify`` and ``export`` all read through it.
 
 :class:`DataFiles` opens a checkpoint's data files and says which stored bytes fill a
-destination (:class:`Read`); :func:`read_verified` reads and hash-checks them. Every read
-is a list of :class:`_Job`\\ s (a byte span, the destinations in it, the digest it must
-have) that one function runs on several threads (:func:`_run`); docs/format.md says what
-is verified when.
+destination (:class:`Read`); :func:`read_verified` reads and hash-checks them. Every read is
+a list of :class:`_Job`\\ s (a byte span, the destinations in it, the digest it must have)
+that :func:`_run` runs on several threads; docs/format.md says what is verified when.
 """
 
 from __future__ import annotations
@@ -45,6 +44,10 @@ class Read:
         """Whether the bytes can be read straight into ``out``."""
         o = self.out
         return not o.is_cuda and o.dtype == self.dtype and o.is_contiguous()
+
+    def blocks(self) -> Range:
+        """The blocks of its file the read touches."""
+        return Range(self.file_start, self.file_end).blocks(self.file.record.block_bytes)
 
 
 @dataclass(frozen=True)
@@ -141,13 +144,13 @@ def one_pass_ok(reads: list[Read], block_bytes: int, max_block_bytes: int) -> bo
 
 def read_blocks(reads: list[Read], threads: int) -> dict[str, set[int]]:
     """Read, hash-check and place every block the reads touch, ``threads`` blocks at a
-    time; return, per file path, those blocks. Check :func:`one_pass_ok` first. On a
-    mismatch ``FormatError`` is raised and the destinations hold partial data."""
+    time; return those blocks by file path. Check :func:`one_pass_ok` first. On a mismatch
+    ``FormatError`` is raised and the destinations hold partial data."""
     by_block: dict[tuple[str, int], list[Read]] = {}
     files = {}
     for r in sorted((r for r in reads if r.out.numel()), key=lambda r: r.file_start):
         files[r.file.path] = r.file
-        blocks = Range(r.file_start, r.file_end).blocks(r.file.record.block_bytes)
+        blocks = r.blocks()
         for b in range(blocks.start, blocks.end):
             by_block.setdefault((r.file.path, b), []).append(r)
     touched: dict[str, set[int]] = {r.file.path: set() for r in reads}
@@ -186,19 +189,18 @@ class DataFiles:
 
     def __init__(self, m: Manifest, names: Iterable[str]) -> None:
         self.readers: dict[str, FileReader] = {}
-        stored = m.stored()
+        self.stored = m.stored()
         chunks = []
         try:
             for name in names:
                 reader = self.readers[name] = FileReader(m.path, m.files[name])
-                found = reader.chunks(stored)
+                found = reader.chunks(self.stored)
                 if reader.record.kind != "rng":
                     chunks.extend(found)
         except BaseException:
             self.close()
             raise
         self.directory = m.path
-        self.stored = stored
         self.scale_keys = frozenset(m.scale_keys())
         self.index = ChunkIndex(chunks)
 
@@ -226,7 +228,7 @@ class DataFiles:
         for c in reader.header().chunks:
             if c.key == key and c.dtype == torch.uint8:
                 return Read(reader, c.data_start, torch.empty(c.numel, dtype=torch.uint8),
-                            torch.uint8, in_place=False)
+                            torch.uint8)
         return None
 
     def keep_only(self, reads: list[Read]) -> None:
@@ -241,16 +243,6 @@ class DataFiles:
         self.readers = {}
 
 
-def _touched(r: Read) -> set[int]:
-    """Blocks of the read's file that it touches, and those of the file's header."""
-    bb = r.file.record.block_bytes
-    out: set[int] = set()
-    for start, end in [(0, r.file.header_bytes), (r.file_start, r.file_end)]:
-        blocks = Range(start, end).blocks(bb)
-        out.update(range(blocks.start, blocks.end))
-    return out
-
-
 def read_verified(reads: list[Read], *, verify: bool, threads: int,
                   staging_bytes: int = STAGING_BYTES,
                   whole: Iterable[FileReader] = ()) -> Callable[[], None]:
@@ -261,13 +253,22 @@ def read_verified(reads: list[Read], *, verify: bool, threads: int,
     fresh = [r for r in reads if not r.in_place]
     in_place = [r for r in reads if r.in_place]
     if verify:
-        checked = _one_pass(fresh, staging_bytes, threads)
+        by_file: dict[str, list[Read]] = {}
+        for r in fresh:
+            by_file.setdefault(r.file.name, []).append(r)
+        one_pass = [r for rs in by_file.values()
+                    if one_pass_ok(rs, rs[0].file.record.block_bytes, max(8, staging_bytes // 2))
+                    for r in rs]
+        checked: dict[str, set[int]] = {}
+        if one_pass:  # one block per thread is staged: at most ``staging_bytes`` in all
+            block = max(r.file.record.block_bytes for r in one_pass)
+            checked = read_blocks(one_pass, max(1, min(threads, staging_bytes // block)))
         fresh = [r for r in fresh if r.file.path not in checked]
         wanted: dict[str, tuple[FileReader, set[int]]] = {}
-        for r in reads:
-            # Blocks the one-pass read already checked are taken off below, so an in-place
-            # read of a file that also had one is still verified.
-            wanted.setdefault(r.file.name, (r.file, set()))[1].update(_touched(r))
+        for r in reads:  # each read's blocks and those of its file's header
+            header = Range(0, r.file.header_bytes).blocks(r.file.record.block_bytes)
+            wanted.setdefault(r.file.name, (r.file, set()))[1].update(
+                range(header.start, header.end), range(r.blocks().start, r.blocks().end))
         for f in whole:
             wanted[f.name] = (f, set(range(len(f.record.hashes))))
         verify_blocks([(f, sorted(blocks - checked.get(f.path, set())))
@@ -275,22 +276,3 @@ def read_verified(reads: list[Read], *, verify: bool, threads: int,
     if fresh:
         read_plain(fresh, staging_bytes, threads)
     return lambda: read_plain(in_place, staging_bytes, threads) if in_place else None
-
-
-def _one_pass(fresh: list[Read], staging_bytes: int, threads: int) -> dict[str, set[int]]:
-    """Read the fresh reads of every file whose blocks allow it in one verifying pass;
-    return, per file (path) so read, the blocks checked."""
-    by_file: dict[str, list[Read]] = {}
-    for r in fresh:
-        by_file.setdefault(r.file.name, []).append(r)
-    chosen = [rs for rs in by_file.values()
-              if one_pass_ok(rs, rs[0].file.record.block_bytes, max(8, staging_bytes // 2))]
-    if not chosen:
-        return {}
-    # One block per thread is staged: at most ``staging_bytes`` in all.
-    block = max(rs[0].file.record.block_bytes for rs in chosen)
-    return read_blocks([r for rs in chosen for r in rs],
-                       max(1, min(threads, staging_bytes // block)))
-
-
-__all__ = ["DataFiles", "Read", "read_verified"]

@@ -1,24 +1,20 @@
-"""save: collective, atomic, verified checkpoints.
+"""save: collective, atomic, verified checkpoints. The schedule (collective over the DP group):
 
-Save schedule (collective over the optimizer's DP group):
+1. Every rank checks the arguments; DP rank 0 also locks the root, cleans stale temporary
+   directories and creates ``root/.tmp-step_XXXXXXXX-<id>`` (:mod:`.commit`). Exchange:
+   every rank learns the directory, or every rank raises.
+2. Every rank writes its chunks into its ``model``, ``optim`` (main params), ``exp_avg``,
+   ``exp_avg_sq`` and ``rng`` safetensors files there (large kinds split into parts of
+   about equal size, up to ``io_threads`` files in all), side by side, hashing fixed-size
+   blocks as it writes, and fsyncs them and the directory. Exchange: the file records
+   (sizes, block hashes, chunk lists), or every rank raises and rank 0 removes the directory.
+3. Rank 0 writes ``manifest.json`` and commits: rename to ``step_XXXXXXXX`` (replacing an
+   abandoned branch after a rollback), point ``latest`` at it, apply retention. Exchange:
+   every rank learns whether the commit happened.
 
-1. Every rank checks the arguments; DP rank 0 also locks the root, cleans
-   stale temporary directories and creates ``root/.tmp-step_XXXXXXXX-<id>``
-   (:mod:`.commit`). Exchange: every rank learns the directory, or every
-   rank raises.
-2. Every rank writes its own chunks into its ``model``, ``optim`` (main
-   params), ``exp_avg``, ``exp_avg_sq`` and ``rng`` safetensors files there
-   (large kinds split into parts of about equal size, up to ``io_threads``
-   files in all), all at once (hashing fixed-size blocks as it writes), fsyncs
-   them and the directory. Exchange: file records (sizes, block hashes, chunk lists), or
-   every rank raises and rank 0 removes the temporary directory.
-3. Rank 0 writes ``manifest.json`` and commits: rename to ``step_XXXXXXXX``
-   (replacing an abandoned branch after a rollback), point ``latest`` at it,
-   apply retention. Exchange: every rank learns whether the commit happened.
-
-Each phase catches any exception and reports it in its exchange, so a rank
-that fails (disk full, permission denied, a bug) never leaves the others
-waiting in a collective: all of them raise :class:`CheckpointError`.
+Each phase reports any exception in its exchange, so a rank that fails (disk full, a bug)
+never leaves the others waiting in a collective: all of them raise :class:`CheckpointError`.
+With ``blocking=False`` phases 2 and 3 run in the background (:mod:`.background`).
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ import functools
 import json
 import os
 from collections.abc import Callable
-from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +32,16 @@ import torch
 
 from .. import comm
 from ..layout import STATE_NAMES
-from ..muon import MOMENTUM
 from ..optimizer import DistributedOptimizer
-from . import background, commit, state, writer_process
-from .background import SaveHandle
+from . import background, commit, state
 from .agree import agree
+from .background import SaveHandle
 from .config import CheckpointConfig, settings
 from .format import (FORMAT_NAME, FORMAT_VERSION, MAX_PARTS, OPTIMIZER_KIND, data_file_name,
-                     manifest_checksum, state_file_kind, step_dir_name)
-from .storage import (WriteEntry, entry_bytes, part_counts, split_entries, write_file,
+                     manifest_checksum, step_dir_name)
+from .snapshot import Taken
+from .storage import (Job, WriteEntry, entry_bytes, part_counts, split_entries, write_file,
                       write_scratch)
-from .drain import Drain
-from .snapshot import Job
 from .transfer import io_threads as resolve_threads
 from .transfer import run_parallel
 from ..errors import CheckpointError
@@ -109,23 +103,18 @@ def save(
 ) -> str | SaveHandle:
     """Collective. Save ``model`` and ``optimizer`` as ``root/step_{step:08d}``; return its path.
 
-    ``extra`` must be JSON-serialisable (data position, scheduler state, ...).
-    ``keep_last`` deletes older committed checkpoints beyond the newest ``k``
-    (never the one just saved). Committed checkpoints of steps ``>= step`` (left by a run
-    this one rolled back from) are replaced when this one commits, never before (see
-    :mod:`.commit`); a run that did not resume from ``root`` (``checkpoint.load``) at or
-    before ``step`` is refused such a save unless ``config.rollback``. ``config`` sets the
-    rest (threads, block size, staging, snapshot: :class:`~.config.CheckpointConfig`). On
-    any failure of any rank every rank raises :class:`CheckpointError` and nothing is
-    committed.
+    ``extra`` must be JSON-serialisable. ``keep_last`` deletes older committed checkpoints
+    beyond the newest ``k`` (never the one just saved). Committed checkpoints of steps
+    ``>= step`` (an abandoned branch) are replaced when this one commits (:mod:`.commit`); a
+    run that did not resume from ``root`` at or before ``step`` is refused such a save unless
+    ``config.rollback``. On any failure of any rank every rank raises
+    :class:`CheckpointError` and nothing is committed.
 
-    ``blocking=False``: return a :class:`~.background.SaveHandle` at once; the state is
-    copied (:mod:`.snapshot`), written and committed in the background (:mod:`.background`)
-    and the files hold exactly the state at the call. A save while an asynchronous one of
-    the optimizer is in flight waits for it (``config.if_busy="wait"``) or fails on every
-    rank (``"error"``); an error of that earlier save nobody has seen fails this one.
-    ``config.snapshot`` (GPU only): where the copy goes, ``"host"`` or ``"device_staged"``;
-    :func:`~.prepare.prepare` allocates it ahead of the first such save.
+    ``blocking=False``: return a :class:`~.background.SaveHandle` at once; the files hold
+    exactly the state at the call, copied (:mod:`.snapshot`), written and committed in the
+    background. A save while one of the optimizer is in flight waits for it
+    (``config.if_busy="wait"``) or fails on every rank (``"error"``); an error of that
+    earlier save nobody has seen fails this one.
     """
     dp = optimizer.shard_state.dp
     optimizer.shard_state.finish_param_sync()  # the params as the last step left them
@@ -146,10 +135,10 @@ def save(
                 extra_obj = _check_save_args(step, extra)
                 threads = resolve_threads(cfg.io_threads)
                 if blocking:
-                    contents = [_rng_job(optimizer), *_state_contents(optimizer, frozen)]
+                    contents = [_rng_job(optimizer), *state.contents(optimizer, frozen)]
                 else:  # split into files later, in the background
-                    contents, drain = _take_snapshot(saves, optimizer, frozen,
-                                                     cfg.snapshot == "device_staged")
+                    taken = _take_snapshot(saves, optimizer, frozen, cfg)
+                    contents, drain = taken.jobs, taken.drain
                 if dp.rank == 0:
                     base = _manifest_base(optimizer, step, extra_obj, frozen)
                     resumed = optimizer.shard_state.loaded_from
@@ -157,13 +146,14 @@ def save(
                                           commit.resumed_step(resumed, root))
         except Exception as e:  # noqa: BLE001 - reported to every rank by agree
             error = e
-        payloads = agree(dp, error, what, (step if error is None else None, blocking,
-                                           staged.tmp.name if staged else None))
+        mine = _Start(step if error is None else None, blocking,
+                      staged.tmp.name if staged else None)
+        starts = agree(dp, error, what, mine)
         # A rank that blocks and one that does not would wait in different collectives.
-        if any((s, b) != (step, blocking) for s, b, _ in payloads):
+        if any((s.step, s.blocking) != (step, blocking) for s in starts):
             raise CheckpointError(f"saving to {root} failed: ranks disagree on the step or on "
-                                  f"blocking ({[(s, b) for s, b, _ in payloads]})")
-        tmp = root / payloads[0][2]
+                                  f"blocking ({[(s.step, s.blocking) for s in starts]})")
+        tmp = root / starts[0].tmp
         path = str(root / step_dir_name(step))
         rank = dp.rank
         if blocking:
@@ -177,36 +167,22 @@ def save(
                                   "group of background saves failed (did another rank die?): "
                                   f"{type(e).__name__}: {e}") from e
         owned, staged = staged, None  # the background thread removes it if it fails
-
-        # A staged device snapshot goes out through pinned staging, on a stream of its own:
-        # the background thread's current stream would be training's default stream.
-        staged_out = (cfg.snapshot == "device_staged"
-                      and optimizer.shard_state.device.type == "cuda")
-        device = optimizer.shard_state.device if staged_out else torch.device("cpu")
-        stream = torch.cuda.Stream(device) if staged_out else None
-        snap = saves.snapshot
+        through = functools.partial(saves.writer.write_files,
+                                    buffers=saves.snapshot.host_buffers())
 
         def work(group: comm.DPGroup) -> None:
             try:
                 drain.run()  # the snapshot's copies, then the state may change freely
-                if staged_out:  # through one small page-locked buffer
-                    nbytes, slot_bytes = _staging_layout(cfg)
-                    through = functools.partial(saves.writer.stream_files,
-                                                staging=snap.staging(nbytes),
-                                                slot_bytes=slot_bytes)
-                else:  # from the host copy
-                    through = functools.partial(saves.writer.write_files,
-                                                buffers=snap.host_buffers())
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    _write_and_commit(tmp, owned, _split(contents, rank, threads), base,
-                                      group, cfg, keep_last, threads, device, step, what,
-                                      through)
+                _write_and_commit(tmp, owned, _split(contents, rank, threads), base, group,
+                                  cfg, keep_last, threads, torch.device("cpu"), step, what,
+                                  through)
             finally:
                 if owned is not None:
                     commit.abort(owned)
         drain.attach(optimizer)  # the state's next write waits until the copies have it
         try:
-            return saves.start(path, work, group)
+            saves.pending = SaveHandle(path, work, group)
+            return saves.pending
         except BaseException:
             drain.close()
             raise
@@ -215,16 +191,19 @@ def save(
             commit.abort(staged)
 
 
-def _staging_layout(cfg: CheckpointConfig) -> tuple[int, int]:
-    """Bytes of the staging buffer a ``device_staged`` save streams through, and of its
-    slots."""
-    slot_bytes, slots = writer_process.stream_slots(cfg.staging_bytes, cfg.block_bytes)
-    return slot_bytes * slots, slot_bytes
+@dataclass(frozen=True)
+class _Start:
+    """What each rank brings to a save's first exchange: its step (None where it failed),
+    whether it blocks, and (DP rank 0) the temporary directory's name."""
+
+    step: int | None
+    blocking: bool
+    tmp: str | None
 
 
-# Writes a rank's files (file name, entries) into a directory in blocks of the given size by
-# the writer process, returning their records, or None where that process cannot.
-Through = Callable[[Path, list[tuple[str, list[WriteEntry]]], int], "dict[str, dict] | None"]
+# The writer process writing a rank's files (directory, jobs, block bytes): their records,
+# or None where it cannot.
+Through = Callable[[Path, list[Job], int], "dict[str, dict] | None"]
 
 
 def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
@@ -236,7 +215,7 @@ def _write_and_commit(tmp: Path, staged: commit.Staged | None, jobs: list[Job],
     writer process where it can), then (rank 0) the manifest and the commit."""
     records, error = {}, None
     try:
-        records = _write_rank_files(tmp, jobs, cfg.block_bytes, cfg.staging_bytes, device,
+        records = write_rank_files(tmp, jobs, cfg.block_bytes, cfg.staging_bytes, device,
                                     through)
     except Exception as e:  # noqa: BLE001
         error = e
@@ -258,37 +237,24 @@ def _rng_job(opt: DistributedOptimizer) -> Job:
     return Job(data_file_name("rng", rank), _rng_entries())  # new tensors: no snapshot
 
 
-def _state_contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
-    """Coordinator-free. What this rank writes of the state, by file kind."""
-    contents = {"model": state.model_entries(opt, frozen)}
-    for name in (*STATE_NAMES, MOMENTUM):
-        contents.setdefault(state_file_kind(name), []).extend(state.optim_entries(opt, name))
-    return [Job(kind, entries) for kind, entries in contents.items()]
-
-
 def _take_snapshot(saves: background.Saves, opt: DistributedOptimizer,
-                   frozen: dict[str, torch.Tensor], on_device: bool) -> tuple[list[Job], Drain]:
-    """Coordinator-free. The RNG state and :func:`_state_contents` in the optimizer's
-    snapshot, and the drain that copies it there: a repeat of the previous save's copies
-    where the state lives in tensors of the same sizes (:meth:`.Snapshot.retake`), else
-    planned anew."""
+                   frozen: dict[str, torch.Tensor], cfg: CheckpointConfig) -> Taken:
+    """Coordinator-free. The RNG state and :func:`.state.contents` in the optimizer's
+    snapshot, and its drain: the previous save's copies repeated where they fit
+    (:meth:`.Snapshot.retake`), else planned anew."""
     snap, sources = saves.snapshot, state.sources(opt, frozen)
     # Buffers (not params) are what a forward may update in place while the copies run.
     hot = {t.untyped_storage().data_ptr() for t in frozen.values()
            if not isinstance(t, torch.nn.Parameter)} if opt.shard_state.dp.rank == 0 else set()
-    again = snap.retake(sources, on_device, hot)
-    jobs, drain = again if again is not None else \
-        snap.take(_state_contents(opt, frozen), on_device, sources, hot)
-    return [_rng_job(opt), *jobs], drain
+    taken = snap.retake(sources, cfg, hot) or snap.take(state.contents(opt, frozen), cfg,
+                                                         sources, hot)
+    return Taken([_rng_job(opt), *taken.jobs], taken.drain)
 
 
 def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:
-    """Coordinator-free. The files this rank writes and their entries, the largest first.
-
-    A file takes one writer at a time (the kernel locks it for each write), so the data is
-    split into up to ``threads`` files of about equal size (a kind into parts where it is
-    larger than the others).
-    """
+    """Coordinator-free. The files this rank writes, the largest first: up to ``threads``
+    files of about equal size (a file takes one writer at a time), a kind split into parts
+    where it is larger than the others."""
     rng, *kinds = contents
     counts = part_counts({k.name: entry_bytes(k.entries) for k in kinds},
                          min(threads, MAX_PARTS))
@@ -300,16 +266,12 @@ def _split(contents: list[Job], rank: int, threads: int) -> list[Job]:
     return jobs
 
 
-def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_bytes: int,
-                      device: torch.device, through: Through | None = None) -> dict[str, dict]:
-    """Coordinator-free. Write and fsync this rank's files, all at once; return their records.
-
-    The files are written side by side: ``through`` the writer process
-    (:mod:`.writer_process`: it returns None where it cannot), else each by
-    one thread each that copies blocks from ``device``, hashes and writes them.
-    """
-    records = None if through is None else \
-        through(tmp, [(job.name, job.entries) for job in jobs], block_bytes)
+def write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_bytes: int,
+                     device: torch.device, through: Through | None = None) -> dict[str, dict]:
+    """Coordinator-free. Write and fsync this rank's files, side by side; return their
+    records. ``through`` the writer process where it can (:mod:`.writer_process`), else one
+    thread per file copies blocks from ``device``, hashes and writes them."""
+    records = None if through is None else through(tmp, jobs, block_bytes)
     if records is None:
         scratch = [write_scratch(block_bytes, staging_bytes // len(jobs), device) for _ in jobs]
         records = {}
@@ -328,10 +290,9 @@ def _write_rank_files(tmp: Path, jobs: list[Job], block_bytes: int, staging_byte
 
 def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
                    frozen: dict[str, torch.Tensor]) -> Callable[[], dict[str, Any]]:
-    """Everything the manifest holds but the file records, as it is at the call: what can
-    change later is copied now (new objects throughout: nothing the caller changes later
-    reaches it); the returned function builds the params table from those copies, in an
-    asynchronous save's background thread rather than in the training loop's."""
+    """Everything the manifest holds but the file records, as at the call: what can change
+    is copied now; the returned function builds the params table from the copies (in an
+    asynchronous save's background thread, not the training loop's)."""
     head = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -349,10 +310,9 @@ def _manifest_base(opt: DistributedOptimizer, step: int, extra: dict[str, Any],
 
 
 def _manifest_text(base: dict[str, Any], files: dict[str, dict]) -> bytes:
-    """The manifest, one line per top-level field and per param and file record, every piece
-    by ``json``'s C encoder (``indent=`` selects the pure-Python one, whose GIL time an
-    asynchronous save's commit would take from the training thread)."""
-    # The checksum covers what a reader parses.
+    """The manifest, one line per top-level field and per param and file record, by
+    ``json``'s C encoder (``indent=`` selects the pure-Python one, whose GIL time an
+    asynchronous commit would take from training). The checksum covers what a reader parses."""
     manifest = json.loads(json.dumps({**base, "files": files}))
     manifest["checksum"] = manifest_checksum(manifest)
 

@@ -1,14 +1,11 @@
 """The snapshot of what one rank's asynchronous save writes: the state at the call, copied
 while training goes on (docs/async_save.md, Memory and who writes).
 
-``"host"`` (default): one host buffer per dtype of exactly this rank's entries (a tensor
-saved under two keys is copied once), shared with the writer process where it can run,
-filled by a :class:`~.drain.Drain`. ``"device_staged"``: spare GPU memory copied at the
-call, streamed to the files through one small page-locked buffer (:meth:`Snapshot.staging`).
-Each run of adjacent elements of the flat tensors the state lives in is one copy; a later
-save of tensors of the same names, sizes and dtypes repeats them (:meth:`Snapshot.retake`).
-:meth:`Snapshot.prepare` allocates (and page-locks) the host buffers ahead of the first save,
-sized by :func:`buffer_sizes` (docs/async_save.md, First save).
+One host buffer per dtype of exactly this rank's entries (a tensor saved under two keys is
+copied once), shared with the writer process where it can run, filled by a
+:class:`~.drain.Drain`. Each run of adjacent elements of the flat tensors the state lives in
+is one copy; a later save of tensors of the same names, sizes and dtypes repeats them
+(:meth:`Snapshot.retake`). :meth:`Snapshot.prepare` allocates the buffers ahead.
 """
 
 from __future__ import annotations
@@ -22,100 +19,69 @@ from typing import Any
 import torch
 
 from .. import pinned
+from .config import CheckpointConfig
 from .drain import Copy, Drain
-from .storage import WriteEntry
+from .storage import Job
 
 log = logging.getLogger("shardopt.checkpoint")
 
 
 @dataclass(frozen=True)
-class Job:
-    """A data file of a rank and the entries it holds."""
+class Taken:
+    """A snapshot's jobs (the save's entries, their sources in the host buffers) and the
+    drain that fills them."""
 
-    name: str
-    entries: list[WriteEntry]
+    jobs: list[Job]
+    drain: Drain
 
 
 class Snapshot:
-    """Reused buffers for one optimizer's asynchronous saves (one at a time). ``forget``:
-    told of each shared buffer released (the writer process unmaps it)."""
+    """Reused host buffers for one optimizer's asynchronous saves (one at a time).
+    ``forget``: told of each shared buffer released (the writer process unmaps it)."""
 
     def __init__(self, device: torch.device, shared: bool,
                  forget: Callable[[pinned.PinnedBuffer], None]) -> None:
         self.device, self.shared, self._forget = device, shared, forget
         self.cuda = device.type == "cuda"
-        self.on_device = False  # where the buffers are: spare device memory, or the host
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._host: dict[torch.dtype, pinned.PinnedBuffer] = {}
-        self._staging: pinned.PinnedBuffer | None = None  # device_staged saves stream through it
         self._stream: torch.cuda.Stream | None = None
         self._plan: _Plan | None = None  # the last take, to repeat with the same buffers
         self._waits_logged = False
-        self._prepared = False  # the host buffers held are prepare()'s, no take has differed
-
-    def nbytes(self) -> int:
-        """Memory the snapshot holds (kept between saves), on the device or the host."""
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+        self._prepared = False  # the buffers held are prepare()'s, no take has differed
 
     def host_nbytes(self) -> int:
-        """Host memory kept between saves: the host buffers, or the :meth:`staging` buffer."""
-        return sum(b.nbytes for b in self.host_buffers())
+        """Host memory kept between saves."""
+        return sum(b.nbytes for b in self._host.values())
 
     def host_buffers(self) -> list[pinned.PinnedBuffer]:
-        """The host buffers the entries of the last take lie in (shared memory the writer
-        process can map), or the staging buffer of a device snapshot."""
-        if self.on_device:
-            return [self._staging] if self._staging is not None else []
+        """The buffers the entries of the last take lie in."""
         return list(self._host.values())
 
-    def staging(self, nbytes: int) -> pinned.PinnedBuffer:
-        """A page-locked, shared host buffer of ``nbytes`` that ``"device_staged"`` saves
-        stream the device copy through, kept and reused while the size stays."""
-        if self._staging is None or self._staging.nbytes != nbytes:
-            old, self._staging = self._staging, None
-            self._release([old] if old is not None else [])
-            self._staging = pinned.PinnedBuffer(nbytes, torch.uint8, shared=self.shared,
-                                                lock=self.cuda)
-        return self._staging
-
     def prepare(self, sizes: dict[torch.dtype, int]) -> None:
-        """Host buffers of ``sizes`` (elements by dtype: :func:`buffer_sizes`), page-locked
-        now on a GPU, for the next :meth:`take` whose buffers have those sizes; those held
-        are kept where they have them. All or nothing: where an allocation fails, no host
-        buffer is held and its error is raised."""
+        """Buffers of ``sizes`` (elements by dtype: :func:`buffer_sizes`), page-locked now
+        on a GPU, for the next :meth:`take` of those sizes (those held are kept where they
+        have them). Where an allocation fails none is held, and it raises."""
         try:
-            if self.on_device or self._held_sizes() != sizes:
-                self._free(staging=False)
-                self._fill(sizes, on_device=False, lock=self.cuda)
+            if self._sizes() != sizes:
+                self.release()
+                self._fill(sizes, lock=self.cuda)
             elif self.cuda:  # a save's drain may have left them partly locked
                 for buf in self._host.values():
                     buf.lock_to(buf.nbytes)
         except BaseException:
-            self._free(staging=False)
+            self.release()
             raise
         self._prepared = True
 
     def release(self) -> None:
         """Free every buffer (after the copies queued into them)."""
-        self._free(staging=True)
-
-    def _free(self, staging: bool) -> None:
-        """Free the buffers of the takes (after the copies queued into them), and with
-        ``staging`` the staging buffer."""
         if self._stream is not None:
             self._stream.synchronize()
-        held = [*self._host.values()]
-        if staging and self._staging is not None:
-            held.append(self._staging)
-            self._staging = None
-        self._release(held)
-        self._buffers, self._host, self._plan, self._prepared = {}, {}, None, False
-
-    def _release(self, buffers: Collection[pinned.PinnedBuffer]) -> None:
-        for buf in set(buffers):
+        for buf in self._host.values():
             if buf.fd is not None:
                 self._forget(buf)  # the process's mapping would keep the memory
             buf.release()
+        self._host, self._plan, self._prepared = {}, None, False
 
     def log_wait(self) -> None:
         if not self._waits_logged:
@@ -123,29 +89,24 @@ class Snapshot:
             log.info("no spare device memory for the rest of an asynchronous save's snapshot: "
                      "the state's next write waits for the snapshot's copies")
 
-    def retake(self, sources: dict[str, torch.Tensor], on_device: bool = False,
-               hot: Collection[int] = ()) -> tuple[list[Job], Drain] | None:
-        """Coordinator-free. The jobs of the last :meth:`take` and a drain of its copies
-        anew from ``sources`` (the flat tensors the state lives in now, by name: see
-        ``checkpoint.state.sources``), when they have the names, sizes and dtypes they had
-        then; else None. Builds no per-param views. ``hot``: as for :meth:`take`."""
+    def retake(self, sources: dict[str, torch.Tensor], cfg: CheckpointConfig,
+               hot: Collection[int] = ()) -> Taken | None:
+        """Coordinator-free. The last :meth:`take` repeated from ``sources`` (the flat
+        tensors the state lives in now, by name: :func:`.state.sources`) when they have the
+        names, sizes and dtypes they had then, else None; ``hot`` as for :meth:`take`."""
         plan = self._plan
-        if plan is None or plan.key != _key(sources, on_device and self.cuda):
+        if plan is None or plan.key != _key(sources):
             return None
-        pairs = [(self._buffers[r.dtype][r.at:r.at + r.numel],
+        pairs = [(self._host[r.dtype].tensor[r.at:r.at + r.numel],
                   sources[r.name].narrow(0, r.offset, r.numel)) for r in plan.runs]
-        return plan.jobs, self._drain(pairs, hot)
+        return Taken(plan.jobs, self._drain(pairs, hot, cfg))
 
-    def take(self, jobs: Sequence[Job], on_device: bool = False,
-             sources: dict[str, torch.Tensor] | None = None, hot: Collection[int] = ()
-             ) -> tuple[list[Job], Drain]:
-        """Coordinator-free. The jobs with the buffers (in device memory with ``on_device``
-        and a GPU, else on the host) as their sources, and the :class:`Drain` that fills
-        them. Each run of adjacent or overlapping elements of one storage is one copy;
-        with ``sources`` the runs are recorded as pieces of them, for :meth:`retake`.
-        ``hot``: the storages (addresses) that work queued after the call may write without
-        going through the optimizer (module buffers a forward updates in place, BatchNorm's
-        running statistics): copied at the call, and the current stream waits for them."""
+    def take(self, jobs: Sequence[Job], cfg: CheckpointConfig,
+             sources: dict[str, torch.Tensor] | None = None, hot: Collection[int] = ()) -> Taken:
+        """Coordinator-free. The jobs with the host buffers as their sources, one copy per
+        run of adjacent or overlapping elements of a storage; with ``sources`` the runs are
+        recorded as pieces of them, for :meth:`retake`. ``hot``: the storages (addresses)
+        queued work may write bypassing the optimizer (module buffers): copied at the call."""
         unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         for job in jobs:
             for e in job.entries:
@@ -153,14 +114,14 @@ class Snapshot:
                     unique.setdefault(_identity(e.source), e.source)
         runs = _runs(unique.values())
         sizes = _sizes(run.extent for run in runs)
-        self._allocate(sizes, on_device and self.cuda)
+        self._allocate(sizes)
         offsets = dict.fromkeys(sizes, 0)
         pairs, copies = [], {}
         for run in runs:
             e = run.extent
             pos = offsets[e.dtype]
             offsets[e.dtype] = pos + e.numel
-            dst = self._buffers[e.dtype][pos:pos + e.numel]
+            dst = self._host[e.dtype].tensor[pos:pos + e.numel]
             pairs.append((dst, run.source()))
             for src in run.members:
                 at = src.storage_offset() - e.start
@@ -168,50 +129,39 @@ class Snapshot:
         out = [Job(job.name, [e if e.source is None else dataclasses.replace(
                    e, source=copies[_identity(e.source)]) for e in job.entries])
                for job in jobs]
-        self._plan = None if sources is None else _Plan.of(runs, sources, out,
-                                                           self.on_device)
-        return out, self._drain(pairs, hot)
+        self._plan = None if sources is None else _Plan.of(runs, sources, out)
+        return Taken(out, self._drain(pairs, hot, cfg))
 
-    def _held_sizes(self) -> dict[torch.dtype, int]:
-        return {d: t.numel() for d, t in self._buffers.items()}
+    def _sizes(self) -> dict[torch.dtype, int]:
+        return {d: b.tensor.numel() for d, b in self._host.items()}
 
-    def _allocate(self, sizes: dict[torch.dtype, int], on_device: bool) -> None:
-        if self._held_sizes() == sizes and on_device == self.on_device:
+    def _allocate(self, sizes: dict[torch.dtype, int]) -> None:
+        if self._sizes() == sizes:
             return
         if self._prepared:
             log.info("this asynchronous save's snapshot differs from the host buffers "
-                     "checkpoint.prepare allocated (other sizes or kind): it is allocated "
-                     "anew%s", "" if on_device or not self.cuda else
-                     " and page-locked by the drain while training runs")
-        self._free(staging=not on_device)  # a device snapshot streams through the staging
-        self._fill(sizes, on_device, lock=False)  # host buffers: page-locked by the drain
+                     "checkpoint.prepare allocated (other sizes): it is allocated anew%s",
+                     " and page-locked by the drain while training runs" if self.cuda else "")
+        self.release()
+        self._fill(sizes, lock=False)  # page-locked by the drain
 
-    def _fill(self, sizes: dict[torch.dtype, int], on_device: bool, lock: bool) -> None:
-        self.on_device = on_device
+    def _fill(self, sizes: dict[torch.dtype, int], lock: bool) -> None:
         for dtype, numel in sizes.items():
-            if on_device:
-                self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
-            else:
-                self._host[dtype] = pinned.PinnedBuffer(numel, dtype, shared=self.shared,
-                                                        lock=lock)
-                self._buffers[dtype] = self._host[dtype].tensor
+            self._host[dtype] = pinned.PinnedBuffer(numel, dtype, shared=self.shared, lock=lock)
 
-    def _drain(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int]
-               ) -> Drain:
-        """The pairs (destination, source) as a drain, ``hot`` sources' copies issued now
-        (all of them for a device snapshot)."""
+    def _drain(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], hot: Collection[int],
+               cfg: CheckpointConfig) -> Drain:
+        """The pairs (destination, source) as a drain, ``hot`` sources' copies taken now."""
         if self.cuda and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        hot_pairs = [p for p in pairs if p[1].untyped_storage().data_ptr() in hot]
-        ordered = hot_pairs + [p for p in pairs if p[1].untyped_storage().data_ptr() not in hot]
+        first = [p for p in pairs if p[1].untyped_storage().data_ptr() in hot]
+        ordered = first + [p for p in pairs if p[1].untyped_storage().data_ptr() not in hot]
         into = {b.tensor.untyped_storage().data_ptr(): b for b in self._host.values()}
         copies = [Copy(_bytes(dst), _bytes(src), into.get(dst.untyped_storage().data_ptr()))
                   for dst, src in ordered]
-        drain = Drain(copies, self.device, self._stream, self.log_wait)
-        if self.on_device:
-            drain.issue_now(len(copies))
-        else:
-            drain.keep_now(len(hot_pairs))
+        drain = Drain(copies, self.device, self._stream, self.log_wait,
+                      cfg.drain_piece_bytes, cfg.drain_in_flight)
+        drain.keep_now(len(first))
         return drain
 
 
@@ -244,8 +194,8 @@ class _Plan:
     jobs: list[Job]
 
     @classmethod
-    def of(cls, runs: list[_Run], sources: dict[str, torch.Tensor], jobs: list[Job],
-           on_device: bool) -> _Plan | None:
+    def of(cls, runs: list[_Run], sources: dict[str, torch.Tensor], jobs: list[Job]
+           ) -> _Plan | None:
         """None when a run is not inside one source (e.g. a copy made for a
         non-contiguous frozen tensor): such a take is not repeated."""
         where = {(t.untyped_storage().data_ptr(), t.dtype): (name, t)
@@ -261,10 +211,10 @@ class _Plan:
                                  and e.start + e.numel <= t.storage_offset() + t.numel()):
                 return None
             out.append(_PlanRun(name, e.start - t.storage_offset(), e.numel, e.dtype, at))
-        return cls(_key(sources, on_device), out, jobs)
+        return cls(_key(sources), out, jobs)
 
 
-def _key(sources: dict[str, torch.Tensor], on_device: bool) -> tuple:
+def _key(sources: dict[str, torch.Tensor]) -> tuple:
     """What a plan depends on: each source's name, size and dtype, and which sources share
     storage, at which distance (a run copied once for two views of one storage must be
     planned anew when one of them gets storage of its own)."""
@@ -273,7 +223,7 @@ def _key(sources: dict[str, torch.Tensor], on_device: bool) -> tuple:
     for i, (name, t) in enumerate(sources.items()):
         j, at = first.setdefault(t.untyped_storage().data_ptr(), (i, t.storage_offset()))
         out.append((name, t.numel(), t.dtype, j, t.storage_offset() - at))
-    return (on_device, tuple(out))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -292,10 +242,9 @@ class Extent:
 
 
 def buffer_sizes(extents: Iterable[Extent]) -> dict[torch.dtype, int]:
-    """Elements by dtype of the host buffers a :meth:`Snapshot.take` of sources at
-    ``extents`` allocates (each run of adjacent or overlapping elements of one storage
-    once)."""
-    return _sizes(run for run, _ in _merge((e, e) for e in extents))
+    """Elements by dtype of the buffers a :meth:`Snapshot.take` of sources at ``extents``
+    allocates."""
+    return _sizes(run.extent for run in _merge((e, e) for e in extents))
 
 
 def _sizes(runs: Iterable[Extent]) -> dict[torch.dtype, int]:
@@ -307,10 +256,10 @@ def _sizes(runs: Iterable[Extent]) -> dict[torch.dtype, int]:
 
 @dataclass(frozen=True)
 class _Run:
-    """A run of elements of one storage, covering the sources ``members``."""
+    """A run of elements of one storage, covering ``members`` (sources, or extents)."""
 
     extent: Extent
-    members: list[torch.Tensor]
+    members: list[Any]
 
     def source(self) -> torch.Tensor:
         m, e = self.members[0], self.extent
@@ -318,26 +267,25 @@ class _Run:
             m.untyped_storage(), e.start, (e.numel,))
 
 
-def _runs(sources) -> list[_Run]:
-    """The sources (1-D, contiguous) as runs of adjacent or overlapping elements of one
-    storage, each storage's runs in memory order."""
+def _runs(sources: Iterable[torch.Tensor]) -> list[_Run]:
+    """The sources (1-D, contiguous) as runs (:func:`_merge`)."""
     sources = list(sources)
     for src in sources:
         assert src.dim() == 1 and src.is_contiguous(), "snapshot sources are flat views"
-    return [_Run(e, members) for e, members in _merge((Extent.of(s), s) for s in sources)]
+    return _merge((Extent.of(s), s) for s in sources)
 
 
-def _merge(items: Iterable[tuple[Extent, Any]]) -> list[tuple[Extent, list[Any]]]:
+def _merge(items: Iterable[tuple[Extent, Any]]) -> list[_Run]:
     """Extents, each with what it belongs to, merged into runs of adjacent or overlapping
-    elements of one storage (with what they cover), each storage's runs in memory order."""
-    runs: list[tuple[Extent, list[Any]]] = []
+    elements of one storage, each storage's runs in memory order."""
+    runs: list[_Run] = []
     for e, item in sorted(items, key=lambda x: (x[0].storage, str(x[0].dtype), x[0].start)):
-        last = runs[-1][0] if runs else None
+        last = runs[-1].extent if runs else None
         if (last is not None and (last.storage, last.dtype) == (e.storage, e.dtype)
                 and e.start <= last.start + last.numel):
             end = max(last.numel, e.start + e.numel - last.start)
-            runs[-1] = (dataclasses.replace(last, numel=end), runs[-1][1])
-            runs[-1][1].append(item)
+            runs[-1].members.append(item)
+            runs[-1] = _Run(dataclasses.replace(last, numel=end), runs[-1].members)
         else:
-            runs.append((e, [item]))
+            runs.append(_Run(e, [item]))
     return runs

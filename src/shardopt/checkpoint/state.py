@@ -1,9 +1,9 @@
 """Model-space view of one rank's state: what it saves and where what it loads goes.
 
-Keyed by FQN, all flat 1-D: model weights as ``"{fqn}"`` in the model dtype, optimizer state
-as ``"{fqn}.master_param"`` (fp32) and ``"{fqn}.exp_avg"``, ``"{fqn}.exp_avg_sq"`` in the
-moments' storage dtype (8-bit codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.), or for a Muon
-param ``"{fqn}.momentum_buffer"`` (fp32). A rank's chunks are exactly its
+Keyed by FQN, all flat 1-D: weights as ``"{fqn}"`` in the model dtype, ``"{fqn}.master_param"``
+(fp32), ``"{fqn}.exp_avg"`` and ``"{fqn}.exp_avg_sq"`` in the moments' storage dtype (8-bit
+codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.), or for a Muon param
+``"{fqn}.momentum_buffer"`` (fp32). A rank's chunks are its
 :class:`~shardopt.layout.ParamShard` records.
 """
 
@@ -15,12 +15,12 @@ import torch
 
 from .. import muon
 from ..config import GROUP_KEYS
-from ..layout import Range
+from ..layout import STATE_NAMES, Range
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
-from .format import dtype_name
+from .format import dtype_name, state_file_kind
 from .manifest import MomentEncoding
-from .storage import WriteEntry
+from .storage import Job, WriteEntry
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,8 @@ class Destination:
 
 def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer,
                    check_model: bool = False) -> dict[str, torch.Tensor]:
-    """State-dict tensors the optimizer does not own (frozen params, persistent buffers).
-    With ``check_model``, also ``shard_state.check_model`` on the params the same
-    walk of the model found (one walk instead of two: an asynchronous save's call)."""
+    """State-dict tensors the optimizer does not own (frozen params, persistent buffers);
+    with ``check_model``, ``shard_state.check_model`` on the params the same walk found."""
     sd = model.state_dict(keep_vars=True)
     if check_model:
         params: dict[int, tuple[str, torch.Tensor]] = {}  # named_parameters(): first name
@@ -60,21 +59,17 @@ def frozen_tensors(model: torch.nn.Module, opt: DistributedOptimizer,
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for fqn, t in sd.items():
-        if (not isinstance(t, torch.Tensor) or fqn in opt.layout.slots
-                or fqn in opt.shard_state.aliases):
-            continue
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        out[fqn] = t
+        if (isinstance(t, torch.Tensor) and fqn not in opt.layout.slots
+                and fqn not in opt.shard_state.aliases and id(t) not in seen):
+            seen.add(id(t))
+            out[fqn] = t
     return out
 
 
 @dataclass(frozen=True)
 class ParamFacts:
-    """What the manifest's ``params`` table says that can change after a save's call (step
-    counts, hyperparameters, frozen tensors), copied at the call, which stays short;
-    :func:`describe` builds the table from it later."""
+    """What of the manifest's ``params`` table can change after a save's call (steps,
+    hyperparameters, frozen tensors), copied at the call; :func:`describe` builds the table."""
 
     steps: dict[str, int]
     groups: list[dict]
@@ -106,10 +101,8 @@ def describe(opt: DistributedOptimizer, facts: ParamFacts) -> dict[str, dict]:
 
 def sources(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
             ) -> dict[str, torch.Tensor]:
-    """The flat tensors everything :func:`model_entries` and :func:`optim_entries` write
-    is a view of: the optimizer's ``shard_state.sources()`` and, on rank
-    0, the ``frozen`` tensors (:func:`frozen_tensors`) flattened (a view where they are
-    contiguous)."""
+    """The flat tensors all that :func:`contents` writes views: ``shard_state.sources()``
+    and (rank 0) the ``frozen`` tensors flattened (views where contiguous)."""
     out = opt.shard_state.sources()
     if opt.shard_state.dp.rank == 0:
         out.update({f"frozen.{fqn}": t.detach().reshape(-1) for fqn, t in frozen.items()})
@@ -119,7 +112,7 @@ def sources(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
 def model_entries(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
                   ) -> list[WriteEntry]:
     """Model weights this rank writes: its shards of trainable params, and (rank 0) the
-    ``frozen`` tensors (:func:`frozen_tensors`)."""
+    ``frozen`` tensors."""
     out = [
         WriteEntry(s.fqn, opt.layout.buffers[s.buffer_index].dtype, s.range_param.size,
                    s.range_param.start, opt.shard_state.view("params", s))
@@ -173,11 +166,19 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
     return out
 
 
+def contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
+    """Coordinator-free. What this rank writes of the state, by file kind."""
+    out = {"model": model_entries(opt, frozen)}
+    for name in (*STATE_NAMES, muon.MOMENTUM):
+        out.setdefault(state_file_kind(name), []).extend(optim_entries(opt, name))
+    return [Job(kind, entries) for kind, entries in out.items()]
+
+
 def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
                  saved: dict[str, MomentEncoding]) -> list[Destination]:
     """Where this rank's loaded data goes: master params and frozen tensors in place, moments
-    into tensors allocated later (those stored as ``opt`` stores them; the others are for
-    :mod:`.convert`). Trainable weights are not read: the master params rebuild them."""
+    stored as ``opt`` stores them into tensors allocated later (the others: :mod:`.convert`).
+    Trainable weights are not read: the master params rebuild them."""
     out = []
     for s in opt.shard_state.shards:
         out.append(Destination(f"{s.fqn}.master_param", s.range_param,

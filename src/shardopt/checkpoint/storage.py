@@ -1,9 +1,9 @@
 """Checkpoint data files on the torch side: what a file holds, writing it, opening it to read.
 
-:func:`write_parts` writes a file's parts through the one block writer (:mod:`.transfer`),
-device bytes through a small page-locked :class:`Scratch`. A file is read only if it is a
-regular file reached without a symlink, its header only once its length is bounded and its
-chunks match the manifest's.
+:func:`write_parts` writes through the one block writer (:mod:`.transfer`), device bytes
+through a small page-locked :class:`Scratch`. A file is read only if it is a regular file
+reached without a symlink, its header once its length is bounded and its chunks match the
+manifest's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .format import FileHeader, FileRecord, StoredChunk, StoredTensor, build_header, parse_header
-from .transfer import PIECE_BYTES, Part, Parts, write_file as write_pieces
+from .transfer import PIECE_BYTES, Part, Parts, cut_views, write_file as write_pieces
 from ..errors import FormatError
 
 
@@ -32,8 +32,15 @@ class WriteEntry:
     source: torch.Tensor | None
 
 
-# A save splits a kind's bytes over several files (to write them side by side) only into
-# files of at least this size.
+@dataclass(frozen=True)
+class Job:
+    """A data file of a rank and the entries it holds."""
+
+    name: str
+    entries: list[WriteEntry]
+
+
+# A save splits a kind's bytes over files written side by side only into files of this size.
 MIN_PART_BYTES = 64 << 20
 # The smallest per-thread staging buffer: below it a copy's fixed cost dominates.
 MIN_SCRATCH_BYTES = 64 << 10
@@ -51,9 +58,9 @@ def entry_bytes(entries: Sequence[WriteEntry]) -> int:
 def part_counts(sizes: dict[str, int], files: int, min_part: int | None = None
                 ) -> dict[str, int]:
     """Into how many files to split each kind's ``sizes`` bytes: the largest file as small
-    as ``files`` files in all allow (a save takes as long as its largest file), with no
-    more files than that needs, none under ``min_part`` bytes (default
-    :data:`MIN_PART_BYTES`) once split, and one file at least per kind."""
+    as ``files`` files in all allow (a save takes as long as its largest file), no more
+    files than that needs, none under ``min_part`` (default :data:`MIN_PART_BYTES`) bytes
+    once split, one at least per kind."""
     least = max(1, MIN_PART_BYTES if min_part is None else min_part)
 
     def counts(largest: int) -> dict[str, int]:
@@ -102,7 +109,6 @@ class Scratch:
 
     def __init__(self, threads: int, nbytes: int, device: torch.device | None = None) -> None:
         self.cuda = device is not None and device.type == "cuda"
-        self.threads = threads
         self.nbytes = nbytes
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
                         for _ in range(threads)]
@@ -134,7 +140,7 @@ class Scratch:
             self._events[slot] = None
 
     def drain(self) -> None:
-        for slot in range(self.threads):
+        for slot in range(len(self.buffers)):
             self.wait(slot)
 
 
@@ -150,8 +156,8 @@ def write_scratch(block_bytes: int, staging_bytes: int, device: torch.device) ->
 
 
 def file_parts(entries: Sequence[WriteEntry]) -> list[Part]:
-    """The parts of the safetensors file holding ``entries``: its header, then each entry's
-    bytes (1-D uint8 views of its source in the stored dtype; None for zeros)."""
+    """The parts of the safetensors file of ``entries``: its header, then each entry's bytes
+    (1-D uint8 views of its source in the stored dtype; None for zeros)."""
     header, starts = build_header(entries)
     parts = [Part(0, len(header), torch.frombuffer(bytearray(header), dtype=torch.uint8))]
     for e, start in zip(entries, starts):
@@ -167,28 +173,24 @@ def file_parts(entries: Sequence[WriteEntry]) -> list[Part]:
 
 def write_parts(path: str, parts: Sequence[Part], block_bytes: int,
                 scratch: Scratch | None) -> dict:
-    """Write a new file of ``parts`` (host or device tensors, zeros; sorted and contiguous
-    from byte 0) at ``path`` and fsync it; return ``{"size", "block_bytes", "hashes"}``.
-    Host bytes are written from where they lie, device bytes through ``scratch``."""
-    layout = Parts(parts)
+    """Write a new file of ``parts`` (host or device tensors, zeros; contiguous from byte 0)
+    at ``path`` and fsync it; return its record. Device bytes go through ``scratch``."""
+    layout = Parts([p if p.data is None or p.data.is_cuda else
+                    Part(p.start, p.nbytes, host_bytes(p.data)) for p in parts])
     piece = min(block_bytes, scratch.nbytes if scratch is not None else PIECE_BYTES)
-    if any(p.data is not None and p.data.is_cuda for p in layout.parts) and (
+    if any(isinstance(p.data, torch.Tensor) for p in layout.parts) and (
             scratch is None or not scratch.cuda):
         raise AssertionError("device parts need a pinned scratch")
-    zeros = memoryview(bytes(piece if any(p.data is None for p in layout.parts) else 0))
 
     def take(lo: int, hi: int) -> list[memoryview]:
         views, copies = [], []
         for cut in layout.cuts(lo, hi):
-            data = cut.part.data
-            if data is None:
-                views.append(zeros[:cut.end - cut.start])
-            elif data.is_cuda:
+            if isinstance(cut.part.data, torch.Tensor):  # on the device
                 dst = scratch.take(0)[cut.start - lo:cut.end - lo]
-                copies.append((dst, data[cut.within]))
+                copies.append((dst, cut.part.data[cut.within]))
                 views.append(host_bytes(dst))
             else:
-                views.append(host_bytes(data)[cut.within])
+                views += cut_views(cut)
         if copies:
             scratch.copy(0, copies)
             scratch.wait(0)
@@ -227,8 +229,8 @@ def _header_bound(record: FileRecord) -> int:
 
 
 class FileReader:
-    """One checkpoint data file, opened for reading and checked against its manifest record;
-    :mod:`.read` moves and verifies its bytes."""
+    """One checkpoint data file, open and checked against its manifest record (:mod:`.read`
+    moves and verifies its bytes)."""
 
     def __init__(self, directory: Path, record: FileRecord) -> None:
         self.path = str(directory / record.name)

@@ -1,5 +1,5 @@
-"""The one block writer of checkpoint files (:class:`FileWriter`), and the byte-level pieces
-around it: the threads data moves on and the writer process's messages.
+"""The one block writer of checkpoint files (:class:`FileWriter`), the threads data moves on,
+and the writer process's messages.
 
 Standard library and xxhash only: the writer process (:mod:`._writer_main`) loads this file
 without torch. Blocking saves, the writer process and export all write through it.
@@ -24,8 +24,7 @@ MAX_IO_THREADS = 16
 # Largest piece one thread moves at a time (and the size of its scratch buffer).
 PIECE_BYTES = 8 << 20
 # The most views one preadv/pwritev call takes: the system's, or the limit POSIX guarantees.
-POSIX_IOV_MAX = 1024
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else POSIX_IOV_MAX
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def io_threads(requested: int | None = None) -> int:
@@ -44,8 +43,8 @@ def io_threads(requested: int | None = None) -> int:
 
 def vectored(call: Callable, fd: int, views: list, offset: int, stuck: Exception) -> None:
     """``call(fd, views, pos)`` (``os.preadv`` or ``os.pwritev``) until every view is done, at
-    most :data:`IOV_MAX` views at a time; ``stuck`` (with the byte position added) when a
-    call moves nothing."""
+    most :data:`IOV_MAX` views at a time; ``stuck`` (with the byte position) when a call
+    moves nothing."""
     views = [v for v in views if len(v)]
     pos = offset
     while views:
@@ -84,17 +83,15 @@ def run_parallel(jobs: list, work: Callable[[Any, int], None], threads: int,
                 return
 
     try:
-        if threads == 1:
-            run(0)
-        else:
-            # Plain threads, not an executor: an asynchronous save still running when the
-            # script ends must finish, and executors refuse work once shutdown has begun.
-            pool = [threading.Thread(target=run, args=(slot,), name=f"ckpt-io-{slot}")
-                    for slot in range(threads)]
-            for t in pool:
-                t.start()
-            for t in pool:
-                t.join()
+        # Plain threads, not an executor: an asynchronous save still running when the
+        # script ends must finish, and executors refuse work once shutdown has begun.
+        pool = [threading.Thread(target=run, args=(slot,), name=f"ckpt-io-{slot}")
+                for slot in range(1, threads)]
+        for t in pool:
+            t.start()
+        run(0)
+        for t in pool:
+            t.join()
     finally:
         if finish is not None:
             finish()
@@ -146,6 +143,18 @@ class Parts:
             if p.end > lo:
                 out.append(Cut(p, max(p.start, lo), min(p.end, hi)))
         return out
+
+
+_ZEROS = memoryview(bytes(1 << 20))
+
+
+def cut_views(cut: Cut) -> list[memoryview]:
+    """The bytes of a cut whose part's data is bytes (a memoryview) or zeros (None)."""
+    data = cut.part.data
+    if data is not None:
+        return [data[cut.within]]
+    n = cut.end - cut.start
+    return [_ZEROS[:min(len(_ZEROS), n - i)] for i in range(0, n, len(_ZEROS))]
 
 
 class FileWriter:
@@ -217,11 +226,8 @@ def recv(sock: socket.socket) -> tuple[Any, list[bytes]]:
     """A message: its JSON value and its blobs."""
     n, count = struct.unpack("<QQ", _recv_exact(sock, 16))
     obj = json.loads(_recv_exact(sock, n))
-    blobs = []
-    for _ in range(count):
-        (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
-        blobs.append(_recv_exact(sock, size))
-    return obj, blobs
+    return obj, [_recv_exact(sock, struct.unpack("<Q", _recv_exact(sock, 8))[0])
+                 for _ in range(count)]
 
 
 def send(sock: socket.socket, obj: Any, blobs: Sequence[bytes] = ()) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
 import socket
 import subprocess
@@ -20,31 +19,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..pinned import PinnedBuffer
 from . import transfer
-from .storage import MIN_SCRATCH_BYTES, WriteEntry, file_parts
+from .storage import Job, file_parts
 from .transfer import Part, Parts
 
-# Slots of a streamed write's staging buffer, for as many files written at once (at most
-# io_threads(): 16).
-STREAM_SLOTS = 16
 # Pieces outside the shared buffers (headers, the RNG state) travel in the request when no
 # larger than this.
 INLINE_BYTES = 16 << 20
 _WORKER = str(Path(__file__).with_name("_writer_main.py"))
-# Jobs: (file name, its entries), as a save lists them.
-Jobs = Sequence[tuple[str, Sequence[WriteEntry]]]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Bytes ``[start, end)`` of file ``file`` (its index) that one staging slot carries."""
-
-    file: int
-    start: int
-    end: int
 
 
 @dataclass
@@ -160,22 +143,22 @@ class WriterProcess:
                 self._close()  # mid-exchange: what it would read next is unknown
                 raise
 
-    def write_files(self, tmp: Path, jobs: Jobs, block_bytes: int,
+    def write_files(self, tmp: Path, jobs: Sequence[Job], block_bytes: int,
                     buffers: Sequence[PinnedBuffer]) -> dict[str, dict] | None:
         """Coordinator-free. Write ``jobs`` into ``tmp`` when every entry's bytes lie in
         ``buffers`` (shared) or are small; the files' records, or None (nothing written)
         when some cannot go that way (a device source, a dtype conversion)."""
         shared = [b for b in buffers if b.fd is not None]
         files = []
-        for name, entries in jobs:
+        for job in jobs:
             if any(e.source is not None and (e.source.dtype != e.dtype or e.source.is_cuda)
-                   for e in entries):
+                   for e in job.entries):
                 return None
-            parts = file_parts(entries)
+            parts = file_parts(job.entries)
             for p in parts:
                 if p.data is not None and _inside(p, shared) is None and p.nbytes > INLINE_BYTES:
                     return None
-            files.append((name, parts))
+            files.append((job.name, parts))
         with self._talk() as sock:
             blobs: list[bytes] = []
             used: set[int] = set()  # the ids of the buffers this request reads
@@ -201,57 +184,6 @@ class WriterProcess:
             raise OSError(f"writing {tmp}: {answer}")
         return answer
 
-    def stream_files(self, tmp: Path, jobs: Jobs, block_bytes: int, staging: PinnedBuffer,
-                     slot_bytes: int) -> dict[str, dict] | None:
-        """Coordinator-free. Write ``jobs`` into ``tmp`` through ``staging`` (shared,
-        page-locked where the sources are on a GPU), cut into slots of ``slot_bytes``
-        (:func:`stream_slots`); the files' records, or None (nothing written) when the
-        buffer is not shared. The files' pieces are dealt round-robin, so every file's
-        thread in the process has work; whenever half the slots are free they are filled
-        (device bytes copied on the current stream, this thread asleep until they land)
-        while the process writes the others."""
-        if staging.fd is None:
-            return None
-        layouts = [Parts(file_parts(entries)) for _, entries in jobs]
-        order = _stream_order([f.size for f in layouts], slot_bytes)
-        ring = staging.tensor.view(torch.uint8)
-        free = list(range(ring.numel() // slot_bytes))
-        half = max(1, len(free) // 2)
-        with self._talk() as sock:
-            transfer.send(sock, ["stream", {
-                "dir": str(tmp), "files": [[name, f.size] for (name, _), f in zip(jobs, layouts)],
-                "block_bytes": block_bytes, "slot_bytes": slot_bytes,
-                "buffer": self._map(sock, staging)}])
-            failure, i = None, 0
-            while i < len(order) and failure is None:
-                while failure is None and len(free) < min(half, len(order) - i):
-                    (kind, arg), _ = transfer.recv(sock)
-                    if kind == "failed":
-                        failure = arg
-                    else:
-                        free.append(arg)
-                if failure is not None:
-                    break
-                batch, stream = [], None
-                while free and i < len(order):
-                    piece, slot, i = order[i], free.pop(), i + 1
-                    at = slot * slot_bytes
-                    stream = _fill(ring[at:at + piece.end - piece.start], layouts[piece.file],
-                                   piece.start) or stream
-                    batch.append([piece.file, piece.start, piece.end - piece.start, slot])
-                if stream is not None:
-                    landed = torch.cuda.Event(blocking=True)  # asleep, not spinning
-                    landed.record(stream)
-                    landed.synchronize()
-                transfer.send(sock, ["pieces", batch])
-            transfer.send(sock, ["end"])
-            msg = None
-            while msg is None or msg[0] != "done":  # the last slots' "free"s come first
-                msg, _ = transfer.recv(sock)
-        if msg[1] != "ok":
-            raise OSError(f"writing {tmp}: {msg[2]}")
-        return msg[2]
-
 
 def _inside(p: Part, buffers: Sequence[PinnedBuffer]) -> tuple[PinnedBuffer, int] | None:
     """The shared buffer that holds part ``p``'s bytes, and where in it."""
@@ -261,36 +193,3 @@ def _inside(p: Part, buffers: Sequence[PinnedBuffer]) -> tuple[PinnedBuffer, int
         if lo <= ptr and ptr + p.nbytes <= lo + b.tensor.numel() * b.tensor.element_size():
             return b, ptr - lo
     return None
-
-
-def stream_slots(staging_bytes: int, block_bytes: int) -> tuple[int, int]:
-    """``(slot bytes, slots)`` of a streamed write's staging buffer of about
-    ``staging_bytes``: :data:`STREAM_SLOTS` slots of at most a block (at least
-    :data:`~.storage.MIN_SCRATCH_BYTES` each, and two slots)."""
-    slot = max(MIN_SCRATCH_BYTES, min(block_bytes, staging_bytes // STREAM_SLOTS))
-    return slot, max(2, staging_bytes // slot)
-
-
-def _stream_order(sizes: list[int], slot_bytes: int) -> list[Piece]:
-    """Every piece of files of ``sizes``, of at most ``slot_bytes``, the files' pieces
-    dealt round-robin."""
-    per_file = [[Piece(f, lo, min(lo + slot_bytes, size)) for lo in range(0, size, slot_bytes)]
-                for f, size in enumerate(sizes)]
-    return [p for row in itertools.zip_longest(*per_file) for p in row if p is not None]
-
-
-def _fill(dst: torch.Tensor, layout: Parts, lo: int) -> torch.cuda.Stream | None:
-    """Put bytes ``[lo, lo + len(dst))`` of a file into ``dst`` (a slot of the page-locked
-    staging buffer): host bytes and zeros at once, device bytes by copies queued on the
-    current stream, which is returned (None when nothing was queued)."""
-    stream = None
-    for cut in layout.cuts(lo, lo + dst.numel()):
-        out, data = dst[cut.start - lo:cut.end - lo], cut.part.data
-        if data is None:
-            out.zero_()
-        elif data.is_cuda:
-            stream = torch.cuda.current_stream(data.device)
-            out.copy_(data[cut.within], non_blocking=True)
-        else:
-            out.copy_(data[cut.within])
-    return stream
