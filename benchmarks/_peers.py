@@ -242,10 +242,12 @@ class System:
 
 def setup_shardopt(model, hp: Hyper, device: torch.device,
                    overlap_param_gather: bool = False, grad_mode: str = "torch",
-                   **state_dtypes: str) -> System:
+                   optimizer: str = "adamw", **state_dtypes: str) -> System:
     """``state_dtypes``: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` / ``grad_dtype`` of
     :class:`shardopt.OptimizerConfig` (default fp32); ``grad_mode`` its field of that name
-    (``"torch"``: p.grad after backward; ``"buffer"``: grads only in the grad buffer)."""
+    (``"torch"``: p.grad after backward; ``"buffer"``: grads only in the grad buffer);
+    ``optimizer="muon"``: Muon for the matrices (``shardopt.muon_groups``, with
+    ``adjust_lr_fn="match_rms_adamw"`` and AdamW's learning rate and weight decay)."""
     import shardopt
     from shardopt.build import choose_kernel
     from shardopt.recipes.model import no_decay
@@ -254,7 +256,16 @@ def setup_shardopt(model, hp: Hyper, device: torch.device,
                                       weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm,
                                       overlap_param_gather=overlap_param_gather,
                                       grad_mode=grad_mode, **state_dtypes)
-    opt = shardopt.DistributedOptimizer(model, config, param_group_fn=no_decay)
+    group_fn = no_decay
+    if optimizer == "muon":
+        to_muon = shardopt.muon_groups(model, lr=hp.lr, weight_decay=hp.weight_decay,
+                                       adjust_lr_fn="match_rms_adamw")
+
+        def group_fn(fqn, p):
+            return to_muon(fqn, p) or no_decay(fqn, p)
+    elif optimizer != "adamw":
+        raise ValueError(f"optimizer must be adamw or muon, got {optimizer!r}")
+    opt = shardopt.DistributedOptimizer(model, config, param_group_fn=group_fn)
 
     def step(x, y):  # the system's optimizer: a resume replaces it (_ckpt_systems.py)
         loss = model(x, y)
@@ -264,11 +275,12 @@ def setup_shardopt(model, hp: Hyper, device: torch.device,
         return loss.detach()
 
     name = "shardopt_overlap" if overlap_param_gather else "shardopt"
+    name += "_muon" if optimizer == "muon" else ""
     system = System(name if grad_mode == "torch" else f"{name}_{grad_mode}", step, model, opt,
-                  notes={"bucket_numel": config.bucket_numel, "state_dtypes": state_dtypes,
-                         "step_kernel": choose_kernel(config, device),
-                         "grad_mode": grad_mode,
-                         "overlap_param_gather": overlap_param_gather})
+                    notes={"bucket_numel": config.bucket_numel, "state_dtypes": state_dtypes,
+                           "step_kernel": choose_kernel(config, device),
+                           "grad_mode": grad_mode, "optimizer": optimizer,
+                           "overlap_param_gather": overlap_param_gather})
     return system
 
 

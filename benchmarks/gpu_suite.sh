@@ -31,6 +31,10 @@
 #   gradmodes  grad_mode "torch" (p.grad after backward, the default) against "buffer" side by
 #            side: optimizer_step.py (fp32 and bf16 grads, 50 reps) and train_iter.py
 #            (shardopt in both modes and DDP, 10 timed iterations each)                   ~4 min
+#   muon     train_iter.py, the 1b preset: shardopt with AdamW and with Muon for the
+#            matrices (its step, Muon update and Newton-Schulz timed by CUDA events), 20
+#            timed iterations each; lowprec_quality.py's fp32 and muon settings, the small
+#            preset, 600 steps, 3 seeds, plotted                                          ~6 min
 #   async_megatron  async_save.py against megatron-core's asynchronous dist_checkpointing
 #            save (its own model, optimizer and loop), /dev/shm, 6 saves each; needs the
 #            megatron-core and psutil wheels in .whl/                                     ~6 min
@@ -104,6 +108,12 @@ for part in $PARTS; do
       run gradmodes-iter "$PY" benchmarks/train_iter.py --nproc 1 --systems shardopt,ddp \
         --grad-modes torch,buffer --warmup 3 --iters 10 --tag _grad_modes --out "$OUT" \
         "${EXTRA[@]}" ;;
+    muon)
+      run muon-iter "$PY" benchmarks/train_iter.py --nproc 1 --systems shardopt \
+        --grad-modes torch --optimizer adamw,muon --warmup 3 --iters 20 --tag _muon \
+        --out "$OUT" "${EXTRA[@]}"
+      run muon-quality "$PY" benchmarks/lowprec_quality.py --settings fp32,muon --tag _muon \
+        --out "$OUT" "${EXTRA[@]}" ;;
     async_megatron)
       run async-megatron "$PY" benchmarks/async_save.py --dirs /dev/shm --accumulate 3 \
         --systems shardopt,megatron --sparse-every 9 --sparse-saves 6 --phase-cap-s 60 \
@@ -121,7 +131,7 @@ for part in $PARTS; do
         --accumulate 2 --cycles 7 --rss-cycles 13 --h2d kernel --no-peers \
         --out "$OUT/offload_1gpu_hf.json" "${EXTRA[@]}" ;;
     *)
-      echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async, gradmodes, async_megatron, realmodel)" | tee -a "$LOG"
+      echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async, gradmodes, muon, async_megatron, realmodel)" | tee -a "$LOG"
       status=1 ;;
   esac
 done

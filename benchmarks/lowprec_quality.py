@@ -1,4 +1,5 @@
-"""Training quality of low-precision optimizer state against fp32, on the reference job.
+"""Training quality of low-precision optimizer state against fp32, and of Muon against AdamW,
+on the reference job.
 
 The reference job's model and task (``small`` preset: ~3.2M params, bf16 weights with fp32
 norms, a synthetic Markov task) trained on one rank with shardopt for each state setting
@@ -6,10 +7,14 @@ norms, a synthetic Markov task) trained on one rank with shardopt for each state
 warmup, cosine to 10%) and clipping at 1.0. Per setting it reports the final loss (mean of
 the last 20 steps per seed) as mean and spread (max - min) over seeds, and the largest
 per-step loss difference to the fp32 run of the same seed; a JSON file and a PNG of the loss
-curves (mean over seeds) and of their difference to fp32.
+curves (mean over seeds) and of their difference to fp32. ``muon`` trains the matrices with
+Muon (``shardopt.muon_groups``, ``adjust_lr_fn="match_rms_adamw"`` so that AdamW's learning
+rate and weight decay carry over; ``--muon-lr`` sets another) and the rest with fp32 AdamW.
 
     PYTHONPATH=src python3 benchmarks/lowprec_quality.py --device cuda --out benchmarks/results
     PYTHONPATH=src python3 benchmarks/lowprec_quality.py --device cpu --steps 20 --seeds 1  # smoke
+    PYTHONPATH=src python3 benchmarks/lowprec_quality.py --device cuda --settings fp32,muon \
+        --tag _muon --out benchmarks/results  # Muon beside AdamW
 
 It imports the job's parts (model presets, Markov task, batch plan, LR schedule) from wherever
 the package keeps them, so it survives the recipes moving.
@@ -52,6 +57,7 @@ STOCHASTIC = {
                         "_stochastic": True},
 }
 SETTINGS.update(STOCHASTIC)
+SETTINGS["muon"] = {"_muon": True}  # Muon for the matrices, fp32 AdamW for the rest
 TAIL = 20  # steps averaged for the final loss
 
 
@@ -107,9 +113,17 @@ def train(fields: dict, seed: int, args, parts) -> tuple[list[float], dict]:
     stochastic = fields.pop("_stochastic", False)
     if stochastic:
         fields["step_kernel"] = "torch"
+    group_fn = no_decay
+    if fields.pop("_muon", False):
+        from shardopt import muon_groups
+        to_muon = muon_groups(model, lr=args.muon_lr or args.lr, weight_decay=0.1,
+                              adjust_lr_fn="match_rms_adamw")
+
+        def group_fn(fqn, p):
+            return to_muon(fqn, p) or no_decay(fqn, p)
     opt = DistributedOptimizer(model, OptimizerConfig(
         lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0, **fields),
-        param_group_fn=no_decay)
+        param_group_fn=group_fn)
     from shardopt import quant
     real_store = quant.Moment.store_
     if stochastic:
@@ -177,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--muon-lr", type=float, default=None,
+                    help="the muon setting's Muon learning rate (default: --lr)")
     ap.add_argument("--settings", default=",".join(n for n in SETTINGS if n not in STOCHASTIC),
                     help=f"comma-separated names, of {', '.join(SETTINGS)}")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names")
     args = ap.parse_args(argv)
     names = args.settings.split(",")
     if "fp32" not in names:
@@ -204,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
                                             for n in names}, "summary": summary,
            "memory_bytes": memory, "seconds": seconds,
            "seconds_total": time.perf_counter() - t_all, "losses": runs}
-    (out / "lowprec_quality.json").write_text(json.dumps(doc, indent=1))
-    plotted = plot(runs, out / "lowprec_quality.png")
+    stem = f"lowprec_quality{args.tag}"
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    plotted = plot(runs, out / f"{stem}.png")
     for name, s in summary.items():
         print(f"{name:26s} {s['final_loss_mean']:.4f} +- {s['final_loss_spread'] / 2:.4f}  "
               f"max step diff vs fp32 {s['max_step_loss_diff_vs_fp32']:.4f}")
-    print(f"wrote {out / 'lowprec_quality.json'}" + (" and .png" if plotted else ""))
+    print(f"wrote {out / stem}.json" + (" and .png" if plotted else ""))
     return 0
 
 

@@ -19,6 +19,13 @@ that fails is recorded with its error and the rest still run.
 after backward, all-reduced at DP > 1), ``shardopt_buffer`` grads only in the grad buffer
 (reduce-scatter); the summary gives the ratio of their median iteration times.
 
+``--optimizer adamw,muon`` runs each shardopt system also with Muon for the matrices
+(``shardopt_muon``: ``shardopt.muon_groups``, ``adjust_lr_fn="match_rms_adamw"``); the other
+systems run AdamW only. A Muon run times, per timed iteration, ``optimizer.step()``, the Muon
+update in it (momentum, Newton-Schulz, the update of the owned matrices) and Newton-Schulz
+alone, by CUDA events (``muon_timing`` in the result: medians, and Newton-Schulz's share of
+the step); the summary gives its median iteration time against AdamW's.
+
 GPU (the GPT; result ``train_iter_1gpu.json``, the Hugging Face model ``train_iter_1gpu_hf.json``)::
 
     PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --out $OUT
@@ -27,12 +34,16 @@ GPU (the GPT; result ``train_iter_1gpu.json``, the Hugging Face model ``train_it
         --grad-modes torch,buffer --iters 20 --out $OUT --tag _grad_modes
     PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --model hf-llama \
         --systems shardopt,ddp --grad-modes torch,buffer --iters 20 --out $OUT --tag _grad_modes
+    PYTHONPATH=src python3 benchmarks/train_iter.py --nproc 1 --systems shardopt \
+        --grad-modes torch --optimizer adamw,muon --iters 20 --out $OUT --tag _muon
 
 CPU smoke (gloo)::
 
     PYTHONPATH=src python benchmarks/train_iter.py --device cpu --preset tiny --iters 5 --warmup 1
     PYTHONPATH=src python benchmarks/train_iter.py --device cpu --preset tiny --model hf-llama \
         --iters 5 --warmup 1
+    PYTHONPATH=src python benchmarks/train_iter.py --device cpu --preset tiny --systems shardopt \
+        --grad-modes torch --optimizer adamw,muon --iters 5 --warmup 1
 """
 
 from __future__ import annotations
@@ -63,24 +74,30 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
     num_params = _common.param_count(model)
     kwargs = {}
     if system.startswith("shardopt"):
-        kwargs.update(a["state_dtypes"], grad_mode=a["grad_mode"])
+        kwargs.update(a["state_dtypes"], grad_mode=a["grad_mode"], optimizer=a["optimizer"])
     if system == "megatron":
         kwargs["overlap_param_gather"] = a["megatron_overlap_param_gather"]
     sys_ = _peers.SETUP[system](model, _peers.Hyper(), device, **kwargs)
     timeline.mark("setup")
     setup_s = time.perf_counter() - t0
+    spans = _muon_spans(sys_.optimizer, device) if a["optimizer"] == "muon" else {}
 
     losses = []
     for i in range(a["warmup"]):
         losses.append(sys_.step(*batches[i]))
         timeline.mark("warmup")
     times = []
+    muon_timing: dict[str, list[float]] = {name: [] for name in spans}
     for i in range(a["warmup"], a["warmup"] + a["iters"]):
+        for span in spans.values():
+            span.clear()
         start = time.perf_counter()
         losses.append(sys_.step(*batches[i]))
         _peers.sync(device)
         times.append(time.perf_counter() - start)
         timeline.mark("iter")
+        for name, span in spans.items():
+            muon_timing[name].append(span.seconds())
     losses = [float(v) for v in losses]
     if not all(map(lambda v: v == v and abs(v) != float("inf"), losses)):
         raise RuntimeError(f"non-finite loss: {losses}")
@@ -98,18 +115,64 @@ def _worker(rank: int, world: int, system: str, a: dict) -> dict:
         "peak_reserved_all": max(p["peak_reserved"] for p in peaks.values()),
         "allocated_end": steady.get("end_allocated", 0),
         "notes": sys_.notes,
+        "muon_timing": muon_timing,
     }
 
 
-def run_system(system: str, args: argparse.Namespace, grad_mode: str = "torch") -> dict:
+class _Spans:
+    """The time spent in the calls of one function during an iteration: CUDA events around
+    each call on a GPU (read after the iteration's device synchronisation), wall time on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple] = []
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = self._mark()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.marks.append((start, self._mark()))
+        return timed
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def clear(self) -> None:
+        self.marks = []
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self.marks) / 1e3
+        return sum(b - a for a, b in self.marks)
+
+
+def _muon_spans(opt, device: torch.device) -> dict[str, _Spans]:
+    """Time ``opt.step()``, the Muon update in it and Newton-Schulz in that (this process
+    only: ranks are processes of their own)."""
+    from shardopt import muon, muon_update
+
+    spans = {name: _Spans(device) for name in ("step", "muon_update", "newton_schulz")}
+    opt.step = spans["step"].wrap(opt.step)
+    muon_update.MuonUpdate.run = spans["muon_update"].wrap(muon_update.MuonUpdate.run)
+    muon.newton_schulz = spans["newton_schulz"].wrap(muon.newton_schulz)
+    return spans
+
+
+def run_system(system: str, args: argparse.Namespace, grad_mode: str = "torch",
+               optimizer: str = "adamw") -> dict:
     a = {k: getattr(args, k) for k in ("device", "model", "preset", "num_layers", "micro_batch",
                                        "warmup", "iters", "cpu_threads",
                                        "megatron_overlap_param_gather")}
-    a["grad_mode"] = grad_mode
+    a["grad_mode"], a["optimizer"] = grad_mode, optimizer
+    system_name = system + ("_muon" if optimizer == "muon" else "")
     if system.startswith("shardopt") and grad_mode != "torch":
-        system_name = f"{system}_{grad_mode}"
-    else:
-        system_name = system
+        system_name = f"{system_name}_{grad_mode}"
     a["state_dtypes"] = {k: getattr(args, k) for k in ("exp_avg_dtype", "exp_avg_sq_dtype",
                                                          "grad_dtype") if getattr(args, k)}
     t0 = time.perf_counter()
@@ -137,6 +200,12 @@ def run_system(system: str, args: argparse.Namespace, grad_mode: str = "torch") 
         "wall_s": time.perf_counter() - t0,
         "notes": r0["notes"],
     }
+    if r0["muon_timing"]:
+        timing = {f"{name}_s": _common.stats(v) for name, v in r0["muon_timing"].items()}
+        shares = [ns / step for ns, step in zip(r0["muon_timing"]["newton_schulz"],
+                                                r0["muon_timing"]["step"])]
+        out["muon_timing"] = {**timing, "newton_schulz_share_of_step": _common.stats(shares),
+                              "per_iteration": r0["muon_timing"]}
     for key in ("peak_allocated_steady", "peak_reserved_steady", "peak_allocated_all",
                 "peak_reserved_all", "allocated_end"):
         out[key] = max(r[key] for r in ranks)
@@ -182,6 +251,15 @@ def summary(results: list[dict], nproc: int, model: str, skipped: dict[str, str]
                          f"{buffer['iter_s']['max'] * 1e3:.1f} ms); peak allocated "
                          f"{ours['peak_allocated_steady'] / _common.GIB:.2f} / "
                          f"{buffer['peak_allocated_steady'] / _common.GIB:.2f} GiB")
+        with_muon = by.get(f"{name}_muon")
+        if ours and with_muon:
+            ratio = with_muon["iter_s"]["median"] / ours["iter_s"]["median"]
+            t = with_muon["muon_timing"]
+            lines.append(f"{name} Muon/AdamW iteration time: {ratio:.3f}; Muon's step "
+                         f"{t['step_s']['median'] * 1e3:.1f} ms, of it the Muon update "
+                         f"{t['muon_update_s']['median'] * 1e3:.1f} ms and Newton-Schulz "
+                         f"{t['newton_schulz_s']['median'] * 1e3:.1f} ms (share of the step "
+                         f"{t['newton_schulz_share_of_step']['median']:.3f})")
         if ours and "megatron" in by:
             ratio = ours["iter_s"]["median"] / by["megatron"]["iter_s"]["median"]
             lines.append(f"{name}/megatron iteration time: {ratio:.3f} (target < 1): "
@@ -214,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="shardopt's state setting (float32, bfloat16; int8 for moments)")
     p.add_argument("--grad-modes", default="torch,buffer",
                    help="OptimizerConfig.grad_mode values each shardopt system runs with")
+    p.add_argument("--optimizer", default="adamw",
+                   help="adamw and/or muon (comma-separated): the optimizers each shardopt "
+                        "system runs with (muon: Muon for the matrices, AdamW for the rest)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args(argv)
@@ -235,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     grad_modes = [m for m in args.grad_modes.split(",") if m]
     if set(grad_modes) - {"torch", "buffer"} or not grad_modes:
         p.error(f"--grad-modes takes torch and/or buffer, got {args.grad_modes!r}")
-    results = [run_system(s, args, mode) for s in systems
+    optimizers = [o for o in args.optimizer.split(",") if o]
+    if set(optimizers) - {"adamw", "muon"} or not optimizers:
+        p.error(f"--optimizer takes adamw and/or muon, got {args.optimizer!r}")
+    results = [run_system(s, args, mode, o) for s in systems
+               for o in (optimizers if s.startswith("shardopt") else ["adamw"])
                for mode in (grad_modes if s.startswith("shardopt") else ["torch"])]
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     config = {k: v for k, v in vars(args).items() if k not in ("out", "tag")}

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import kernels, quant
+from . import kernels, muon, quant
 from .config import GROUP_KEYS, INT8, OptimizerConfig, group_value
 from .layout import Bucket, Layout
 
@@ -65,6 +65,15 @@ def param_groups(named: Named, defaults: dict[str, Any],
     groups: dict[tuple, dict[str, Any]] = {}
     for fqn, p in named:
         overrides = dict(param_group_fn(fqn, p) or {}) if param_group_fn else {}
+        optimizer = overrides.pop("optimizer", muon.ADAMW)
+        if optimizer not in muon.OPTIMIZERS:
+            raise ValueError(f"param_group_fn gave optimizer={optimizer!r} for param {fqn!r}; "
+                             f"the optimizers are {list(muon.OPTIMIZERS)}")
+        if optimizer == muon.MUON:
+            overrides = muon.group_settings(fqn, p, overrides)
+            groups.setdefault(tuple(overrides.items()), {"params": [], **overrides}
+                              )["params"].append(p)
+            continue
         unknown = set(overrides) - set(GROUP_KEYS)
         if unknown:
             raise ValueError(f"param_group_fn returned unknown keys {sorted(unknown)} for "

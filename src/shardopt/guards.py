@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import comm
+from . import comm, muon
 from .build import alignment, owner_of
 from .config import OptimizerConfig
 from .errors import UsageError
@@ -55,7 +55,9 @@ def check_same_layout(dp: comm.DPGroup, specs: list[ParamSpec], config: Optimize
     """Collective. Raise :class:`UsageError` on every rank if any rank has ``local_problem``
     (naming the ranks) or built a different model (naming the first differing FQN): a digest,
     then the param lists when digests differ."""
-    described = [(s.fqn, tuple(s.shape), str(s.dtype)) for s in specs]
+    # A Muon param (whole on one rank) is laid out otherwise: part of its dtype here.
+    described = [(s.fqn, tuple(s.shape), f"{s.dtype}{', muon' if s.whole else ''}")
+                 for s in specs]
     # Besides the params, what the layout and the collectives depend on.
     described.append((_SETTINGS, (config.bucket_numel, *alignment(config)), str(config.grad_dtype)))
     digest = hashlib.sha256(repr(described).encode()).hexdigest() if dp.size > 1 else None
@@ -125,8 +127,16 @@ FIXED_GROUP_OPTIONS = {"amsgrad": False, "maximize": False, "decoupled_weight_de
 def check_group_options(param_groups: list[dict[str, Any]],
                         fqn_of: Mapping[torch.nn.Parameter, str]) -> None:
     """Coordinator-free. Raise :class:`UsageError` naming the group and its first param if a
-    param group asks for an AdamW option this optimizer lacks."""
+    param group asks for an AdamW option this optimizer lacks, or holds a Muon setting Muon
+    cannot take (a scheduler's or a user's write)."""
     for gi, group in enumerate(param_groups):
+        if muon.is_muon(group):
+            try:
+                muon.settings_of(group)
+            except ValueError as e:
+                raise UsageError(f"param_groups[{gi}] (group of param "
+                                 f"{fqn_of[group['params'][0]]!r}): {e}") from None
+            continue
         for key, value in FIXED_GROUP_OPTIONS.items():
             if key in group and group[key] != value:
                 raise UsageError(

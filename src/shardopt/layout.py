@@ -68,6 +68,7 @@ class ParamSpec:
     fqn: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    whole: bool = False  # lies whole in one rank's shard (Muon: :func:`shardopt.muon.plan_layout`)
     dp_group: int = 0  # which of the optimizer's DP groups shards it
 
     @property
@@ -124,6 +125,7 @@ class BufferLayout:
     numel: int  # padded total
     buckets: tuple[Bucket, ...]
     params: tuple[ParamSlot, ...]
+    whole: bool = False  # every param lies whole in one rank's shard (Muon's buffers)
     dp_group: int = 0
     dp_size: int = 1  # of its DP group: each bucket splits into this many shards
 
@@ -235,7 +237,7 @@ def build_layout(params: Sequence[ParamSpec], dp_size: int, bucket_numel: int,
                                   used, padded // group_size, tuple(s.fqn for s in members)))
             cursor += padded
         buffers.append(BufferLayout(buffer_index, dtype, cursor, tuple(buckets), tuple(slots),
-                                    dp_group, group_size))
+                                    dp_group=dp_group, dp_size=group_size))
     return Layout(dp_size, tuple(buffers))
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .errors import StateWriteError
+from .moments import MOMENTUM
 from .state_dict import names, view
 
 
@@ -112,7 +113,8 @@ class LocalState(defaultdict):
     """``optimizer.state``: a ``defaultdict`` keyed by param, as torch's, whose entries are
     computed on access: ``step``, and for the part of the param this rank holds ``offset``,
     ``master_param`` and the moments, as 1-D views from element ``offset`` of the flattened
-    param. Replacing or removing an entry raises :class:`StateWriteError`."""
+    param (a Muon matrix's ``momentum_buffer`` in the param's shape). Replacing or removing an
+    entry raises :class:`StateWriteError`."""
 
     def __init__(self, opt: Any) -> None:
         super().__init__(dict)
@@ -129,7 +131,9 @@ class LocalState(defaultdict):
             out["master_param"] = st.view("master_param", shard)
             if st.has_moments:
                 out.update({name: view(st.moment(name.removesuffix(".scale"), shard), name)
-                            for name in names(opt)[:-1]})
+                            for name in names(opt, fqn)[:-1]})
+            if MOMENTUM in out:  # a Muon matrix, whole on this rank: torch's Muon's shape
+                out[MOMENTUM] = out[MOMENTUM].view(opt.layout.slots[fqn].shape)
         return _Entry(opt, fqn, out)
 
     def __getitem__(self, param: Any) -> Any:

@@ -9,8 +9,9 @@ Communication schedule of one iteration (buckets in a launch order every rank sh
   ``"buffer"`` (:mod:`.sync`). ``step()`` re-seeds the main params of weights the user wrote
   (:mod:`.param_watch`), waits, and all-reduces the squared norm of the local grad shard with
   one "got a gradient" flag per param (:mod:`.grad_norm`).
-* Phase 2, ``step()``: fused AdamW on the local shard (:mod:`.update`); a param with no
-  gradient on any rank is left alone, as in ``torch.optim.AdamW``.
+* Phase 2, ``step()``: fused AdamW on the local shard (:mod:`.update`), Muon on the whole
+  matrices this rank owns (:mod:`.muon_update`); a param with no gradient on any rank is left
+  alone, as in ``torch.optim.AdamW``.
 * Phase 3, ``step()`` (:mod:`.sync`): all-gather every param bucket.
 
 The state and where it is: :mod:`.shard_state`; offload: :mod:`.host_state`. No file I/O
@@ -21,28 +22,29 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import build, comm, guards, host_state, parallel, quant
+from . import build, comm, guards, host_state, muon, parallel
 from . import state_dict as state_dicts
 from .build import ParamGroupFn
 from .buffers import FlatBuffers
 from .config import OptimizerConfig
 from .grad_norm import Agreed, GradNorm
 from .host_state import HostState
-from .layout import STATE_NAMES, Layout, ParamShard, ParamSpec, build_layout
+from .layout import STATE_NAMES, Layout, ParamSpec, build_layout
 from .local_state import LocalState
 from .model_state import StateDictCopies
 from .moments import Moments
+from .muon_update import MuonUpdate, split_shards
 from .param_grads import ParamGrads
 from .parallel_norm import ParallelGradNorm
 from .param_watch import ParamWatch, Replacements
-from .shard_state import DEVICE, KINDS, STAGED, Held, LoadTarget, ShardState
+from .shard_access import ShardStateAccess
+from .shard_state import DEVICE, KINDS, STAGED, ShardState
 from .sync import GradSync, ParamSync
 from .update import KeptGrads, Update, advance, next_steps
 from .wrap_guard import WrapGuard
@@ -55,7 +57,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Construction is collective (ranks that built different models raise, naming the first
     differing FQN). ``param_group_fn(fqn, param)`` returns per-param overrides of ``lr``,
-    ``betas``, ``eps`` and ``weight_decay``. Params may be DTensors (``parallelize_module``);
+    ``betas``, ``eps`` and ``weight_decay``, or ``{"optimizer": "muon", ...}`` with Muon's
+    settings for a 2-D param (:mod:`.muon`). Params may be DTensors (``parallelize_module``);
     ``dp_group_fn(fqn, param)`` returns the DP group of a param whose group is not
     ``process_group`` (experts), or None (:mod:`.parallel`). Semantics: docs/optimizer.md; the
     layers above the optimizer use :attr:`shard_state` (:class:`ShardStateAccess`).
@@ -69,38 +72,53 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dp = comm.DPGroup.resolve(process_group)
         named, device = build.trainable(model)
         self._parallel = par = parallel.plan(named, dp, dp_group_fn)  # None: data parallel
-        specs = ([ParamSpec(fqn, tuple(p.shape), p.dtype) for fqn, p in named] if par is None
-                 else par.specs(named))
-        guards.check_same_layout(dp, specs, self.config, guards.ownership_problem(named))
-        self.layout: Layout = build_layout(specs, dp.size, self.config.bucket_numel,
-                                           *build.alignment(self.config),
-                                           group_sizes=None if par is None else par.group_sizes())
+        defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
+                    "weight_decay": self.config.weight_decay}
+        groups, problem = [], guards.ownership_problem(named)
+        try:
+            groups = build.param_groups(named, defaults, param_group_fn)
+        except ValueError as e:  # raised on every rank by the agreement below
+            problem = problem or str(e)
+        whole = {id(p) for g in groups if muon.is_muon(g) for p in g["params"]}  # laid out whole
+        if par is None:
+            specs = [ParamSpec(fqn, tuple(p.shape), p.dtype, id(p) in whole) for fqn, p in named]
+        else:
+            specs = par.specs(named)
+            problem = problem or parallel.muon_problem(named, whole)
+        guards.check_same_layout(dp, specs, self.config, problem)
+        if par is None:
+            self.layout: Layout = muon.plan_layout(specs, dp.size, self.config.bucket_numel,
+                                                   *build.alignment(self.config))
+        else:
+            self.layout = build_layout(specs, dp.size, self.config.bucket_numel,
+                                       *build.alignment(self.config), par.group_sizes())
         self._buffers = FlatBuffers(named, self.layout, device, self.config.grad_dtype,
                                     [dp] if par is None else par.groups, self.config.param_grads)
         self._state = ShardState(self.layout, self._buffers, dp, self.config, device)
         self._fqn_of = {p: fqn for fqn, p in named}
         self._fqns = tuple(fqn for fqn, _ in named)
-        self._init_groups(named, param_group_fn)
+        self._init_groups(groups, defaults)
         self._init_sync(model, named)
         self.shard_state = ShardStateAccess(self, build.tied_aliases(model))
         self.state = LocalState(self)  # torch's defaultdict, computed on access
         self._hooks += StateDictCopies(self, model).register()  # model.state_dict(): copies
 
-    def _init_groups(self, named: build.Named, param_group_fn: ParamGroupFn | None) -> None:
-        defaults = {"lr": self.config.lr, "betas": self.config.betas, "eps": self.config.eps,
-                    "weight_decay": self.config.weight_decay}
-        super().__init__(build.param_groups(named, defaults, param_group_fn), defaults)
+    def _init_groups(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        super().__init__(groups, defaults)
         self._groups_final = True
         self._group_of = {self._fqn_of[p]: gi for gi, g in enumerate(self.param_groups)
                           for p in g["params"]}
         self._group_fqns = [[self._fqn_of[p] for p in g["params"]] for g in self.param_groups]
         group_shards = [[i for i, s in enumerate(self._state.shards) if self._group_of[s.fqn] == gi]
                         for gi in range(len(self.param_groups))]
+        adamw_shards, muon_shards = split_shards(group_shards, self.param_groups)
         # Updates applied to each param (torch's state[p]["step"]; :mod:`.update`).
         self.param_steps: dict[str, int] = {fqn: 0 for fqn in self._fqns}
         kernel = build.choose_kernel(self.config, self._state.device)
-        self._update = Update(self._state, kernel, self.param_groups, group_shards,
+        self._update = Update(self._state, kernel, self.param_groups, adamw_shards,
                               self._group_of, self.param_steps)
+        self._muon = MuonUpdate(self._state, self.param_groups, muon_shards,
+                                self._update.writes_params)
 
     def _init_sync(self, model: torch.nn.Module, named: build.Named) -> None:
         """Phases 1 and 3 of the schedule, the norm between them, and the checks around them."""
@@ -172,6 +190,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         got = self._kept_grads.step(agreed.got, self._fqns)
         steps = next_steps(self.param_steps, self._group_fqns, got)
         sq = self._update.run(agreed.grad_scale, steps, got)
+        self._muon.run(agreed.grad_scale, got)
         if sq is not None:
             self._grad_norm = self._norm.finish(sq)
         advance(self.param_steps, self._group_fqns, got, steps)
@@ -325,89 +344,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Bytes this rank holds, by kind (optimizer state counts only what is allocated)."""
         return self._state.memory_bytes()
 
-
-class ShardStateAccess:
-    """``opt.shard_state``: the optimizer's one interface to the layers above it (its torch
-    views, :mod:`shardopt.checkpoint`, :mod:`shardopt.integrations`); docs/optimizer.md, "The
-    shard state". Flat state tensors are named ``{name}.{i}`` for layout buffer ``i``; reads
-    give them where their values are now (:class:`~shardopt.shard_state.ShardState`). With
-    a model-parallel plan (:mod:`.parallel`) ``dp`` is the world, the ranks that save and
-    load together."""
-
-    def __init__(self, opt: DistributedOptimizer, aliases: dict[str, str]) -> None:
-        self._opt = opt
-        state = opt._state
-        self.dp: comm.DPGroup = state.dp if opt._parallel is None else opt._parallel.world
-        self.device: torch.device = state.device
-        self.shards: tuple[ParamShard, ...] = state.shards
-        self.parallel = parallel.facts(opt._parallel, state.shards, opt.layout)
-        self.shard_of: Mapping[str, ParamShard] = MappingProxyType(state.shard_of)
-        self.fqn_of: Mapping[torch.nn.Parameter, str] = MappingProxyType(opt._fqn_of)
-        self.aliases: Mapping[str, str] = MappingProxyType(aliases)  # alias FQN -> FQN
-        self.group_of: Mapping[str, int] = MappingProxyType(opt._group_of)
-        self.moment_kinds: Mapping[str, torch.dtype | str] = MappingProxyType(state.kinds)
-        self.held: Mapping[str, Held] = MappingProxyType(state.held)  # the records, by name
-        # Kept for the layers above as long as the optimizer lives, never read by it: where
-        # checkpoint.load says the state came from, and objects under their module's name.
-        self.loaded_from: object | None = None
-        self.attachments: dict[str, Any] = {}
-
-    @property
-    def has_moments(self) -> bool:
-        """Whether the Adam moments exist (made by the first step or a load)."""
-        return self._opt._state.has_moments
-
-    @property
-    def offloaded(self) -> tuple[str, ...]:
-        """The kinds of state now offloaded (empty when none)."""
-        return self._opt._host.offloaded
-
-    @property
-    def param_writes(self) -> int:
-        """How many times the optimizer wrote the params (steps, loads, onloads)."""
-        return self._opt._watch.writes
-
-    @property
-    def gathers_in_flight(self) -> int:
-        """How many param all-gathers ``step()`` left in flight (``overlap_param_gather``)."""
-        return len(self._opt._param_sync.handles)
-
-    def sources(self) -> dict[str, torch.Tensor]:
-        """The flat tensors a save reads, by name."""
-        return self._opt._state.sources()
-
-    def view(self, name: str, shard: ParamShard) -> torch.Tensor:
-        """1-D view of ``params``, ``master_param`` or an fp32 moment of ``shard``."""
-        return self._opt._state.view(name, shard)
-
-    def moment(self, name: str, shard: ParamShard) -> quant.Moment:
-        """Adam moment ``name`` of ``shard`` in its storage form (values, and int8 scales)."""
-        return self._opt._state.moment(name, shard)
-
-    def load_target(self, on_host: bool) -> LoadTarget:
-        """Where a load reads moments into, and whether they are new."""
-        return self._opt._state.load_target(on_host)
-
-    def adopt(self, moments: Moments, param_steps: Mapping[str, int],
-              on_host: bool = False) -> None:
-        """Collective. Take loaded moments (``on_host``: staged until the first step) and step
-        counts; rebuild the params from the main params (loaded in place) and all-gather them."""
-        self._opt._adopt(moments, param_steps, on_host)
-
-    def finish_param_sync(self) -> None:
-        """:meth:`DistributedOptimizer.finish_param_sync`."""
-        self._opt.finish_param_sync()
-
-    def reseed_written(self) -> None:
-        """Re-seed the main params of weights written in place since the optimizer last wrote
-        them, as ``step()`` does first."""
-        self._opt._reseed_written()
-
-    def check_model(self, model: torch.nn.Module,
-                    named: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        """Raise a ``ValueError`` naming a param unless ``model`` is the one built over."""
-        guards.check_model(self._opt._fqn_of, model, named)
-
-    def check_onloaded(self, what: str, kinds: Iterable[str] = KINDS) -> None:
-        """Raise :class:`~shardopt.errors.OffloadError` naming ``what`` if ``kinds`` are out."""
-        self._opt._host.check_onloaded(what, kinds)

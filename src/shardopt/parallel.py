@@ -72,7 +72,7 @@ class ParallelPlan:
     def specs(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> list[ParamSpec]:
         """The layout's view of ``named``: local shapes, each in its DP group."""
         return [ParamSpec(fqn, self.params[fqn].local_shape, p.dtype,
-                          self.params[fqn].dp_group) for fqn, p in named]
+                          dp_group=self.params[fqn].dp_group) for fqn, p in named]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -138,6 +138,16 @@ def plan(named: Sequence[tuple[str, torch.nn.Parameter]], dp: comm.DPGroup,
         same = [w for w, (_, b) in enumerate(payloads) if b.get(fqn) == blocks.get(fqn)]
         params[fqn] = dataclasses.replace(r, writes=min(same) in members[r.dp_group])
     return ParallelPlan(tuple(groups), world, params)
+
+
+def muon_problem(named: Sequence[tuple[str, torch.nn.Parameter]], muon: set[int]) -> str | None:
+    """Why a model-parallel plan cannot train these params, or None: Muon orthogonalises a
+    whole matrix, which a TP/EP shard or a second DP group does not lay out."""
+    fqn = next((f for f, p in named if id(p) in muon), None)
+    if fqn is None:
+        return None
+    return (f"param {fqn!r} is in a Muon param group, which DistributedOptimizer trains with "
+            "data parallelism only (no DTensor params, no dp_group_fn): give it AdamW")
 
 
 def _members(dp: comm.DPGroup) -> frozenset[int]:

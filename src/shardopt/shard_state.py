@@ -6,7 +6,8 @@ is another tensor); ``master_param``, the fp32 main params of a bf16/fp16 buffer
 buffer's are its params); ``exp_avg``, ``exp_avg_sq`` and for int8 ``{moment}.scale``, once
 the moments exist. A record says where the values are: on the device, in its host copy
 (offloaded), staged on the host until the first step (``low_memory_resume``), or nowhere
-(freed gradients, zeros at onload). Offload, onload, loads and the first step replace
+(freed gradients, zeros at onload). Muon's buffers (``whole``) hold ``momentum_buffer``
+instead of the Adam moments. Offload, onload, loads and the first step replace
 records; the update, ``state_dict`` and checkpoints read them.
 """
 
@@ -23,7 +24,7 @@ from .buffers import FlatBuffers
 from .config import INT8, OptimizerConfig, dtype_name
 from .errors import LowPrecisionStateError
 from .layout import Layout, ParamShard, Range
-from .moments import NAMES, Moments, piece
+from .moments import ALL_NAMES, MOMENTUM, NAMES, Moments, piece
 from .pinned import PinnedBuffer
 
 DEVICE, HOST, STAGED, FREED = "device", "host", "staged", "freed"
@@ -75,6 +76,9 @@ class ShardState:
         # A param lies in one bucket, so this rank holds at most one shard of it.
         self.shard_of = {s.fqn: s for s in self.shards}
         self.kinds = {"exp_avg": config.exp_avg_dtype, "exp_avg_sq": config.exp_avg_sq_dtype}
+        # Per param FQN, its moments: Adam's, or Muon's momentum buffer (fp32).
+        self.moment_names = {fqn: (MOMENTUM,) if layout.buffers[slot.buffer_index].whole
+                             else NAMES for fqn, slot in layout.slots.items()}
         self.held: dict[str, Held] = {}
         self.generation = 0  # bumped whenever a record's device tensor is another one
         for i, buf in enumerate(layout.buffers):
@@ -100,29 +104,47 @@ class ShardState:
     @property
     def has_moments(self) -> bool:
         """Whether the moments exist (on the device, offloaded, or staged by a load)."""
-        return "exp_avg.0" in self.held
+        return self._first_moment() is not None
 
     @property
     def has_staged(self) -> bool:
         """Whether a ``low_memory_resume`` load's moments wait on the host for the first step."""
-        return self.has_moments and self.held["exp_avg.0"].where == STAGED
+        first = self._first_moment()
+        return first is not None and first.where == STAGED
+
+    def _first_moment(self) -> Held | None:
+        return next((h for h in self.held.values() if h.kind == "moments"), None)
+
+    def moment_numel(self, name: str, i: int) -> int:
+        """Elements of moment ``name`` in buffer ``i``: Muon's buffers hold only the momentum
+        buffer, the others only the Adam moments."""
+        buf = self.layout.buffers[i]
+        return buf.local_numel if buf.whole == (name == MOMENTUM) else 0
+
+    def kind(self, name: str) -> torch.dtype | str:
+        """How moment ``name`` is stored (Muon's momentum buffer: fp32)."""
+        return self.kinds.get(name, torch.float32)
 
     def device_moments(self) -> Moments | None:
         """The moments on the device, as the update reads them (None when there are none)."""
         if not self.has_moments or self.has_staged:
             return None
-        return Moments(*(tuple(self._moment(name, i, device=True)
-                               for i in range(len(self.layout.buffers))) for name in NAMES))
+        exp_avg, exp_avg_sq, momentum = (
+            tuple(self._moment(name, i, device=True) for i in range(len(self.layout.buffers)))
+            for name in ALL_NAMES)
+        return Moments(exp_avg, exp_avg_sq, momentum_buffer=momentum)
 
     def _moment(self, name: str, i: int, device: bool = False) -> quant.Moment:
-        if name not in NAMES:
-            raise KeyError(f"no Adam moment {name!r}; the moments are {list(NAMES)}")
+        if name not in ALL_NAMES:
+            raise KeyError(f"no moment {name!r}; the moments are {list(ALL_NAMES)}")
         held = self.held.get(f"{name}.{i}")
+        if held is None and self.has_moments and not self.moment_numel(name, i):
+            return quant.Moment(self.kind(name), 0, self.device, sqrt=name == NAMES[1])
         if held is None:
             raise RuntimeError(f"optimizer state {name!r} is not allocated before the first step")
         scales = self.held.get(f"{name}.scale.{i}")
         pick = (lambda h: h.device) if device else (lambda h: h.tensor)
-        return quant.Moment.wrap(self.kinds[name], pick(held),
+        return quant.Moment.wrap(self.kind(name), pick(held),
                                  None if scales is None else pick(scales), name == NAMES[1])
 
     def sources(self) -> dict[str, torch.Tensor]:
@@ -138,10 +160,10 @@ class ShardState:
             return self.held[f"params.{i}"].tensor[shard.range_global.as_slice()]
         if name == "master_param":
             return self.held[f"master_param.{i}"].tensor[shard.range_local.as_slice()]
-        if name not in NAMES:
+        if name not in ALL_NAMES:
             raise KeyError(f"no optimizer state {name!r}; the state is "
-                           f"{['params', 'master_param', *NAMES]}")
-        if self.config.lowprec_moments:
+                           f"{['params', 'master_param', *ALL_NAMES]}")
+        if self.config.lowprec_moments and name != MOMENTUM:
             raise LowPrecisionStateError(
                 f"[dp rank {self.dp.rank}] shard_state.view({name!r}) is an fp32 view; this "
                 f"optimizer stores its moments as {_shown(self.kinds['exp_avg'])!r} / "
@@ -189,6 +211,8 @@ class ShardState:
         pinned: list[PinnedBuffer] = []
 
         def tensor(dtype: torch.dtype, numel: int, bi: int | None) -> torch.Tensor:
+            if not numel:  # a moment this buffer has not
+                return torch.empty(0, dtype=dtype, device="cpu" if on_host else self.device)
             if on_host and cuda:  # page-locked; registering faults every page in
                 pinned.append(PinnedBuffer(numel, dtype))
                 t = pinned[-1].tensor
@@ -202,14 +226,15 @@ class ShardState:
             return t
 
         out = []
-        for name, kind in self.kinds.items():
-            sqrt = name == NAMES[1]
+        for name in ALL_NAMES:
+            kind, sqrt = self.kind(name), name == NAMES[1]
+            numels = [self.moment_numel(name, bi) for bi in range(len(self.layout.buffers))]
             out.append(tuple(
-                quant.Moment.wrap(kind, tensor(quant.storage_dtype(kind, sqrt), b.local_numel, bi),
-                                  tensor(torch.float32, quant.num_scales(b.local_numel), None)
+                quant.Moment.wrap(kind, tensor(quant.storage_dtype(kind, sqrt), n, bi),
+                                  tensor(torch.float32, quant.num_scales(n), None)
                                   if kind == INT8 else None, sqrt)
-                for bi, b in enumerate(self.layout.buffers)))
-        return LoadTarget(Moments(out[0], out[1], tuple(pinned)), True)
+                for bi, n in enumerate(numels)))
+        return LoadTarget(Moments(out[0], out[1], tuple(pinned), out[2]), True)
 
     def _zero_padding(self, t: torch.Tensor, bi: int) -> None:
         """Zero what no param shard of buffer ``bi`` covers in local tensor ``t``."""
@@ -245,9 +270,11 @@ class ShardState:
     def ensure_moments(self) -> None:
         """Zero moments on the device if there are none yet: what the first step starts from."""
         if not self.has_moments:
-            self.set_moments(Moments(*(tuple(
-                quant.Moment(kind, b.local_numel, self.device, sqrt=name == NAMES[1])
-                for b in self.layout.buffers) for name, kind in self.kinds.items())), DEVICE)
+            exp_avg, exp_avg_sq, momentum = (tuple(
+                quant.Moment(self.kind(name), self.moment_numel(name, bi), self.device,
+                             sqrt=name == NAMES[1])
+                for bi in range(len(self.layout.buffers))) for name in ALL_NAMES)
+            self.set_moments(Moments(exp_avg, exp_avg_sq, momentum_buffer=momentum), DEVICE)
 
 
 def _shown(kind: torch.dtype | str) -> str:

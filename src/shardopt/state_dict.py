@@ -10,7 +10,8 @@ by param FQN, never by position::
 Every trainable param has an entry on every rank; each state tensor is a
 :class:`~shardopt.flat_shard.FlatShard` of this rank's range of the param's flattened state
 (possibly empty) viewing the live state, so DCP saves and loads it at any DP size; before the
-first step the moments' FlatShards make host zeros on demand. bf16/int8 moments appear as
+first step the moments' FlatShards make host zeros on demand. A Muon param has
+``"momentum_buffer"`` (fp32) in place of the Adam moments. bf16/int8 moments appear as
 stored (int8 with ``"{moment}.scale"`` entries), with ``"{moment}_dtype"`` naming how they
 were kept. ``load_state_dict`` is collective: every rank validates its dict, the ranks agree,
 and only then is anything written; on any mismatch every rank raises
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import comm, quant
+from . import comm, muon, quant
 from .config import GROUP_KEYS, INT8, dtype_name, group_value
 from .box_shard import box_value, state_block
 from .errors import StateDictError
@@ -42,11 +43,16 @@ from .moments import piece
 log = logging.getLogger("shardopt.state_dict")
 
 
-def names(opt: Any) -> list[str]:
-    """The state entries of each param: moments (with ``".scale"`` entries for 8-bit ones),
-    then the master param."""
+def _numel(opt: Any, fqn: str) -> int:
+    return math.prod(opt.layout.slots[fqn].shape)
+
+
+def names(opt: Any, fqn: str) -> list[str]:
+    """The state entries of param ``fqn``: its moments (Adam's, with ``".scale"`` entries
+    for 8-bit ones, or Muon's ``momentum_buffer``), then the master param."""
     out = []
-    for name, kind in opt.shard_state.moment_kinds.items():
+    for name in opt.shard_state.moment_names[fqn]:
+        kind = opt.shard_state.moment_kinds.get(name)
         out += [name, f"{name}.scale"] if kind == INT8 else [name]
     return out + ["master_param"]
 
@@ -70,7 +76,7 @@ def _expected(opt: Any, name: str, fqn: str, shard: ParamShard | None) -> _Expec
         return _Expected(torch.float32, quant.num_scales(numel), r.start, r.size)
     if name == "master_param":
         return _Expected(torch.float32, numel, r.start, r.size)
-    kind = opt.shard_state.moment_kinds[name]
+    kind = opt.shard_state.moment_kinds.get(name, torch.float32)  # Muon's: fp32
     return _Expected(quant.storage_dtype(kind, sqrt=name == MOMENTS[1]), numel, r.start, r.size)
 
 
@@ -127,11 +133,11 @@ def state_dict(opt: Any) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for fqn in st.fqn_of.values():
         entry: dict[str, Any] = {"step": torch.tensor(float(opt.param_steps[fqn]))}
-        for name in names(opt):
+        for name in names(opt, fqn):
             entry[name] = _value(opt, name, fqn, st.shard_of.get(fqn))
         entry["param_dtype"] = dtype_name(opt.layout.buffers[
             opt.layout.slots[fqn].buffer_index].dtype)
-        state[fqn] = {**entry, **kinds}
+        state[fqn] = {**entry, **kinds} if st.moment_names[fqn] == MOMENTS else entry
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [st.fqn_of[p] for p in g["params"]]} for g in opt.param_groups]
     sd = {"state": state, "param_groups": groups}
@@ -248,6 +254,17 @@ def _check_groups(opt: Any, groups: list) -> list[dict[str, Any]]:
             v = values[key] = group_value(key, g.get(key))
             if v is None:
                 raise StateDictError(f"param group {gi} (with {first!r}) has {key}={g.get(key)!r}")
+        if muon.is_muon(g) != muon.is_muon(opt.param_groups[gi]):
+            def kind(group: Mapping) -> str:
+                return "Muon" if muon.is_muon(group) else "AdamW"
+            raise StateDictError(f"param group {gi} (with {first!r}) is {kind(g)}'s in the "
+                                 f"state dict but {kind(opt.param_groups[gi])}'s here (another "
+                                 "param_group_fn?)")
+        if muon.is_muon(g):
+            try:
+                values.update(muon.settings_of(g).group())
+            except ValueError as e:
+                raise StateDictError(f"param group {gi} (with {first!r}): {e}") from None
         out.append(values)
     return out
 
@@ -282,7 +299,7 @@ def _check_state(opt: Any, state: Mapping, cast: set[str]) -> list[_Copy]:
             raise StateDictError(f"param {fqn!r} is {dtype} here but was "
                                  f"{entry.get('param_dtype')!r} in the state dict")
         shard = st.shard_of.get(fqn)
-        for name in names(opt):
+        for name in names(opt, fqn):
             e = _expected(opt, name, fqn, shard)
             v = entry.get(name)
             where = f"param {fqn!r}: {name} of the state dict"

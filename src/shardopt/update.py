@@ -98,7 +98,8 @@ class Launch:
 class Update:
     """The update path of one optimizer (``kernel``: ``"triton"`` or ``"torch"``) and what it
     caches between steps. ``param_groups``, ``group_shards`` (per group, the indices into
-    ``state.shards`` of its params' shards) and ``param_steps`` are the optimizer's."""
+    ``state.shards`` of the shards AdamW updates: none for Muon's groups) and
+    ``param_steps`` are the optimizer's."""
 
     def __init__(self, state: ShardState, kernel: str, param_groups: list[dict[str, Any]],
                  group_shards: Sequence[Sequence[int]], group_of: dict[str, int],
@@ -107,9 +108,11 @@ class Update:
         self.param_groups, self.group_shards = param_groups, group_shards
         self.group_of, self.param_steps = group_of, param_steps
         # The Triton kernel writes the model-dtype params; without clipping it also sums the
-        # squared grads it reads, so the step needs no norm pass of its own.
+        # squared grads it reads, so the step needs no norm pass of its own (unless Muon's
+        # buffers have grads the kernel does not read).
         self.writes_params = kernel == "triton"
-        self.fuses_norm = kernel == "triton" and not state.config.max_grad_norm
+        self.fuses_norm = (kernel == "triton" and not state.config.max_grad_norm
+                           and not any(b.whole for b in state.layout.buffers))
         self.chunk_tables: dict[tuple[int, int], kernels.ChunkTable] | None = None
         self._subset_tables: dict[tuple[int, ...], kernels.ChunkTable] = {}
         self._views: list[list[list[torch.Tensor]]] | None = None
@@ -133,8 +136,10 @@ class Update:
         state = self.state
         if self.chunk_tables is None:
             ids: dict[tuple[int, int], list[int]] = {}
+            updated = {i for group_ids in self.group_shards for i in group_ids}
             for i, s in enumerate(state.shards):
-                ids.setdefault((s.buffer_index, self.group_of[s.fqn]), []).append(i)
+                if i in updated:
+                    ids.setdefault((s.buffer_index, self.group_of[s.fqn]), []).append(i)
             self.chunk_tables = {k: self._chunk_table(v) for k, v in ids.items()}
         launches = [Launch(bi, gi, steps[gi], table)
                     for (bi, gi), table in self.chunk_tables.items() if steps[gi] is not None]
@@ -248,6 +253,7 @@ class Update:
         # This rank's grad of each shard in fp32: views of the step's grads where they are
         # fp32; where they are the bf16/fp16 copy of an fp32 grad buffer, that buffer's part of
         # this rank, overwritten with the copy's values (p.grad counts); else fp32 copies.
+        # Muon's buffers are left alone (:mod:`.muon_update` reads their grads itself).
         state, buffers = self.state, self.state.buffers
         if self._fp32_grads is None:
             self._fp32_grads = {}
@@ -258,9 +264,9 @@ class Update:
                            if s.buffer_index in self._fp32_grads else None for s in state.shards]
         wide: dict[int, torch.Tensor] = {}
         for bi, step in enumerate(buffers.step_grads):
-            if step.dtype == torch.float32:
-                continue
             buf = state.layout.buffers[bi]
+            if step.dtype == torch.float32 or buf.whole:
+                continue
             target = self._fp32_grads.get(bi)
             if target is None:
                 wide[bi] = torch.empty(buf.local_numel, dtype=torch.float32, device=state.device)
@@ -273,5 +279,5 @@ class Update:
                     wide[bi].narrow(0, buf.local_offset(b.index), b.shard_numel).copy_(src)
         if not wide:
             return self._fixed
-        return [wide[s.buffer_index][s.range_local.as_slice()] if v is None else v
+        return [wide[s.buffer_index][s.range_local.as_slice()] if s.buffer_index in wide else v
                 for s, v in zip(state.shards, self._fixed)]

@@ -139,17 +139,20 @@ def misuse_rank(rank: int, world_size: int) -> list[str]:
         return model
 
     refused(partial_model, process_group=mesh["dp"].get_group())
+    refused(tp_model, process_group=mesh["dp"].get_group(), param_group_fn=lambda fqn, p: (
+        {"optimizer": "muon"} if fqn == "up.weight" else {}))
     dist.barrier()
     return messages
 
 
 def test_params_that_cannot_be_placed_are_refused_by_name(tmp_path):
     for messages in run_distributed(misuse_rank, 4, tmp_path=tmp_path):
-        world, not_group, partial = messages
+        world, not_group, partial, muon = messages
         assert "param 'up.weight': its DP group of 4 ranks and its 2 shards" in world
         assert "do not tile the world of 4 ranks" in world
         assert "dp_group_fn returned str for param 'up.weight'" in not_group
         assert "param 'norm.weight' has a Partial placement" in partial
+        assert "param 'up.weight' is in a Muon param group" in muon
 
 
 def test_a_plan_without_torch_distributed_keeps_global_shape_state(tmp_path):

@@ -8,6 +8,8 @@
 * :mod:`helpers.models`: the models and training runs several modules train.
 * :mod:`helpers.offload`: the offload tests' model, its training with round trips of the
   state, and that state.
+* :mod:`helpers.muon`: the Muon tests' model and run, and ``torch.optim.Muon`` beside
+  ``torch.optim.AdamW`` as their reference.
 
 ``tests/`` is on ``sys.path`` (pyproject's pytest ``pythonpath``), and ranks inherit it, so a
 rank's function may live here or in a test module. The fault injectors of the checkpoint

@@ -51,6 +51,8 @@ def plan(opt: DistributedOptimizer, saved: dict[str, MomentEncoding], files: Dat
         if enc == mine[name]:
             continue
         for s in opt.shard_state.shards:
+            if name not in opt.shard_state.moment_names[s.fqn]:
+                continue  # a Muon param
             r = s.range_param
             values = torch.empty(r.size, dtype=enc.dtype)
             reads += files.reads(f"{s.fqn}.{name}", r, values, in_place=False,

@@ -20,6 +20,7 @@ import torch
 
 from ..boxes import Box, flat_boxes
 from ..layout import STATE_NAMES, Range
+from ..muon import MOMENTUM
 from . import commit
 from .format import DEFAULT_BLOCK_BYTES, DTYPE_CODES, MANIFEST, dtype_name, pack_header
 from .manifest import Manifest, MomentEncoding, parse
@@ -103,7 +104,7 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     stored = m.stored()
 
     def state_bytes(fqn: str) -> int:
-        keys = [f"{fqn}.{n}{scale}" for n in STATE_NAMES for scale in ("", ".scale")]
+        keys = [f"{fqn}.{n}{scale}" for n in (*STATE_NAMES, MOMENTUM) for scale in ("", ".scale")]
         return sum(stored[k].numel * stored[k].dtype.itemsize for k in keys if k in stored)
 
     boxes = _saved_boxes(m)
@@ -135,8 +136,8 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
            max_file_bytes: int = MAX_FILE_BYTES, verify: bool = True,
            moments_dtype: str = "float32") -> list[str]:
     """Write ``model*.safetensors`` and ``optimizer*.safetensors`` with full-shape tensors;
-    return their paths. Adam moments in fp32 (``moments_dtype="float32"``, decoded exactly as
-    the optimizer reads them) or as stored (``"stored"``: bf16, or 8-bit codes with their fp32
+    return their paths. Adam moments (and Muon's ``"{fqn}.momentum_buffer"``, fp32) in fp32
+    (``moments_dtype="float32"``, decoded exactly as the optimizer reads them) or as stored (``"stored"``: bf16, or 8-bit codes with their fp32
     scales as ``"{fqn}.exp_avg.scale"``, one per block of the flattened param).
 
     ``out_dir`` must not exist or be empty, nor hold a checkpoint or lie inside this one; the
@@ -161,7 +162,7 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike,
         model_shapes = {fqn: p.shape for fqn, p in m.params.items()}
         optim_shapes = {}
         for fqn, p in m.params.items():
-            for n in ("exp_avg", "exp_avg_sq", "master_param") if p.trainable else ():
+            for n in (*p.moment_names, "master_param") if p.trainable else ():
                 enc = m.moments.get(n)
                 optim_shapes[f"{fqn}.{n}"] = p.shape
                 if enc is not None and enc.block and moments_dtype == "stored":

@@ -73,7 +73,10 @@ def data_file_name(kind: str, rank: int, part: int = 0) -> str:
 
 
 def state_file_kind(name: str) -> str:
-    """The file kind that holds optimizer state ``name``."""
+    """The file kind that holds optimizer state ``name`` (Muon's momentum buffer: the first
+    moments' files, ``exp_avg``)."""
+    if name == "momentum_buffer":
+        return "exp_avg"
     return "optim" if name == "master_param" else name
 
 

@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
+from .. import muon
 from ..config import GROUP_KEYS, dtype_name
+from ..muon import MOMENTUM
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
 from . import background, commit, convert, state
@@ -269,10 +271,10 @@ def _check_rng(rng: dict[str, torch.Tensor], path: str) -> None:
 
 
 def _group_hyperparameters(m: Manifest, opt: DistributedOptimizer) -> list[dict[str, Any]]:
-    """Saved ``lr``, ``betas``, ``eps``, ``weight_decay`` of each current param group;
-    :class:`CheckpointError` if the params are grouped otherwise than when saved (one group
-    saved with different values, or groups that differ now in more than ``lr``, which
-    schedulers may have made equal, saved with equal values)."""
+    """Saved ``lr``, ``betas``, ``eps``, ``weight_decay`` (and a Muon group's settings) of
+    each current param group; :class:`CheckpointError` if the params are grouped otherwise
+    than when saved (one group saved with different values, or groups that differ now in more
+    than ``lr``, which schedulers may have made equal, saved with equal values)."""
     out: list[dict[str, Any]] = []
     seen: dict[str, tuple[str, Any]] = {}  # saved values but lr -> first FQN, current values
     for group in opt.param_groups:
@@ -284,8 +286,9 @@ def _group_hyperparameters(m: Manifest, opt: DistributedOptimizer) -> list[dict[
                              f"with different hyperparameters ({dict(saved[0])} and "
                              f"{dict(m.params[odd].hyper)})")
         key = repr(sorted((k, v) for k, v in saved[0].items() if k != "lr"))
+        keys = GROUP_KEYS + (muon.MUON_KEYS if muon.is_muon(group) else ())
         now = [(k, tuple(group[k]) if k == "betas" else group[k])
-               for k in GROUP_KEYS if k != "lr"]
+               for k in dict.fromkeys(keys) if k != "lr"]
         first, then = seen.setdefault(key, (fqns[0], now))
         if then != now:
             raise _regrouped(m, first, fqns[0], f"were saved with equal hyperparameters "
@@ -300,6 +303,10 @@ def _regrouped(m: Manifest, a: str, b: str, what: str) -> CheckpointError:
         f"{m.path}: params {a!r} and {b!r} {what}: the param grouping changed since the save "
         "(another param_group_fn?); pass hyperparameters='current' to checkpoint.load to keep "
         "this optimizer's values for every param group, or build it as when saved")
+
+
+def _optimizer_name(moments: tuple[str, ...]) -> str:
+    return "Muon" if moments == (MOMENTUM,) else "AdamW"
 
 
 def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptimizer) -> None:
@@ -326,6 +333,12 @@ def _check_compatible(m: Manifest, model: torch.nn.Module, opt: DistributedOptim
         elif trainable and not saved.trainable:
             problems.append(f"param {fqn!r} is trainable but the checkpoint holds no "
                             "optimizer state for it (it was frozen when saved)")
+        elif trainable and saved.moment_names != opt.shard_state.moment_names[fqn]:
+            problems.append(
+                f"param {fqn!r} has {_optimizer_name(saved.moment_names)}'s state in the "
+                f"checkpoint ({', '.join(saved.moment_names)}) but is "
+                f"{_optimizer_name(opt.shard_state.moment_names[fqn])}'s here: build the "
+                "optimizer with the param_group_fn it was saved with")
     problems += [f"checkpoint param {fqn!r} does not exist in the model"
                  for fqn in m.params if fqn not in current and fqn not in aliases
                  and fqn not in m.aliases.values()]

@@ -8,6 +8,7 @@ patterns (``model-00000.safetensors``), so none can leave the directory.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -18,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import quant
+from .. import muon, quant
 from ..config import GROUP_KEYS, INT8, group_value
 from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
@@ -42,12 +43,18 @@ class ParamRecord:
     dtype: torch.dtype
     trainable: bool
     step: int  # optimizer steps taken (0 for frozen tensors)
-    hyper: Mapping[str, Any]  # lr, betas (a tuple), eps, weight_decay; empty when frozen
+    hyper: Mapping[str, Any]  # lr, betas (a tuple), eps, weight_decay (& Muon's); empty when frozen
+    optimizer: str = muon.ADAMW  # which optimizer's state it has: "adamw" or "muon"
     placements: tuple[str, ...] = ()  # of the DTensor it was saved from; () for a plain one
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def moment_names(self) -> tuple[str, ...]:
+        """The moments stored for it: Adam's, or Muon's momentum buffer."""
+        return (muon.MOMENTUM,) if self.optimizer == muon.MUON else MOMENT_NAMES
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,9 @@ class Manifest:
             if not p.trainable:
                 continue
             out[f"{fqn}.master_param"] = StoredTensor(p.numel, torch.float32, p.shape)
+            if p.optimizer == muon.MUON:
+                out[f"{fqn}.{muon.MOMENTUM}"] = StoredTensor(p.numel, torch.float32, p.shape)
+                continue
             for name, enc in self.moments.items():
                 out[f"{fqn}.{name}"] = StoredTensor(p.numel, enc.dtype, p.shape)
                 if enc.block:
@@ -141,7 +151,8 @@ class Manifest:
 
     def scale_keys(self) -> list[str]:
         """The stored keys of 8-bit moments' scales (``"{fqn}.exp_avg.scale"`` & co.)."""
-        return [f"{fqn}.{name}.scale" for fqn, p in self.params.items() if p.trainable
+        return [f"{fqn}.{name}.scale" for fqn, p in self.params.items()
+                if p.trainable and p.optimizer == muon.ADAMW
                 for name, enc in self.moments.items() if enc.block]
 
     def data_files(self) -> list[FileRecord]:
@@ -283,8 +294,20 @@ def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
         if v is None:
             raise FormatError(f"{file}: param group value {key}={shown(group.get(key))} of "
                               f"{fqn!r} is malformed")
+    optimizer = group.get("optimizer", muon.ADAMW)
+    if optimizer not in muon.OPTIMIZERS:
+        raise FormatError(f"{file}: param {fqn!r} has optimizer {shown(optimizer)}, not one of "
+                          f"{list(muon.OPTIMIZERS)}")
+    if optimizer == muon.MUON:
+        if len(shape) != 2:
+            raise FormatError(f"{file}: Muon param {fqn!r} has shape {list(shape)}, not 2-D")
+        try:
+            hyper.update(dataclasses.asdict(muon.settings_of(group)))
+        except (ValueError, TypeError) as e:
+            raise FormatError(f"{file}: Muon hyperparameters of {fqn!r} are malformed: "
+                              f"{shown(str(e), 200)}") from None
     return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], True, step, MappingProxyType(hyper),
-                       tuple(placements))
+                       optimizer, tuple(placements))
 
 
 def _file(name: str, rec: Any, dp_size: int, file: Path, version: int) -> FileRecord:

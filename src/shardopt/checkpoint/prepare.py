@@ -60,8 +60,8 @@ def snapshot_extents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
         storage = storages.setdefault((name, s.buffer_index, part), -1 - len(storages))
         return Extent(storage, dtype, r.start, r.size)
 
-    for name, enc in state.encodings(opt).items():
-        for s in opt.shard_state.parallel.saved_shards:
+    for s in opt.shard_state.parallel.saved_shards:
+        for name, enc in state.param_encodings(opt, s.fqn).items():
             out.append(piece(name, s, "values", enc.dtype, s.range_local))
             if enc.block:
                 out.append(piece(name, s, "scales", torch.float32,

@@ -2,7 +2,8 @@
 
 Keyed by FQN, all flat 1-D: weights as ``"{fqn}"`` in the model dtype, ``"{fqn}.master_param"``
 (fp32), ``"{fqn}.exp_avg"`` and ``"{fqn}.exp_avg_sq"`` in the moments' storage dtype (8-bit
-codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.). A rank's chunks are its
+codes with fp32 ``"{fqn}.exp_avg.scale"`` & co.), or for a Muon param
+``"{fqn}.momentum_buffer"`` (fp32). A rank's chunks are its
 :class:`~shardopt.layout.ParamShard` records (``shard_state.parallel.saved_shards``: one
 copy of each replicated piece); a tensor-parallel param's count in its block of the global
 tensor (``shard_state.parallel.blocks``).
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import muon
 from ..boxes import Box
 from ..config import GROUP_KEYS
 from ..errors import CheckpointError
 from ..layout import STATE_NAMES, Range
-from ..moments import NAMES as MOMENT_NAMES
 from ..moments import Moments
 from ..optimizer import DistributedOptimizer
 from .format import dtype_name, state_file_kind
@@ -88,7 +89,8 @@ class ParamFacts:
     def capture(cls, opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> ParamFacts:
         return cls(dict(opt.param_steps),
                    [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
-                     if k in GROUP_KEYS} for g in opt.param_groups],
+                     if k in GROUP_KEYS or (muon.is_muon(g) and k in SAVED_MUON_KEYS)}
+                    for g in opt.param_groups],
                    {fqn: {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
                           "trainable": False} for fqn, t in frozen.items()})
 
@@ -136,19 +138,33 @@ def model_entries(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]
     return out
 
 
+# A Muon group's entries the manifest keeps beside the AdamW ones.
+SAVED_MUON_KEYS = ("optimizer", *muon.MUON_KEYS)
+MOMENTUM_ENCODING = MomentEncoding(torch.float32)  # Muon's momentum buffer
+
+
 def encodings(opt: DistributedOptimizer) -> dict[str, MomentEncoding]:
     """How ``opt`` stores each Adam moment, as a checkpoint records it."""
     return {name: MomentEncoding.of(kind, name)
             for name, kind in opt.shard_state.moment_kinds.items()}
 
 
+def param_encodings(opt: DistributedOptimizer, fqn: str) -> dict[str, MomentEncoding]:
+    """How ``opt`` stores each moment param ``fqn`` has: Adam's, or Muon's momentum buffer."""
+    adam = encodings(opt)
+    return {name: adam.get(name, MOMENTUM_ENCODING)
+            for name in opt.shard_state.moment_names[fqn]}
+
+
 def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
     """Optimizer state ``name`` this rank writes, moments in their storage dtype (with
     their scales under ``"{fqn}.{name}.scale"``); moments are zeros before the first step."""
     out = []
-    enc = encodings(opt).get(name)
+    enc = encodings(opt).get(name, MOMENTUM_ENCODING if name == muon.MOMENTUM else None)
     st = opt.shard_state
     for s in st.parallel.saved_shards:
+        if enc is not None and name not in st.moment_names[s.fqn]:
+            continue  # Adam's moments of a Muon param, or the reverse
         r, block = s.range_param, st.parallel.blocks.get(s.fqn)
         if enc is None:  # the master param
             out.append(WriteEntry(f"{s.fqn}.{name}", torch.float32, r.size, r.start,
@@ -168,7 +184,7 @@ def optim_entries(opt: DistributedOptimizer, name: str) -> list[WriteEntry]:
 def contents(opt: DistributedOptimizer, frozen: dict[str, torch.Tensor]) -> list[Job]:
     """Coordinator-free. What this rank writes of the state, by file kind."""
     out = {"model": model_entries(opt, frozen)}
-    for name in STATE_NAMES:
+    for name in (*STATE_NAMES, muon.MOMENTUM):
         out.setdefault(state_file_kind(name), []).extend(optim_entries(opt, name))
     return [Job(kind, entries) for kind, entries in out.items()]
 
@@ -188,20 +204,19 @@ def destinations(model: torch.nn.Module, opt: DistributedOptimizer,
     stored as ``opt`` stores them into tensors allocated later (the others: :mod:`.convert`).
     Trainable weights are not read: the master params rebuild them."""
     out = []
-    mine = encodings(opt)
     for s in opt.shard_state.shards:
         block = opt.shard_state.parallel.blocks.get(s.fqn)
         out.append(Destination(f"{s.fqn}.master_param", s.range_param,
                                tensor=opt.shard_state.view("master_param", s), block=block))
-        for name in MOMENT_NAMES:
-            if saved[name] != mine[name]:
+        for name, enc in param_encodings(opt, s.fqn).items():
+            if saved.get(name, enc) != enc:
                 continue
             out.append(Destination(f"{s.fqn}.{name}", s.range_param, moment=name,
                                    buffer_index=s.buffer_index, range_local=s.range_local,
                                    block=block))
-            if mine[name].block:
+            if enc.block:
                 check_quantized(opt, s.fqn)
-                b = mine[name].block
+                b = enc.block
                 out.append(Destination(
                     f"{s.fqn}.{name}.scale", s.range_param.blocks(b), moment=name,
                     buffer_index=s.buffer_index, range_local=s.range_local.blocks(b),
