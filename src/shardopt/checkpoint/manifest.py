@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -23,16 +22,12 @@ from .. import muon, quant
 from ..config import GROUP_KEYS, INT8, group_value
 from ..layout import STATE_NAMES, Range
 from ..moments import NAMES as MOMENT_NAMES
-from ..boxes import Box, disjoint_cover, flat_boxes
-from .format import (READ_VERSIONS, DATA_FILE, FILE_KINDS, FORMAT_NAME, MANIFEST,
-                     MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, OPTIMIZER_KIND, TORCH_DTYPE_NAMES,
-                     ChunkRecord, FileRecord, StoredTensor, data_file_name, dtype_name, is_int,
-                     manifest_checksum, parse_json_object)
+from .format import (READ_VERSIONS, FORMAT_NAME, MANIFEST, MAX_MANIFEST_BYTES, OPTIMIZER_KIND,
+                     TORCH_DTYPE_NAMES, FileRecord, StoredTensor, dtype_name, manifest_checksum,
+                     parse_json_object)
+from .manifest_files import check_file_set, check_tiling, checked_int, file_record, shown
 from .storage import open_regular
 from ..errors import FormatError
-
-_HASH = re.compile(r"^[0-9a-f]{16}$")
-
 
 @dataclass(frozen=True)
 class ParamRecord:
@@ -167,12 +162,6 @@ class Manifest:
         return sorted(n for n in os.listdir(self.path) if n != MANIFEST and n not in self.files)
 
 
-def shown(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut short: a forged field may be a 400-digit number or a long list."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
 def parse(path: Path) -> Manifest:
     """Coordinator-free. Read and validate ``path/manifest.json``; raise :class:`FormatError`
     naming the file and the field."""
@@ -190,7 +179,7 @@ def parse(path: Path) -> Manifest:
                           f"versions {', '.join(map(str, READ_VERSIONS))}")
     if m.get("checksum") != checksum:
         raise FormatError(f"{file}: checksum mismatch (the manifest is damaged or was edited)")
-    dp_size = _int(m.get("dp_size"), "dp_size", file, 1)
+    dp_size = checked_int(m.get("dp_size"), "dp_size", file, 1)
     moments = _moments(m.get("optimizer"), file)
     for key in ("config", "extra", "aliases"):
         if not isinstance(m.get(key, {}), dict):
@@ -208,16 +197,16 @@ def parse(path: Path) -> Manifest:
                               "stored param")
     if not isinstance(m.get("files"), dict) or not m["files"]:
         raise FormatError(f"{file}: files must be a non-empty JSON object")
-    files = {name: _file(name, rec, dp_size, file, version) for name, rec in m["files"].items()}
-    _check_file_set(dp_size, files, file)
+    files = {name: file_record(name, rec, dp_size, file, version) for name, rec in m["files"].items()}
+    check_file_set(dp_size, files, file)
     created = m.get("created")
-    manifest = Manifest(path, version, _int(m.get("step"), "step", file), dp_size,
+    manifest = Manifest(path, version, checked_int(m.get("step"), "step", file), dp_size,
                         created if isinstance(created, str) else None,
                         MappingProxyType(m.get("config", {})), MappingProxyType(params),
                         MappingProxyType(aliases), MappingProxyType(files),
                         MappingProxyType(m.get("extra", {})), MappingProxyType(moments),
                         checksum)
-    _check_tiling(manifest)
+    check_tiling(manifest)
     return manifest
 
 
@@ -233,13 +222,6 @@ def _read(file: Path) -> dict[str, Any]:
     finally:
         os.close(fd)
     return parse_json_object(raw, str(file))
-
-
-def _int(value: Any, what: str, file: Path, minimum: int = 0) -> int:
-    if not is_int(value, minimum):
-        raise FormatError(f"{file}: {what} must be an int in [{minimum}, 2**63 - 1], got "
-                          f"{shown(value)}")
-    return value
 
 
 def _moments(saved: Any, file: Path) -> dict[str, MomentEncoding]:
@@ -272,7 +254,7 @@ def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
         raise FormatError(f"{file}: a param has an empty name")
     if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
         raise FormatError(f"{file}: param {fqn!r} has no shape")
-    shape = tuple(_int(s, f"a dimension of {fqn!r}", file) for s in info["shape"])
+    shape = tuple(checked_int(s, f"a dimension of {fqn!r}", file) for s in info["shape"])
     dtype = info.get("dtype")
     if not isinstance(dtype, str) or dtype not in TORCH_DTYPE_NAMES:
         raise FormatError(f"{file}: param {fqn!r} has unknown dtype {shown(dtype)} (a torch "
@@ -285,7 +267,7 @@ def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
         raise FormatError(f"{file}: placements of {fqn!r} must be a list of strings")
     if not trainable:
         return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], False, 0, MappingProxyType({}))
-    step = _int(info.get("step"), f"step of {fqn!r}", file)
+    step = checked_int(info.get("step"), f"step of {fqn!r}", file)
     group = info.get("group")
     if not isinstance(group, dict):
         raise FormatError(f"{file}: param {fqn!r} lacks its hyperparameters ('group')")
@@ -308,125 +290,3 @@ def _param(fqn: str, info: Any, file: Path) -> ParamRecord:
                               f"{shown(str(e), 200)}") from None
     return ParamRecord(fqn, shape, TORCH_DTYPE_NAMES[dtype], True, step, MappingProxyType(hyper),
                        optimizer, tuple(placements))
-
-
-def _file(name: str, rec: Any, dp_size: int, file: Path, version: int) -> FileRecord:
-    match = DATA_FILE.fullmatch(name)
-    if not match:
-        raise FormatError(f"{file}: refusing data file name {name!r} (only names like "
-                          "model-00000.safetensors inside the checkpoint are allowed)")
-    kind = match.group(1)
-    if int(match.group(2)) >= dp_size:
-        raise FormatError(f"{file}: data file {name} belongs to no rank of dp_size {dp_size}")
-    if kind == "rng" and match.group(3):
-        raise FormatError(f"{file}: a version {version} checkpoint has no file {name}")
-    if not isinstance(rec, dict):
-        raise FormatError(f"{file}: record of {name} is not an object")
-    size = _int(rec.get("size"), f"size of {name}", file)
-    block_bytes = _int(rec.get("block_bytes"), f"block_bytes of {name}", file, 1)
-    if block_bytes > MAX_BLOCK_BYTES:
-        raise FormatError(f"{file}: block_bytes of {name} is over {MAX_BLOCK_BYTES}")
-    hashes = rec.get("hashes")
-    if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH.fullmatch(h)
-                                               for h in hashes):
-        raise FormatError(f"{file}: hashes of {name} must be a list of 16-hex-digit strings")
-    if len(hashes) != Range(0, size).blocks(block_bytes).size:
-        raise FormatError(f"{file}: {name} has {len(hashes)} block hashes for {size} bytes "
-                          f"in blocks of {block_bytes}")
-    chunks = []
-    raw = rec.get("chunks") if kind != "rng" else []
-    if not isinstance(raw, list):
-        raise FormatError(f"{file}: chunks of {name} must be a list")
-    lengths = (3, 4) if version >= 4 else (3,)  # version 4: boxes of a tensor-parallel block
-    for c in raw:
-        if not (isinstance(c, list) and len(c) in lengths and isinstance(c[0], str)):
-            raise FormatError(f"{file}: malformed chunk {shown(c)} in {name}")
-        boxes = tuple(_box(b, c[0], name, file) for b in _list(c[3], c[0], name, file)) \
-            if len(c) == 4 else ()
-        chunks.append(ChunkRecord(c[0], _int(c[1], f"chunk offset in {name}", file),
-                                  _int(c[2], f"chunk length in {name}", file), boxes))
-        if boxes and sum(b.numel for b in boxes) != chunks[-1].numel:
-            raise FormatError(f"{file}: the boxes of chunk {c[0]!r} in {name} hold "
-                              f"{sum(b.numel for b in boxes)} elements, the chunk {c[2]}")
-    return FileRecord(name, kind, size, block_bytes, tuple(hashes), tuple(chunks))
-
-
-def _list(value: Any, key: str, name: str, file: Path) -> list:
-    if not isinstance(value, list) or not value:
-        raise FormatError(f"{file}: the boxes of chunk {key!r} in {name} must be a non-empty "
-                          "list of [offsets, lengths]")
-    return value
-
-
-def _box(raw: Any, key: str, name: str, file: Path) -> Box:
-    """One ``[offsets, lengths]`` box of a chunk (the shape is checked by the tiling)."""
-    if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, list) for x in raw)
-            and len(raw[0]) == len(raw[1])):
-        raise FormatError(f"{file}: malformed box {shown(raw)} of chunk {key!r} in {name}")
-    what = f"a box of chunk {key!r} in {name}"
-    return Box(tuple(_int(x, what, file) for x in raw[0]),
-               tuple(_int(x, what, file) for x in raw[1]))
-
-
-def _check_file_set(dp_size: int, files: dict[str, FileRecord], file: Path) -> None:
-    """Every rank's file of every kind, and a kind's parts numbered without gaps."""
-    least = len(FILE_KINDS) * dp_size
-    what = (f"{file}: lists {len(files)} data files; a save by {dp_size} ranks writes at "
-            f"least {least} ({', '.join(FILE_KINDS)} per rank)")
-    if len(files) < least:  # before building the set of names: dp_size may be absurd
-        raise FormatError(what)
-    missing = sorted({data_file_name(k, r) for r in range(dp_size) for k in FILE_KINDS}
-                     - set(files))
-    if missing:
-        raise FormatError(f"{what}; missing {', '.join(missing[:4])}")
-    parts: dict[tuple[str, int], set[int]] = {}  # by kind and rank
-    for name in files:
-        kind, rank, part = DATA_FILE.fullmatch(name).groups()
-        parts.setdefault((kind, int(rank)), set()).add(int(part or 0))
-    for (kind, rank), got in sorted(parts.items()):
-        gap = min(set(range(len(got) + 1)) - got)
-        if gap < len(got):
-            raise FormatError(f"{file}: lists parts of {data_file_name(kind, rank)} up to "
-                              f"{data_file_name(kind, rank, max(got))} but not "
-                              f"{data_file_name(kind, rank, gap)}")
-
-
-def _check_tiling(m: Manifest) -> None:
-    """The files' chunks of every stored tensor tile it exactly: the stored bytes agree
-    with the params' shapes, and no key is stored that no param describes."""
-    stored = m.stored()
-    by_key: dict[str, list[tuple[ChunkRecord, str]]] = {key: [] for key in stored}
-    for f in m.data_files():
-        for c in f.chunks:
-            if c.key not in stored:
-                raise FormatError(f"{m.file}: {f.name} stores {c.key!r}, which no param describes")
-            by_key[c.key].append((c, f.name))
-    for key, chunks in by_key.items():
-        if any(c.boxes for c, _ in chunks):
-            _check_boxes(m, key, stored[key], [c for c, _ in chunks])
-            continue
-        pos = 0
-        for c, name in sorted(chunks):
-            if c.offset != pos:
-                what = "overlap" if c.offset < pos else "gap"
-                raise FormatError(f"{m.file}: stored chunks of {key!r} have a {what} at element "
-                                  f"{pos} (file {name})")
-            pos += c.numel
-        if pos != stored[key].numel:
-            raise FormatError(f"{m.file}: stored chunks of {key!r} cover {pos} of "
-                              f"{stored[key].numel} elements")
-
-
-def _check_boxes(m: Manifest, key: str, stored: StoredTensor, chunks: list[ChunkRecord]) -> None:
-    """The chunks of a key saved in tensor-parallel blocks tile its global tensor exactly."""
-    shape = stored.shape or (stored.numel,)
-    whole = Box.whole(shape)
-    for c in chunks:
-        if not c.boxes and c.offset + c.numel > stored.numel:
-            raise FormatError(f"{m.file}: a chunk of {key!r} holds elements [{c.offset}, "
-                              f"{c.offset + c.numel}) of a tensor of {stored.numel}")
-    boxes = [b for c in chunks
-             for b in c.boxes or flat_boxes(whole, Range(c.offset, c.offset + c.numel))]
-    problem = disjoint_cover(boxes, shape)
-    if problem:
-        raise FormatError(f"{m.file}: stored chunks of {key!r}: {problem}")
