@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import logging
 import os
 import signal
 import time
@@ -70,7 +71,7 @@ def _until(cond, seconds: float = 10.0) -> bool:
     return True
 
 
-def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
+def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path, caplog):
     """A snapshot's shared memory is unmapped in the writer process when the snapshot is
     released (the mapping would keep gigabytes alive for the rest of the run), and the process
     ends when its optimizer is garbage-collected."""
@@ -88,9 +89,27 @@ def test_the_writer_process_unmaps_snapshots_released_or_collected(tmp_path):
     checkpoint.save(tmp_path / "b", model, opt, step=2, blocking=False).wait()
     assert saves.writer.pid == pid and _snapshot_maps(pid) == mine
     del model, opt, saves
-    gc.collect()
-    # Ended by its socket's end, not killed after the 10 s the closing side waits for it.
+    with caplog.at_level(logging.WARNING, logger="shardopt.checkpoint"):
+        gc.collect()
+    # Ended by its socket's end with status 0, not killed after the 10 s the closing side waits.
     assert _until(lambda: not _running(pid), seconds=5)
+    assert not [r for r in caplog.records if "writer process" in r.getMessage()], caplog.text
+
+
+def test_a_writer_process_that_dies_is_reported_when_it_is_closed(tmp_path, caplog):
+    """The test above would see a writer that exits with an error: one killed here is
+    reported, with its status, when its owner lets it go."""
+    model, opt = build(0)
+    train(model, opt, range(1), 0, 1)
+    saves = background.of(opt)
+    checkpoint.save(tmp_path / "a", model, opt, step=1, blocking=False).wait()
+    pid = saves.writer.pid
+    os.kill(pid, signal.SIGKILL)
+    assert _until(lambda: not _running(pid), seconds=5)
+    del model, opt, saves
+    with caplog.at_level(logging.WARNING, logger="shardopt.checkpoint"):
+        gc.collect()
+    assert f"writer process (pid {pid}) ended with status -9" in caplog.text
 
 
 def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from .transfer import Part, Parts
 # larger than this.
 INLINE_BYTES = 16 << 20
 _WORKER = str(Path(__file__).with_name("_writer_main.py"))
+log = logging.getLogger("shardopt.checkpoint")
 
 
 @dataclass
@@ -43,9 +45,14 @@ class _Link:
             return
         self.sock.close()  # the process sees EOF and exits
         try:
-            self.proc.wait(timeout=10)
+            status = self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            status = "killed after 10 s without exiting"
+        if status != 0:
+            log.warning("the checkpoint writer process (pid %d) ended with status %s; the "
+                        "checkpoints it committed are complete (verify with shardopt verify)",
+                        self.proc.pid, status)
 
 
 class WriterProcess:
