@@ -140,6 +140,23 @@ def timed_parts(owner: Any, names: Iterable[str], log: list, also: Iterable[Any]
                 setattr(other, name, timed)
 
 
+def cuda_time_ms(fn, repeats: int, warmup: int = 3) -> dict[str, float]:
+    """``stats`` of ``repeats`` calls of ``fn`` on the current CUDA device, each timed alone by
+    CUDA events (it starts on an idle GPU), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return stats(times)
+
+
 def stats(values: Sequence[float]) -> dict[str, float]:
     """min / median / max (and the count) of repeated measurements."""
     if not values:

@@ -26,22 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suites' helpers
-from _common import run_header, stats, write_json  # noqa: E402
-
-
-def cuda_ms(fn, repeats: int) -> list[float]:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+from _common import cuda_time_ms, run_header, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -79,12 +64,12 @@ def main() -> None:
     if args.dp == 1:
         variants["whole"] = whole
     dst = torch.empty_like(flat)
-    results = {"copy": {"ms": stats(cuda_ms(lambda: dst.copy_(flat), args.repeats)),
+    results = {"copy": {"ms": cuda_time_ms(lambda: dst.copy_(flat), args.repeats, warmup=5),
                         "bytes": 2 * flat.numel() * flat.element_size()}}
     values = {}
     for name, fn in variants.items():
         values[name] = float(fn())
-        results[name] = {"ms": stats(cuda_ms(fn, args.repeats)), "bytes": read}
+        results[name] = {"ms": cuda_time_ms(fn, args.repeats, warmup=5), "bytes": read}
     for name, r in results.items():
         r["gbps_median"] = r["bytes"] / r["ms"]["median"] / 1e6
         print(f"{name:12s} {r['ms']['median']:.3f} ms (min {r['ms']['min']:.3f}, max "

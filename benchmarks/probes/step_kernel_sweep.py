@@ -43,21 +43,6 @@ def _bytes_per_element(m: str, v: str, g: str) -> float:
     return grad + 8 + 2 * (quant.bytes_per_element(DTYPES[m]) + quant.bytes_per_element(DTYPES[v])) + 2
 
 
-def _time_ms(fn, repeats: int) -> dict:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return _common.stats(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=float, default=1e9)
@@ -81,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     main_ = torch.randn(n, device=device)
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(main_)
-    copy = _time_ms(lambda: dst.copy_(main_), args.repeats)
+    copy = _common.cuda_time_ms(lambda: dst.copy_(main_), args.repeats)
     del dst
     copy_gbps = 8 * n / copy["median"] / 1e6
     rows, results = [], []
@@ -101,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 table = kernels.chunk_table([kernels.ChunkPart(0, 0, 0, n)], device)
                 sum_sq = (torch.empty(table.num_blocks, device=device) if mode == "norm"
                           else None)
-                r = _time_ms(lambda t=table, sq=sum_sq, md=mode: kernels.adamw_(
+                r = _common.cuda_time_ms(lambda t=table, sq=sum_sq, md=mode: kernels.adamw_(
                     t, main_, grads, m, v, out, main_global=False, lr=1e-4,
                     beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3,
                     grad_scale=scale if md == "clip" else None, sum_sq=sq), args.repeats)
