@@ -183,8 +183,8 @@ def _state_tensors(opt):
     from shardopt.checkpoint.state import contents as _state_contents
     from shardopt.checkpoint.state import frozen_tensors
     out = {}
-    for _, entries in _state_contents(opt, frozen_tensors(_MODEL[0], opt)):
-        for e in entries:
+    for job in _state_contents(opt, frozen_tensors(_MODEL[0], opt)):
+        for e in job.entries:
             if e.source is not None:
                 out[(e.source.data_ptr(), e.source.numel())] = e.source
     return list(out.values())
