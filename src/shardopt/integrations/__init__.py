@@ -12,4 +12,6 @@ framework's "skip the gradient sync of this micro-batch" to ``optimizer.no_sync(
 saves and loads every rank's optimizer state through :mod:`shardopt.checkpoint` inside the
 framework's checkpoint (loadable at another number of ranks). Importing this package imports
 no framework; each module imports its own, which must be installed (docs/integrations.md).
+This package is the layer above :mod:`shardopt.checkpoint` (beside ``recipes``): it uses the
+public API of both, and nothing in the library imports it (``tests/core/test_layering.py``).
 """
