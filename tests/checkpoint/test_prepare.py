@@ -62,6 +62,23 @@ def test_prepare_before_the_first_step_holds_what_the_first_save_uses(moments, t
     assert new_snapshot_buffers(known) == prepared
 
 
+@pytest.mark.parametrize("moments", sorted(MOMENTS))
+def test_prepare_after_a_step_plans_copies_that_later_steps_do_not_stale(moments, tmp_path):
+    """Prepared after the first step (its copies planned from the state then), the saves
+    after two more steps and after a frozen tensor changes hold the bytes of blocking saves
+    of the state at their calls."""
+    model, opt = _fresh(moments)
+    train(model, opt, range(1), 0, 1)
+    checkpoint.prepare(model, opt)
+    train(model, opt, range(1, 3), 0, 1)
+    _both(tmp_path, model, opt, 3)
+    with torch.no_grad():
+        for t in model.buffers():
+            t.add_(1)
+    train(model, opt, range(3, 4), 0, 1)
+    _both(tmp_path, model, opt, 4)
+
+
 def test_prepare_twice_allocates_once(tmp_path, monkeypatch):
     """A second prepare, and one after a save into the prepared buffers, allocate nothing."""
     made = []

@@ -23,7 +23,8 @@ def prepare(model: torch.nn.Module, optimizer: DistributedOptimizer,
     optimizer's next asynchronous save with ``config`` copies into, sized for the state as
     after the first step (also before it) and page-locked on a GPU, so that save locks
     nothing. Waits for a save in flight first; again, with nothing changed, it allocates
-    nothing. Out of host memory: :class:`CheckpointError` naming the rank and the bytes,
+    nothing. After the first step it also plans the copies, which that save then
+    repeats. Out of host memory: :class:`CheckpointError` naming the rank and the bytes,
     and no snapshot memory held."""
     settings(config)
     st = optimizer.shard_state
@@ -33,7 +34,10 @@ def prepare(model: torch.nn.Module, optimizer: DistributedOptimizer,
     cuda = st.device.type == "cuda"
     try:  # registered for the optimizer's device (its context), whichever is current
         with torch.cuda.device(st.device) if cuda else nullcontext():
-            background.of(optimizer).snapshot.prepare(sizes)
+            snap = background.of(optimizer).snapshot
+            snap.prepare(sizes)
+        if st.has_moments:  # the sources exist: the first save repeats this plan
+            snap.plan(state.contents(optimizer, frozen), state.sources(optimizer, frozen))
         return
     except Exception as e:  # noqa: BLE001 - raised below, without the frames that hold memory
         reason = f"{type(e).__name__}: {e}"

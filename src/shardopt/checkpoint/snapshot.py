@@ -107,6 +107,17 @@ class Snapshot:
         run of adjacent or overlapping elements of a storage; with ``sources`` the runs are
         recorded as pieces of them, for :meth:`retake`. ``hot``: the storages (addresses)
         queued work may write bypassing the optimizer (module buffers): copied at the call."""
+        out, pairs = self._planned(jobs, sources)
+        return Taken(out, self._drain(pairs, hot, cfg))
+
+    def plan(self, jobs: Sequence[Job], sources: dict[str, torch.Tensor]) -> None:
+        """Coordinator-free. Plan :meth:`take` of ``jobs`` from ``sources`` now, into the
+        buffers held where they have the sizes (:meth:`prepare`), so that the next save
+        repeats the plan (:meth:`retake`) instead of making it."""
+        self._planned(jobs, sources)
+
+    def _planned(self, jobs: Sequence[Job], sources: dict[str, torch.Tensor] | None
+                 ) -> tuple[list[Job], list[tuple[torch.Tensor, torch.Tensor]]]:
         unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         for job in jobs:
             for e in job.entries:
@@ -130,7 +141,7 @@ class Snapshot:
                    e, source=copies[_identity(e.source)]) for e in job.entries])
                for job in jobs]
         self._plan = None if sources is None else _Plan.of(runs, sources, out)
-        return Taken(out, self._drain(pairs, hot, cfg))
+        return out, pairs
 
     def _sizes(self) -> dict[torch.dtype, int]:
         return {d: b.tensor.numel() for d, b in self._host.items()}
