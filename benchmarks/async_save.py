@@ -33,10 +33,10 @@ Every figure is a median with min and max over the phase's iterations or saves (
 save, which allocates the snapshot unless it was prepared, is reported alone);
 ``--sparse-saves 6`` gives 5 saves after the first.
 
-Before the shardopt trainer's first iteration, outside every timed region, each rank calls
+After the shardopt trainer's warm-up steps, outside every timed region, each rank calls
 ``checkpoint.prepare`` (the host snapshot allocated and page-locked ahead of the first
-save); its seconds are in the result (``prepare_s``, by snapshot kind). ``--no-prepare``
-leaves the first save to allocate and lock it.
+save, its copies planned); its seconds are in the result (``prepare_s``, by snapshot
+kind). ``--no-prepare`` leaves the first save to allocate, lock and plan it.
 
 ``--systems megatron`` adds megatron-core's asynchronous ``dist_checkpointing.save`` of its own
 DDP model and distributed optimizer (same preset, same batches, its own training loop and its
@@ -259,13 +259,8 @@ class _Trainer:
         setup = _peers.setup_megatron if kind == "megatron" else _peers.setup_shardopt
         self.system = setup(self.model, _peers.Hyper(), device)
         self.opt = self.system.optimizer
-        # checkpoint.prepare's seconds by snapshot kind, before the first iteration.
+        self.kind = kind
         self.prepare_s: dict[str, float] = {}
-        if kind == "shardopt" and args.prepare:
-            for system in args.systems.split(","):
-                saver = SAVERS[system.partition("@")[0]]
-                if issubclass(saver, ShardoptSaver) and saver.snapshot not in self.prepare_s:
-                    self.prepare_s[saver.snapshot] = saver.prepare(self.model, self.opt)
         counter, acc = [0], args.accumulate
         ddp = self.system.wrapped
 
@@ -289,6 +284,15 @@ class _Trainer:
 
         self.step_fn = step_fn
 
+    def prepare(self, args: argparse.Namespace) -> None:
+        """``checkpoint.prepare`` after the warm-up steps (the moments exist, so it also plans
+        the copies); its seconds by snapshot kind."""
+        if self.kind == "shardopt" and args.prepare:
+            for system in args.systems.split(","):
+                saver = SAVERS[system.partition("@")[0]]
+                if issubclass(saver, ShardoptSaver) and saver.snapshot not in self.prepare_s:
+                    self.prepare_s[saver.snapshot] = saver.prepare(self.model, self.opt)
+
 
 def _run(rank: int, world: int, args: argparse.Namespace, device: torch.device,
          started: float) -> dict:
@@ -307,6 +311,7 @@ def _run(rank: int, world: int, args: argparse.Namespace, device: torch.device,
         if kind not in trainers:
             t = _Trainer(kind, args, batches, device)
             _loop(t.step_fn, device, args.warmup, None, lambda i: False, 0)
+            t.prepare(args)
             with _common.HostRssSampler(0.005) as rss:
                 none = _loop(t.step_fn, device, args.none_iters, None, lambda i: False, 0)
             t.baseline = statistics.median(r["iter_s"] for r in none)

@@ -50,8 +50,9 @@ class CheckpointConfig:
     snapshot: str = "host"
     """Asynchronous save: where the state is copied; ``"host"``, the only kind: one reused
     copy of the rank's state in host memory (:mod:`.snapshot`)."""
-    drain_piece_bytes: int = 4 << 20
-    """Asynchronous save: the most bytes the drain copies at a time (:mod:`.drain`)."""
+    drain_piece_bytes: int = 64 << 20
+    """Asynchronous save: the most bytes the drain copies at a time (:mod:`.drain`; why this
+    size: docs/async_save.md, Host reads during the snapshot)."""
     drain_in_flight: int = 1
     """Asynchronous save on a GPU: the drain's pieces queued at once."""
 
