@@ -42,6 +42,13 @@
 #            Llama and on the GPT, 2 micro-batches of 8 x 1024 tokens, default settings,
 #            /dev/shm, 5 saves after the first (~70 and ~60 s); offload.py on the Hugging
 #            Face Llama, the same steps, 6 cycles after the first (~75 s)                 ~7 min
+#   beforeafter  the 1-GPU suites that both trees have, on the GPT, for this tree and then for
+#            an older one (BEFORE=DIR: `git archive COMMIT src benchmarks | tar -x -C DIR`, carried
+#            to the host), results in $OUT/after and $OUT/before: optimizer_step.py (fp32, 30
+#            steps) ~0.5 min, train_iter.py (shardopt and DDP, 10 timed) ~1 min, checkpoint_io.py
+#            (shardopt, /dev/shm, 5 rounds) ~1.2 min, offload.py (7 cycles) ~1 min, async_save.py
+#            (3 micro-batches, 5 saves after the first) ~1.7 min, per tree; BA_SUITES="step
+#            iter ckio offload async" (the default) picks some                            ~11 min
 #
 # Wheels in .whl/ (carried: torchao, torch_memory_saver, megatron-core) are installed into
 # /tmp/site first and put on PYTHONPATH.
@@ -130,8 +137,33 @@ for part in $PARTS; do
       run offload-hf timeout 100 "$PY" benchmarks/offload.py --model hf-llama --micro-batch 8 \
         --accumulate 2 --cycles 7 --rss-cycles 13 --h2d kernel --no-peers \
         --out "$OUT/offload_1gpu_hf.json" "${EXTRA[@]}" ;;
+    beforeafter)  # the same command lines in both trees: the older one's options only
+      before=$(cd "${BEFORE:?set BEFORE to the older tree}" && pwd)
+      for side in after before; do
+        mkdir -p "$OUT/$side"
+        [ "$side" = before ] && pushd "$before" > /dev/null
+        for s in ${BA_SUITES:-step iter ckio offload async}; do
+          case $s in
+            step) args=(benchmarks/optimizer_step.py --repeats 30 --out "$OUT/$side") ;;
+            iter) args=(benchmarks/train_iter.py --nproc 1 --systems shardopt,ddp --warmup 3
+                        --iters 10 --out "$OUT/$side") ;;
+            ckio) args=(benchmarks/checkpoint_io.py --nproc 1 --no-megatron --systems shardopt
+                        --targets shm --repeats 5 --raw-repeats 2 --raw-threads io
+                        --raw-piece-mib 256 --first-gbps 4 --budget 120 --out "$OUT/$side") ;;
+            offload) args=(benchmarks/offload.py --no-peers --micro-batch 8 --cycles 7
+                           --rss-cycles 9 --out "$OUT/$side/offload_1gpu.json") ;;
+            async) args=(benchmarks/async_save.py --accumulate 3 --systems shardopt --dirs /dev/shm
+                         --sparse-every 12 --sparse-saves 6 --every-iters 0 --phase-cap-s 60
+                         --budget-s 100 --out "$OUT/$side") ;;
+            *) echo "unknown suite '$s' (step, iter, ckio, offload, async)" | tee -a "$LOG"
+               status=1; continue ;;
+          esac
+          run "beforeafter-$side-$s" "$PY" "${args[@]}" "${EXTRA[@]}"
+        done
+        [ "$side" = before ] && popd > /dev/null
+      done ;;
     *)
-      echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async, gradmodes, muon, async_megatron, realmodel)" | tee -a "$LOG"
+      echo "unknown part '$part' (tests, shm, disk, storage, lowprec, offload, async, gradmodes, muon, async_megatron, realmodel, beforeafter)" | tee -a "$LOG"
       status=1 ;;
   esac
 done
