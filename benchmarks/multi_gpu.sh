@@ -22,6 +22,9 @@
 #   tp        tp_iter.py: the HF Llama 1.35B tensor parallel at tp 2 and 4 (those that divide
 #             the size), DP the rest; iteration, step, save, and a load without TP whose
 #             export must be identical
+#   muon      train_iter.py, the 1b GPT: shardopt with AdamW and with Muon for the matrices
+#             (each matrix on one owner rank; step, Muon update and Newton-Schulz timed), DDP
+#             beside them
 # Each result is one JSON under $OUT with "world_size"; copy them to benchmarks/results/ and
 # put the tables in benchmarks/README.md.
 set -u
@@ -33,12 +36,15 @@ if [ -z "${SIZES:-}" ]; then
   for n in 2 4 8; do [ "$n" -le "$GPUS" ] && SIZES="$SIZES $n"; done
 fi
 LARGEST=$(for n in $SIZES; do echo "$n"; done | sort -n | tail -n 1)
-PARTS=${*:-iter resume reshard async ckpt offload tp}
+PARTS=${*:-iter resume reshard async ckpt offload tp muon}
 
 [ -n "$SIZES" ] || { echo "no DP size to run: $GPUS GPU(s) found" | tee -a "$LOG"; exit 1; }
 for part in $PARTS; do
   for n in $SIZES; do
     case $part in
+      muon)
+        run "muon-gpt-$n" "$PY" benchmarks/train_iter.py --nproc "$n" --systems shardopt,ddp \
+          --grad-modes torch --optimizer adamw,muon --iters 20 --tag "_dp${n}_muon" --out "$OUT" ;;
       iter)
         run "iter-gpt-fp32-$n" "$PY" benchmarks/train_iter.py --nproc "$n" \
           --systems shardopt,ddp,fsdp2,zero,megatron --iters 20 --tag "_dp$n" --out "$OUT"
