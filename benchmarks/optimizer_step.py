@@ -34,7 +34,8 @@ ratio of their medians.
 
 The parts of shardopt's step (grad norm and clipping, the Adam kernel, the main -> bf16 copy, and the
 time the GPU sits idle: Python, launches, host syncs) come from a torch.profiler trace of a few
-steps; its kernel table is saved as ``optimizer_step_profile.txt``.
+steps, with clipping and without; their kernel tables are saved as ``optimizer_step_profile.txt``
+and ``optimizer_step_noclip_profile.txt``.
 
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results        # GPU
     PYTHONPATH=src python3 benchmarks/optimizer_step.py --out benchmarks/results --repeats 50 \
@@ -360,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = r
             print(f"  shardopt ({tag}, {opt._update.kernel} step, grad_mode={mode}): "
                   f"{r['ms']['median']:.3f} ms", flush=True)
-            if clip and mode == grad_modes[0]:
-                profile_info = profile_step(opt, device, args.profile_steps, out,
-                                            r["ms"]["median"], suffix)
+            if mode == grad_modes[0]:
+                profile_info[tag] = profile_step(opt, device, args.profile_steps, out,
+                                                 r["ms"]["median"],
+                                                 suffix + ("" if clip else "_noclip"))
             del opt, model
             free(device)
         if device.type == "cuda":  # the same optimizer with torch's fused AdamW + copy
@@ -447,10 +449,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['vs_adamw_fused_master']:.3f}x bf16+master by hand"
               + ("" if "torch_over_buffer_mode" not in t else
                  f"; grad_mode torch/buffer {t['torch_over_buffer_mode']:.3f}x"))
-    parts = profile_info.get("parts_ms", {})
-    if parts:
-        print("shardopt step parts (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
-    print(f"wrote {out / f'optimizer_step{suffix}.json'} and the profile beside it")
+    for tag, info in profile_info.items():
+        print(f"shardopt step parts, {tag} (ms): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in info["parts_ms"].items()))
+    print(f"wrote {out / f'optimizer_step{suffix}.json'} and the profiles beside it")
     return 0
 
 
