@@ -41,13 +41,20 @@ class SaveHandle:
         self.path = path
         self._error: BaseException | None = None
         self._reported = False
-        self._thread = threading.Thread(target=self._run, args=(work, group),
+        # Thread.start() returns once the thread runs; a thread that then ran Python at once
+        # would hold the GIL from the caller for up to the switch interval (5 ms). It waits
+        # on ``go`` first (releasing the GIL), so the call returns without that wait.
+        go = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(work, group, go),
                                         name=f"shardopt-save {path}")
         self._thread.start()
+        go.set()
 
-    def _run(self, work: Callable[[comm.DPGroup], None], group: comm.DPGroup) -> None:
+    def _run(self, work: Callable[[comm.DPGroup], None], group: comm.DPGroup,
+             go: threading.Event) -> None:
         # The group is an argument, not a closure cell of ``work``, so that a kept error whose
         # frames are cleared holds no process group (a group alive at exit aborts the job).
+        go.wait()
         try:
             work(group)
         except BaseException as e:  # noqa: BLE001 - kept for wait(), the next save, or exit
