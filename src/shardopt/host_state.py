@@ -107,10 +107,6 @@ class HostState:
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(self.state.device))
         overlap = allocator_expandable()
-        if overlap:
-            torch.cuda.empty_cache()  # cached cudaMalloc segments now, before the copies run
-            for dev in dropped:
-                dev.untyped_storage().resize_(0)  # freed for the current stream: safe
         done = []
         with torch.cuda.stream(stream):
             for dev, host in moved:
@@ -119,6 +115,10 @@ class HostState:
                     done.append(torch.cuda.Event())
                     done[-1].record(stream)
         if overlap:
+            for dev in dropped:
+                dev.untyped_storage().resize_(0)  # freed for the current stream: safe
+            # The cached segments (the step's activations) are unmapped while the copies run.
+            torch.cuda.empty_cache()
             # A storage is freed after the last copy that reads it (tensors may share one).
             last = {dev.untyped_storage().data_ptr(): i for i, (dev, _) in enumerate(moved)}
             for i, ((dev, _), event) in enumerate(zip(moved, done)):
