@@ -1,5 +1,28 @@
 """shardopt: a data-parallel sharded AdamW (ZeRO-1/2), with Muon for chosen matrices, and
-exact, reshardable checkpoints."""
+exact, reshardable checkpoints.
+
+Where things live, lowest layer first. ``tests/core/test_layering.py`` fails on an import cycle
+and on any upward import between its layers: the core (the first six groups below),
+``shardopt.checkpoint``, ``shardopt.integrations``, this package's ``__init__``, and
+``recipes`` / ``cli``.
+
+* records and rules: ``errors``, ``config``, ``layout`` (which element of which buffer belongs
+  to which param and rank), ``boxes``, ``quant``; collectives: ``comm``;
+* ``buffers`` (flat param and grad buffers), ``parallel`` (DTensor params, DP groups);
+* the shard state: ``shard_state`` (every flat state tensor and where it lives), ``moments``;
+* the step: ``optimizer`` (``DistributedOptimizer.step``, its three phases), ``sync`` (phases 1
+  and 3: grad reduction, param gather), ``grad_norm``, ``update`` and ``kernels`` (phase 2, the
+  fused AdamW), ``muon`` and ``muon_update``;
+* offload: ``host_state`` (``offload()`` / ``onload()``, ``low_memory_resume``'s staging);
+* torch-facing views: ``state_dict``, ``local_state`` (``opt.state``), ``flat_shard``,
+  ``box_shard``; the layers above reach the optimizer through ``shard_access``
+  (``opt.shard_state``) only;
+* :mod:`shardopt.checkpoint`: ``save``, ``load``, ``export``; the on-disk format in
+  ``checkpoint.format`` and ``checkpoint.manifest`` (docs/format.md); background saves in
+  ``checkpoint.background``, ``checkpoint.snapshot`` and ``checkpoint.drain``;
+* :mod:`shardopt.integrations`: Lightning, Accelerate, the Hugging Face Trainer;
+* ``recipes`` and ``cli``: the reference job and the ``shardopt`` command (not library code).
+"""
 
 from . import checkpoint
 from .box_shard import BoxShard
