@@ -18,7 +18,8 @@
 #             /dev/shm, 6 saves every 12 iterations, every async checkpoint checked
 #   ckpt      checkpoint_io.py on /dev/shm and local disk against the raw bandwidth of the same
 #             number of processes, 3 repetitions, DCP beside it
-#   offload   offload.py on the HF Llama: every rank offloads and onloads at once
+#   offload   offload.py on the HF Llama: every rank offloads and onloads at once, under the
+#             default allocator and under expandable segments
 #   tp        tp_iter.py: the HF Llama 1.35B tensor parallel at tp 2 and 4 (those that divide
 #             the size), DP the rest; iteration, step, save, and a load without TP whose
 #             export must be identical
@@ -78,7 +79,11 @@ for part in $PARTS; do
       offload)
         run "offload-hf-$n" "$PY" benchmarks/offload.py --nproc "$n" --model hf-llama \
           --micro-batch 8 --accumulate 2 --cycles 7 --rss-cycles 13 --no-peers \
-          --out "$OUT/offload_dp${n}_hf.json" ;;
+          --out "$OUT/offload_dp${n}_hf.json"
+        run "offload-hf-$n-expandable" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+          "$PY" benchmarks/offload.py --nproc "$n" --model hf-llama --micro-batch 8 \
+          --accumulate 2 --cycles 7 --rss-cycles 13 --no-peers \
+          --out "$OUT/offload_dp${n}_hf_expandable.json" ;;
       tp)
         for tp in 2 4; do
           if [ "$tp" -le "$n" ] && [ $((n % tp)) -eq 0 ]; then
