@@ -90,7 +90,7 @@ def _one_system(a: argparse.Namespace, system: str) -> dict[str, Any]:
     """Run ``system`` in this process (under torchrun: on every rank)."""
     import transformers
 
-    from shardopt.integrations.transformers import ShardoptTrainer
+    from shardopt.recipes.integrations.transformers import ShardoptTrainer
 
     device = torch.device(a.device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -3,8 +3,7 @@ exact, reshardable checkpoints.
 
 Where things live, lowest layer first. ``tests/core/test_layering.py`` fails on an import cycle
 and on any upward import between its layers: the core (the first six groups below),
-``shardopt.checkpoint``, ``shardopt.integrations``, this package's ``__init__``, and
-``recipes`` / ``cli``.
+``shardopt.checkpoint``, this package's ``__init__``, and ``recipes`` / ``cli``.
 
 * records and rules: ``errors``, ``config``, ``layout`` (which element of which buffer belongs
   to which param and rank), ``boxes``, ``quant``; collectives: ``comm``;
@@ -20,8 +19,9 @@ and on any upward import between its layers: the core (the first six groups belo
 * :mod:`shardopt.checkpoint`: ``save``, ``load``, ``export``; the on-disk format in
   ``checkpoint.format`` and ``checkpoint.manifest`` (docs/format.md); background saves in
   ``checkpoint.background``, ``checkpoint.snapshot`` and ``checkpoint.drain``;
-* :mod:`shardopt.integrations`: Lightning, Accelerate, the Hugging Face Trainer;
-* ``recipes`` and ``cli``: the reference job and the ``shardopt`` command (not library code).
+* ``recipes`` and ``cli``, which use the library from outside: the reference job, the adapters
+  for Lightning, Accelerate and the Hugging Face Trainer (``recipes.integrations``), and the
+  ``shardopt`` command.
 """
 
 from . import checkpoint

@@ -1,7 +1,7 @@
 """``opt.shard_state``: the optimizer's one interface to the layers above it.
 
 Its torch views (:mod:`.state_dict`, :mod:`.local_state`), :mod:`shardopt.checkpoint` and
-:mod:`shardopt.integrations` read and change the optimizer's state through it, never through
+:mod:`shardopt.recipes.integrations` read and change the optimizer's state through it, never through
 the optimizer's private members (docs/optimizer.md, "The shard state").
 """
 
@@ -21,7 +21,7 @@ from .shard_state import KINDS, Held, LoadTarget
 
 class ShardStateAccess:
     """``opt.shard_state``: the optimizer's one interface to the layers above it (its torch
-    views, :mod:`shardopt.checkpoint`, :mod:`shardopt.integrations`); docs/optimizer.md, "The
+    views, :mod:`shardopt.checkpoint`, :mod:`shardopt.recipes.integrations`); docs/optimizer.md, "The
     shard state". Flat state tensors are named ``{name}.{i}`` for layout buffer ``i``; reads
     give them where their values are now (:class:`~shardopt.shard_state.ShardState`). With
     a model-parallel plan (:mod:`.parallel`) ``dp`` is the world, the ranks that save and

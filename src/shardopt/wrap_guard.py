@@ -20,10 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 from .errors import WrappedModelError
 
 ADAPTERS = (
-    "Lightning: Trainer(strategy=shardopt.integrations.lightning.ShardoptStrategy()); "
-    "Accelerate: shardopt.integrations.accelerate.prepare(accelerator, model, optimizer, ...) "
+    "Lightning: Trainer(strategy=shardopt.recipes.integrations.lightning.ShardoptStrategy()); "
+    "Accelerate: shardopt.recipes.integrations.accelerate.prepare(accelerator, model, optimizer, ...) "
     "in place of accelerator.prepare(model, optimizer, ...); Hugging Face Trainer: "
-    "shardopt.integrations.transformers.ShardoptTrainer in place of Trainer; in your own "
+    "shardopt.recipes.integrations.transformers.ShardoptTrainer in place of Trainer; in your own "
     "loop, call the model itself")
 
 

@@ -229,7 +229,7 @@ def test_every_error_is_in_one_module_exported_and_a_value_or_runtime_error():
     import pkgutil
     defined_elsewhere = []
     for info in pkgutil.walk_packages(shardopt.__path__, "shardopt."):
-        if info.name.startswith(("shardopt.recipes", "shardopt.cli", "shardopt.integrations",
+        if info.name.startswith(("shardopt.recipes", "shardopt.cli",
                                  "shardopt.checkpoint._writer_main", "shardopt.__main__")):
             continue
         m = importlib.import_module(info.name)

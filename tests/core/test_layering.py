@@ -1,9 +1,9 @@
 """One direction of dependency: the package's imports form no cycle and none runs upward.
 
 Layers, lowest first: the core (every module not named below), ``shardopt.checkpoint``, the
-framework adapters (``shardopt.integrations``), the package's own ``__init__`` (the names it
-exports), and the reference job and the command (``shardopt.recipes``, ``shardopt.cli``,
-``shardopt.__main__``). A module imports from its own layer or below. The check
+package's own ``__init__`` (the names it exports), and what uses the library from outside: the
+reference job and the framework adapters (``shardopt.recipes``, ``shardopt.recipes.integrations``)
+and the command (``shardopt.cli``, ``shardopt.__main__``). A module imports from its own layer or below. The check
 walks every import statement with ``ast``, also inside functions and under ``TYPE_CHECKING``
 (where an import runs only when called, or never, yet still says what depends on what).
 Besides, importing each library module in a fresh interpreter leaves ``shardopt.recipes`` out of
@@ -13,7 +13,6 @@ Besides, importing each library module in a fresh interpreter leaves ``shardopt.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import pkgutil
@@ -28,18 +27,13 @@ PACKAGE = Path(shardopt.__file__).parent
 NOT_LIBRARY = ("shardopt.recipes", "shardopt.cli", "shardopt.__main__")
 
 
-# The framework each adapter imports: an optional extra, absent from a plain install.
-FRAMEWORKS = {"shardopt.integrations.lightning": "lightning",
-              "shardopt.integrations.accelerate": "accelerate",
-              "shardopt.integrations.transformers": "transformers"}
+# The frameworks the adapters import: optional extras, absent from a plain install.
+FRAMEWORKS = ("lightning", "accelerate", "transformers")
 
 
 def _library_modules() -> list[str]:
     names = ["shardopt"]
     for info in pkgutil.walk_packages([str(PACKAGE)], prefix="shardopt."):
-        framework = FRAMEWORKS.get(info.name)
-        if framework is not None and importlib.util.find_spec(framework) is None:
-            continue
         if not info.name.startswith(NOT_LIBRARY):
             names.append(info.name)
     return names
@@ -106,8 +100,8 @@ def test_no_library_source_imports_recipes_even_lazily():
 
 
 # Layers by module prefix, lowest first; a module's layer is that of its longest prefix.
-LAYERS = {"shardopt.": 0, "shardopt.checkpoint": 1, "shardopt.integrations": 2, "shardopt": 3,
-          "shardopt.recipes": 4, "shardopt.cli": 4, "shardopt.__main__": 4}
+LAYERS = {"shardopt.": 0, "shardopt.checkpoint": 1, "shardopt": 2, "shardopt.recipes": 3,
+          "shardopt.cli": 3, "shardopt.__main__": 3}
 
 
 def _layer(module: str) -> int:
@@ -206,8 +200,9 @@ def test_the_layering_check_finds_cycles_and_upward_imports():
     assert _layering_problems(edges) == [
         "import cycle: shardopt.layout -> shardopt.moments -> shardopt.update -> shardopt.layout"]
     for module, layer in [("shardopt.comm", 0), ("shardopt.checkpoint", 1),
-                          ("shardopt.checkpoint.save", 1), ("shardopt.integrations.lightning", 2),
-                          ("shardopt", 3), ("shardopt.cli", 4), ("shardopt.recipes.train", 4)]:
+                          ("shardopt.checkpoint.save", 1), ("shardopt", 2),
+                          ("shardopt.recipes.integrations.lightning", 3), ("shardopt.cli", 3),
+                          ("shardopt.recipes.train", 3)]:
         assert _layer(module) == layer, module
     # Imports inside functions and under TYPE_CHECKING count, and ``from X import a`` means X.a.
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
@@ -225,11 +220,11 @@ def test_the_static_check_sees_relative_and_lazy_imports():
 
 
 def test_importing_shardopt_imports_no_framework():
-    # The frameworks are optional: shardopt and shardopt.integrations import none of them,
-    # each adapter module only its own.
-    probe = ("import json, sys, shardopt, shardopt.checkpoint, shardopt.integrations; "
+    # The frameworks are optional: shardopt and shardopt.recipes.integrations import none of
+    # them, each adapter module only its own.
+    probe = ("import json, sys, shardopt, shardopt.checkpoint, shardopt.recipes.integrations; "
              "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & "
-             f"{set(FRAMEWORKS.values())!r})))")
+             f"{set(FRAMEWORKS)!r})))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(PACKAGE.parent)
     proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,

@@ -1,4 +1,4 @@
-"""Accelerate with ``shardopt.integrations.accelerate.prepare`` against Accelerate with
+"""Accelerate with ``shardopt.recipes.integrations.accelerate.prepare`` against Accelerate with
 ``torch.optim.AdamW`` (``accelerator.prepare``: DDP at 2 processes): bf16 mixed precision,
 ``gradient_accumulation_steps=2`` through ``accelerator.accumulate``,
 ``accelerator.clip_grad_norm_``, an LR scheduler; ``save_state``/``load_state`` resume bit
@@ -23,7 +23,7 @@ from helpers.checks import (  # noqa: E402
 from helpers.dist import launcher_env, runs_at_two_sizes  # noqa: E402
 from shardopt import (  # noqa: E402
     DistributedOptimizer, OptimizerConfig, ParamMovedError, checkpoint)
-from shardopt.integrations.accelerate import prepare  # noqa: E402
+from shardopt.recipes.integrations.accelerate import prepare  # noqa: E402
 from shardopt.errors import WrappedModelError  # noqa: E402
 
 LR, CLIP, EPOCHS = 2e-2, 0.3, 2

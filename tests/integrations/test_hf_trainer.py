@@ -21,7 +21,7 @@ from helpers.checks import (  # noqa: E402
 from helpers.dist import launcher_env, runs_at_two_sizes  # noqa: E402
 from shardopt import (  # noqa: E402
     DistributedOptimizer, OptimizerConfig, ParamMovedError, checkpoint)
-from shardopt.integrations.transformers import ShardoptTrainer  # noqa: E402
+from shardopt.recipes.integrations.transformers import ShardoptTrainer  # noqa: E402
 from shardopt.errors import WrappedModelError  # noqa: E402
 
 CLIP, SAMPLES, MICRO_BATCH, SEQ = 0.5, 32, 4, 8  # 8 micro-batches an epoch: 4 steps of 2

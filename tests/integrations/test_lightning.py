@@ -22,7 +22,7 @@ from helpers.checks import (  # noqa: E402
     assert_same_state, assert_trains_as_reference, full_state, max_diff, model_state)
 from helpers.dist import runs_at_two_sizes  # noqa: E402
 from shardopt import DistributedOptimizer, OptimizerConfig, checkpoint  # noqa: E402
-from shardopt.integrations.lightning import ShardoptStrategy  # noqa: E402
+from shardopt.recipes.integrations.lightning import ShardoptStrategy  # noqa: E402
 from shardopt.errors import WrappedModelError  # noqa: E402
 
 LR, CLIP, STEPS_PER_EPOCH, EPOCHS = 2e-2, 0.3, 4, 2

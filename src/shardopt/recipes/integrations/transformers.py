@@ -7,7 +7,7 @@ accumulation, ``bf16``/``fp16``, LR schedule, logging and checkpoints.
 the ``TrainingArguments`` (``learning_rate``, ``adam_beta1``/``adam_beta2``,
 ``adam_epsilon``, ``weight_decay``, and no decay for the params the Trainer exempts: biases
 and norms), or takes one passed as ``optimizers=(DistributedOptimizer(...), scheduler)``,
-and prepares model and optimizer as :func:`shardopt.integrations.accelerate.prepare` does
+and prepares model and optimizer as :func:`shardopt.recipes.integrations.accelerate.prepare` does
 before the Trainer's own ``accelerator.prepare``, which then keeps them: the model stays
 unwrapped (the optimizer averages the gradients itself), and the Trainer's no-sync
 micro-batches run under ``optimizer.no_sync()``. The Trainer clips ``p.grad`` itself, so the
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from .. import checkpoint
-from ..config import OptimizerConfig
-from ..optimizer import DistributedOptimizer
+from shardopt import checkpoint
+from shardopt import OptimizerConfig
+from shardopt import DistributedOptimizer
 from . import _state
 from .accelerate import STATE_DIR, ShardoptAcceleratedOptimizer, prepare_model_and_optimizer
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint
-from ..checkpoint.format import step_dir_name
-from ..optimizer import DistributedOptimizer
+from shardopt import checkpoint
+from shardopt.checkpoint.format import step_dir_name
+from shardopt import DistributedOptimizer
 
 # The key of the marker that stands in a framework's file for the optimizer state that
 # shardopt.checkpoint saved beside it.

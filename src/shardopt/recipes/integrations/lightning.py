@@ -36,8 +36,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .. import checkpoint
-from ..optimizer import DistributedOptimizer
+from shardopt import checkpoint
+from shardopt import DistributedOptimizer
 from . import _state
 
 LIGHTNING_FILE = "lightning.ckpt"

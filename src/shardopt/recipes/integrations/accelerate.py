@@ -30,14 +30,14 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import OPTIMIZER_NAME
 
-from .. import checkpoint
-from ..optimizer import DistributedOptimizer
+from shardopt import checkpoint
+from shardopt import DistributedOptimizer
 from . import _state
 
 STATE_DIR = "shardopt"
 _FIX = ("build shardopt.DistributedOptimizer(model, shardopt.OptimizerConfig(...)) after "
         "Accelerator() and model.to(accelerator.device), then call "
-        "shardopt.integrations.accelerate.prepare(accelerator, model, optimizer, ...)")
+        "shardopt.recipes.integrations.accelerate.prepare(accelerator, model, optimizer, ...)")
 # Accelerate's settings in which it shards or reduces gradients its own way.
 _REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 
@@ -156,7 +156,7 @@ class _Checkpointing:
             raise checkpoint.CheckpointError(
                 f"{directory} holds no shardopt optimizer state ({marker_file.name} is "
                 "missing or holds another optimizer's state: saved without "
-                "shardopt.integrations.accelerate.prepare): resume from a save_state of the "
+                "shardopt.recipes.integrations.accelerate.prepare): resume from a save_state of the "
                 "prepared optimizer")
         _state.load(directory, marker, model, wrapped.optimizer, self.config)
         self._loaded = directory
